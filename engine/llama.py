@@ -1,0 +1,479 @@
+"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5) in haliax, and its checkpoint mapping.
+
+Owns: the config read from a Hugging Face `config.json` (refusing values the code does not
+implement), the blocks (RMS norm, rotary with llama3 scaling, grouped-query attention with an
+optional q/k/v bias, gated MLP, decoder layer), the LM head, and reading `*.safetensors` (one
+file or sharded with `model.safetensors.index.json`) from any fsspec URL tensor by tensor.
+Refuses: other architectures, sliding-window attention, rope types other than default/llama3.
+It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/engine.py`).
+
+    config = LlamaConfig.from_hf(json.load(f), source="/ckpt/config.json")
+    model = load_checkpoint("gs://bucket/ckpt", config, dtype=jnp.bfloat16)
+    hidden, kv = model.forward(tokens, positions, mask)          # prefill, no cache
+    logits = model.logits(hidden)
+
+Layers are separate modules run by a Python loop, each with its own weight buffers: a scan over
+stacked weights copied every layer's slice on each decode step (docs/performance-notes.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from typing import Any, Callable
+
+import equinox as eqx
+import fsspec
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from haliax import Axis, NamedArray
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses an architecture or a config value this engine does not implement."""
+
+
+# ----------------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    model_type: str
+    """llama, mistral or qwen2: the weight names are the same; qwen2 adds q/k/v biases."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    """q/k/v projections carry a bias (qwen2 always; llama when attention_bias)."""
+    o_bias: bool
+    """o projection carries a bias (llama attention_bias only)."""
+    rope_llama3: tuple[float, float, float, int] | None = None
+    """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) or None."""
+    sliding_window: int | None = None
+    """Mistral v0.1's window in tokens; the engine refuses sequences longer than it."""
+
+    @property
+    def Embed(self) -> Axis:
+        return Axis("embed", self.hidden_size)
+
+    @property
+    def Vocab(self) -> Axis:
+        return Axis("vocab", self.vocab_size)
+
+    @property
+    def Mlp(self) -> Axis:
+        return Axis("mlp", self.intermediate_size)
+
+    @property
+    def KVHeads(self) -> Axis:
+        return Axis("kv_heads", self.num_key_value_heads)
+
+    @property
+    def QPerKV(self) -> Axis:
+        return Axis("q_per_kv", self.num_attention_heads // self.num_key_value_heads)
+
+    @property
+    def HeadDim(self) -> Axis:
+        return Axis("head_dim", self.head_dim)
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any], *, source: str = "config.json") -> "LlamaConfig":
+        """Reads a transformers config dict (v4 `rope_scaling` or v5 `rope_parameters` style)."""
+
+        def refuse(key: str, value: Any, why: str) -> UnsupportedModelError:
+            return UnsupportedModelError(f"model.path {source}: {key} {value!r} {why}")
+
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise refuse("model_type", model_type, f"is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise refuse("hidden_act", cfg["hidden_act"], "is not supported (only silu)")
+        if cfg.get("mlp_bias", False):
+            raise refuse("mlp_bias", cfg["mlp_bias"], "is not supported (only false)")
+        if cfg.get("quantization_config"):
+            raise refuse("quantization_config", cfg["quantization_config"].get("quant_method"), "is not supported")
+        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+            raise refuse("partial_rotary_factor", cfg["partial_rotary_factor"], "is not supported (only 1.0)")
+
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_llama3 = None
+        if rope_type == "llama3":
+            rope_llama3 = (
+                float(rope["factor"]),
+                float(rope["low_freq_factor"]),
+                float(rope["high_freq_factor"]),
+                int(rope["original_max_position_embeddings"]),
+            )
+        elif rope_type != "default":
+            raise refuse("rope type", rope_type, "is not supported (supported: default, llama3)")
+
+        sliding_window = None
+        if model_type == "qwen2":
+            if cfg.get("use_sliding_window", False):
+                raise refuse("use_sliding_window", True, "is not supported (only full attention)")
+        elif cfg.get("sliding_window") is not None:
+            sliding_window = int(cfg["sliding_window"])
+
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise refuse("num_key_value_heads", kv_heads, f"does not divide num_attention_heads {heads}")
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return LlamaConfig(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            rope_llama3=rope_llama3,
+            sliding_window=sliding_window,
+        )
+
+
+# ----------------------------------------------------------------------------------- blocks
+
+
+def _normal(key: jax.Array, axes: tuple[Axis, ...], std: float = 0.02) -> NamedArray:
+    return hax.random.normal(key, axes) * std
+
+
+class RmsNorm(eqx.Module):
+    weight: NamedArray
+    eps: float = eqx.field(static=True)
+
+    @staticmethod
+    def init(Embed: Axis, eps: float) -> "RmsNorm":
+        return RmsNorm(hax.ones(Embed), eps)
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        # As transformers: normalise in float32, cast back, then scale.
+        x32 = x.astype(jnp.float32)
+        var = hax.mean(x32 * x32, axis="embed")
+        return self.weight * (x32 * hax.rsqrt(var + self.eps)).astype(x.dtype)
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim / 2], with Llama 3.1's long-context rescaling when set."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if config.rope_llama3 is None:
+        return inv_freq.astype(np.float32)
+    factor, low_freq_factor, high_freq_factor, old_context_len = config.rope_llama3
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rotary_tables(config: LlamaConfig, positions: NamedArray, dtype) -> tuple[NamedArray, NamedArray]:
+    """cos and sin over (positions' axes..., HeadDim), as transformers' rotate-half layout."""
+    Half = Axis("head_dim", config.head_dim // 2)
+    inv_freq = hax.named(jnp.asarray(rope_inv_freq(config)), Half)
+    angles = hax.broadcast_axis(positions.astype(jnp.float32), Half) * inv_freq
+    angles = hax.concatenate("head_dim", [angles, angles])
+    return hax.cos(angles).astype(dtype), hax.sin(angles).astype(dtype)
+
+
+def apply_rotary(x: NamedArray, cos: NamedArray, sin: NamedArray) -> NamedArray:
+    half = x.resolve_axis("head_dim").size // 2
+    x1 = x["head_dim", :half]
+    x2 = x["head_dim", half:]
+    rotated = hax.concatenate("head_dim", [-x2, x1])
+    return x * cos + rotated * sin
+
+
+class Attention(eqx.Module):
+    """Grouped-query attention: query heads are (KVHeads, QPerKV), so no head is ever repeated."""
+
+    config: LlamaConfig = eqx.field(static=True)
+    q_proj: NamedArray  # (KVHeads, QPerKV, HeadDim, Embed), transformers' [out, in] layout
+    k_proj: NamedArray  # (KVHeads, HeadDim, Embed)
+    v_proj: NamedArray
+    o_proj: NamedArray  # (Embed, KVHeads, QPerKV, HeadDim)
+    q_bias: NamedArray | None
+    k_bias: NamedArray | None
+    v_bias: NamedArray | None
+    o_bias: NamedArray | None
+
+    @staticmethod
+    def init(config: LlamaConfig, *, key: jax.Array) -> "Attention":
+        c = config
+        k_q, k_k, k_v, k_o = jax.random.split(key, 4)
+        q_axes = (c.KVHeads, c.QPerKV, c.HeadDim)
+        kv_axes = (c.KVHeads, c.HeadDim)
+        return Attention(
+            config=c,
+            q_proj=_normal(k_q, (*q_axes, c.Embed)),
+            k_proj=_normal(k_k, (*kv_axes, c.Embed)),
+            v_proj=_normal(k_v, (*kv_axes, c.Embed)),
+            o_proj=_normal(k_o, (c.Embed, *q_axes)),
+            q_bias=hax.zeros(q_axes) if c.qkv_bias else None,
+            k_bias=hax.zeros(kv_axes) if c.qkv_bias else None,
+            v_bias=hax.zeros(kv_axes) if c.qkv_bias else None,
+            o_bias=hax.zeros(c.Embed) if c.o_bias else None,
+        )
+
+    def __call__(self, x, cos, sin, mask, cache):
+        """x (Batch, Pos, Embed); mask (Batch, Pos, KPos) True where a query may attend.
+
+        cache None (prefill): keys are this call's own positions, returned as the new (k, v).
+        cache (k, v, write_pos): k/v (Batch, KVHeads, KPos, HeadDim) with this call's single
+        position written at write_pos (Batch,) in place; the updated pair is returned.
+        """
+        q = hax.dot(x, self.q_proj, axis="embed")
+        k = hax.dot(x, self.k_proj, axis="embed")
+        v = hax.dot(x, self.v_proj, axis="embed")
+        if self.q_bias is not None:
+            q, k, v = q + self.q_bias, k + self.k_bias, v + self.v_bias
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin).rearrange(("batch", "kv_heads", "position", "head_dim"))
+        v = v.rearrange(("batch", "kv_heads", "position", "head_dim"))
+        if cache is None:
+            keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
+            new_kv = (keys, values)
+        else:
+            cache_k, cache_v, write_pos = cache
+            rows = jnp.arange(cache_k.array.shape[0])
+            # Scatter each row's one new position; [batch, kv_heads, seq, head_dim] stays in place.
+            keys = hax.named(
+                cache_k.array.at[rows, :, write_pos, :].set(k.array[:, :, 0, :].astype(cache_k.dtype), mode="drop"),
+                cache_k.axes,
+            )
+            values = hax.named(
+                cache_v.array.at[rows, :, write_pos, :].set(v.array[:, :, 0, :].astype(cache_v.dtype), mode="drop"),
+                cache_v.axes,
+            )
+            new_kv = (keys, values)
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        scores = hax.dot(q, keys, axis="head_dim", preferred_element_type=jnp.float32) * scale
+        scores = hax.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = hax.nn.softmax(scores, axis="key_position").astype(values.dtype)
+        attn = hax.dot(probs, values, axis="key_position").astype(x.dtype)
+        out = hax.dot(attn, self.o_proj, axis=("kv_heads", "q_per_kv", "head_dim"))
+        if self.o_bias is not None:
+            out = out + self.o_bias
+        return out, new_kv
+
+
+class Mlp(eqx.Module):
+    gate_proj: NamedArray  # (Mlp, Embed)
+    up_proj: NamedArray  # (Mlp, Embed)
+    down_proj: NamedArray  # (Embed, Mlp)
+
+    @staticmethod
+    def init(config: LlamaConfig, *, key: jax.Array) -> "Mlp":
+        k_gate, k_up, k_down = jax.random.split(key, 3)
+        c = config
+        return Mlp(
+            _normal(k_gate, (c.Mlp, c.Embed)),
+            _normal(k_up, (c.Mlp, c.Embed)),
+            _normal(k_down, (c.Embed, c.Mlp)),
+        )
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        gate = hax.dot(x, self.gate_proj, axis="embed")
+        up = hax.dot(x, self.up_proj, axis="embed")
+        return hax.dot(hax.nn.silu(gate) * up, self.down_proj, axis="mlp")
+
+
+class DecoderLayer(eqx.Module):
+    input_layernorm: RmsNorm
+    self_attn: Attention
+    post_attention_layernorm: RmsNorm
+    mlp: Mlp
+
+    @staticmethod
+    def init(config: LlamaConfig, *, key: jax.Array) -> "DecoderLayer":
+        k_attn, k_mlp = jax.random.split(key)
+        return DecoderLayer(
+            RmsNorm.init(config.Embed, config.rms_norm_eps),
+            Attention.init(config, key=k_attn),
+            RmsNorm.init(config.Embed, config.rms_norm_eps),
+            Mlp.init(config, key=k_mlp),
+        )
+
+    def __call__(self, x, cos, sin, mask, cache):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_kv
+
+
+# ---------------------------------------------------------------------------------- LM head
+
+
+class LlamaLM(eqx.Module):
+    config: LlamaConfig = eqx.field(static=True)
+    embed_tokens: NamedArray  # (Vocab, Embed)
+    layers: tuple[DecoderLayer, ...]
+    norm: RmsNorm
+    lm_head: NamedArray | None  # (Vocab, Embed); None when tied to embed_tokens
+
+    @staticmethod
+    def init(config: LlamaConfig, *, key: jax.Array) -> "LlamaLM":
+        k_embed, k_head, k_layers = jax.random.split(key, 3)
+        layer_keys = jax.random.split(k_layers, config.num_hidden_layers)
+        return LlamaLM(
+            config=config,
+            embed_tokens=_normal(k_embed, (config.Vocab, config.Embed)),
+            layers=tuple(DecoderLayer.init(config, key=k) for k in layer_keys),
+            norm=RmsNorm.init(config.Embed, config.rms_norm_eps),
+            lm_head=None if config.tie_word_embeddings else _normal(k_head, (config.Vocab, config.Embed)),
+        )
+
+    def forward(self, tokens: NamedArray, positions: NamedArray, mask: NamedArray, caches=None, write_pos=None):
+        """Hidden states after the final norm, and per-layer (k, v): fresh ones when caches is
+        None, else the caches with positions written at write_pos (decode, one position)."""
+        x = self.embed_tokens.take("vocab", tokens)
+        cos, sin = rotary_tables(self.config, positions, x.dtype)
+        new_kvs = []
+        for i, layer in enumerate(self.layers):
+            cache = None if caches is None else (*caches[i], write_pos)
+            x, kv = layer(x, cos, sin, mask, cache)
+            new_kvs.append(kv)
+        return self.norm(x), new_kvs
+
+    def logits(self, hidden: NamedArray) -> NamedArray:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return hax.dot(hidden, head, axis="embed", preferred_element_type=jnp.float32)
+
+
+def parameter_bytes(config: LlamaConfig, dtype) -> int:
+    """Bytes of the weights in dtype, from shapes alone (nothing is allocated)."""
+    shapes = eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0))
+    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shapes))
+    return count * jnp.dtype(dtype).itemsize
+
+
+# ------------------------------------------------------------------------ checkpoint mapping
+
+
+def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM], NamedArray]]]:
+    """(transformers tensor name, where that tensor lives in LlamaLM) for every weight."""
+    mapping: list[tuple[str, Callable]] = [("model.embed_tokens.weight", lambda m: m.embed_tokens)]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+
+        def layer(m, i=i):
+            return m.layers[i]
+
+        mapping += [
+            (p + "input_layernorm.weight", lambda m, L=layer: L(m).input_layernorm.weight),
+            (p + "post_attention_layernorm.weight", lambda m, L=layer: L(m).post_attention_layernorm.weight),
+            (p + "mlp.gate_proj.weight", lambda m, L=layer: L(m).mlp.gate_proj),
+            (p + "mlp.up_proj.weight", lambda m, L=layer: L(m).mlp.up_proj),
+            (p + "mlp.down_proj.weight", lambda m, L=layer: L(m).mlp.down_proj),
+        ]
+        for name in ("q", "k", "v", "o"):
+            mapping.append((p + f"self_attn.{name}_proj.weight", lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_proj")))
+        if config.qkv_bias:
+            for name in ("q", "k", "v"):
+                mapping.append((p + f"self_attn.{name}_proj.bias", lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_bias")))
+        if config.o_bias:
+            mapping.append((p + "self_attn.o_proj.bias", lambda m, L=layer: L(m).self_attn.o_bias))
+    mapping.append(("model.norm.weight", lambda m: m.norm.weight))
+    if not config.tie_word_embeddings:
+        mapping.append(("lm_head.weight", lambda m: m.lm_head))
+    return mapping
+
+
+_SAFETENSORS_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F64": np.float64,
+}
+
+
+def _safetensors_header(f) -> tuple[dict, int]:
+    (header_len,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    return header, 8 + header_len
+
+
+def checkpoint_files(fs, root: str) -> dict[str, str]:
+    """Tensor name -> safetensors file path, from the index when sharded."""
+    index = f"{root}/model.safetensors.index.json"
+    if fs.exists(index):
+        with fs.open(index, "r") as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: f"{root}/{file}" for name, file in weight_map.items()}
+    files = [p for p in fs.glob(f"{root}/*.safetensors") if not p.rsplit("/", 1)[-1].startswith("consolidated")]
+    if not files:
+        raise FileNotFoundError(f"model.path {root}: no *.safetensors files (only safetensors checkpoints are read)")
+    names = {}
+    for path in sorted(files):
+        with fs.open(path, "rb") as f:
+            header, _ = _safetensors_header(f)
+        names.update({name: path for name in header})
+    return names
+
+
+def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding: jax.sharding.Sharding | None = None) -> LlamaLM:
+    """Reads every weight into `dtype` one tensor at a time (bytes -> host array -> device), so
+    the host never holds more than one tensor beyond what is already on the device."""
+    fs, root = fsspec.core.url_to_fs(path)
+    root = root.rstrip("/")
+    files = checkpoint_files(fs, root)
+    skeleton = eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0))
+    mapping = checkpoint_mapping(config)
+    missing = [name for name, _ in mapping if name not in files]
+    if missing:
+        raise UnsupportedModelError(f"model.path {path}: checkpoint lacks {missing[:3]} ({len(missing)} missing tensors)")
+
+    by_file: dict[str, list] = {}
+    for name, where in mapping:
+        by_file.setdefault(files[name], []).append((name, where))
+    wheres, values = [], []
+    for file, entries in by_file.items():
+        with fs.open(file, "rb") as f:
+            header, data_start = _safetensors_header(f)
+            for name, where in sorted(entries, key=lambda e: header[e[0]]["data_offsets"][0]):
+                info = header[name]
+                target = where(skeleton)
+                if info["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise UnsupportedModelError(f"model.path {file}: tensor {name} has dtype {info['dtype']} (only float tensors are read)")
+                start, end = info["data_offsets"]
+                f.seek(data_start + start)
+                host = np.frombuffer(f.read(end - start), dtype=_SAFETENSORS_DTYPES[info["dtype"]])
+                if host.size != math.prod(target.array.shape):
+                    raise UnsupportedModelError(
+                        f"model.path {file}: tensor {name} has shape {info['shape']}, config.json implies {target.array.shape}"
+                    )
+                host = host.reshape(target.array.shape).astype(dtype)
+                device = jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host)
+                wheres.append(where)
+                values.append(hax.named(device, target.axes))
+                del host
+    return eqx.tree_at(lambda m: [w(m) for w in wheres], skeleton, values)

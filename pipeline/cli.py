@@ -1,0 +1,184 @@
+"""The `pipeline` command: parse, build the config, call into `pipeline`, map errors to exit codes.
+
+The only module that turns exceptions into exit codes: 0 done, 1 a step failed, 2 usage or
+config error, 75 interrupted (rerun the same command to resume). Every failure ends with
+one line starting `error:` that says what and where. Command bodies stay a few lines; the
+logic lives in runner.py, status_report.py and launch.py where tests import it.
+
+    pipeline run all --config configs/demo.yaml
+    pipeline status --config configs/demo.yaml --json
+    pipeline launch --hosts 2 -- run all --config configs/demo.yaml
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from pipeline import preemption
+from pipeline.errors import ConfigError, PipelineError
+
+app = typer.Typer(
+    help="Batch LLM generation on multi-host JAX: tokenize -> generate -> merge -> upload to W&B.\n\n"
+    "Every step is idempotent and addressed by a content hash: rerun the same command after a "
+    "crash or preemption and finished work is skipped, unfinished work resumes.\n\n"
+    "Example: pipeline run all --config configs/demo.yaml",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+run_app = typer.Typer(
+    help="Run steps. `all` runs tokenize -> generate -> merge -> upload, skipping complete steps; "
+    "a single step needs its upstream steps complete.\n\n"
+    "Example: pipeline run all --config configs/demo.yaml --set sampling.temperature=0.7",
+    no_args_is_help=True,
+)
+app.add_typer(run_app, name="run")
+
+ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="YAML config file (local path or any fsspec URL).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option(
+    "--set", help="Override a config value: dotted key=YAML value, e.g. --set sampling.n=4 (repeatable).")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Run the step(s) again even if complete.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan with reasons; change nothing.")]
+
+
+def _guard(body: Callable[[], None]) -> None:
+    """Run a command body; turn exceptions into one `error:` line and the contract's exit code."""
+    preemption.install()
+    try:
+        body()
+    except PipelineError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(err.exit_code) from None
+    except KeyboardInterrupt:
+        typer.echo("error: interrupted; rerun the same command to resume", err=True)
+        raise typer.Exit(preemption.EXIT_INTERRUPTED) from None
+    except Exception as err:  # noqa: BLE001 - the one place that maps anything to exit 1
+        traceback.print_exc(file=sys.stderr)
+        if preemption.stop_requested():
+            typer.echo(f"error: interrupted while failing ({type(err).__name__}: {err}); rerun to resume", err=True)
+            raise typer.Exit(preemption.EXIT_INTERRUPTED) from None
+        typer.echo(f"error: {type(err).__name__}: {err}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _run(targets: tuple[str, ...], config: str, overrides: list[str] | None, force: bool, dry_run: bool) -> None:
+    def body() -> None:
+        from pipeline.config import load_config
+        from pipeline.runner import run_steps
+
+        cfg = load_config(config, overrides or [])
+        run_steps(cfg, targets, force=force, dry_run=dry_run)
+
+    _guard(body)
+
+
+@run_app.command("all")
+def run_all(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False) -> None:
+    """Run tokenize -> generate -> merge -> upload, skipping every complete step.
+
+    Example: pipeline run all --config configs/demo.yaml
+    """
+    _run(("tokenize", "generate", "merge", "upload"), config, set_, force, dry_run)
+
+
+@run_app.command("tokenize")
+def run_tokenize(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False) -> None:
+    """Read prompts (JSONL/Parquet/.txt, local or gs://), tokenize, write balanced shards (leader).
+
+    Example: pipeline run tokenize --config configs/demo.yaml --set prompts.on_invalid=skip
+    """
+    _run(("tokenize",), config, set_, force, dry_run)
+
+
+@run_app.command("generate")
+def run_generate(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False) -> None:
+    """Generate completions for every shard (all hosts; resumes what a preempted run left).
+
+    Example: pipeline launch --hosts 2 -- run generate --config configs/demo.yaml
+    """
+    _run(("generate",), config, set_, force, dry_run)
+
+
+@run_app.command("merge")
+def run_merge(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False) -> None:
+    """Check every (prompt, sample) exists once, order them, write the result (leader).
+
+    Example: pipeline run merge --config configs/demo.yaml
+    """
+    _run(("merge",), config, set_, force, dry_run)
+
+
+@run_app.command("upload")
+def run_upload(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False) -> None:
+    """Log the merged result to W&B as a `generations` artifact, resuming the same W&B run.
+
+    Example: pipeline run upload --config configs/demo.yaml --force
+    """
+    _run(("upload",), config, set_, force, dry_run)
+
+
+@app.command("status")
+def status_command(
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: {\"steps\": [...]}.")] = False,
+) -> None:
+    """Show each step's hash, output URL, state (complete/partial/missing), rows, and why it would (not) run.
+
+    Example: pipeline status --config configs/demo.yaml --json
+    """
+
+    def body() -> None:
+        from pipeline.config import load_config
+        from pipeline.status_report import report, report_text
+
+        rows = report(load_config(config, set_ or []))
+        typer.echo(json.dumps({"steps": rows}, indent=2) if as_json else report_text(rows))
+
+    _guard(body)
+
+
+@app.command(
+    "launch",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def launch_command(
+    ctx: typer.Context,
+    hosts: Annotated[int, typer.Option("--hosts", "-n", min=1, help="Number of local processes (simulated hosts).")],
+    port: Annotated[int, typer.Option("--port", help="Coordinator port on 127.0.0.1 (0 = pick a free one).")] = 0,
+) -> None:
+    """Start N local processes of `pipeline ARGS...` joined by jax.distributed: a pod on one machine.
+
+    Each process gets PIPELINE_COORDINATOR_ADDRESS, PIPELINE_NUM_PROCESSES and
+    PIPELINE_PROCESS_ID; output lines are prefixed with the host index. Exits with the
+    worst host's exit code (75 if the only failures were interruptions).
+
+    Example: pipeline launch --hosts 2 -- run all --config configs/demo.yaml
+    """
+
+    codes: list[int] = []
+
+    def body() -> None:
+        from pipeline.launch import launch
+
+        args = ctx.args[1:] if ctx.args[:1] == ["--"] else list(ctx.args)
+        if not args:
+            raise ConfigError("launch: nothing to run; e.g. pipeline launch --hosts 2 -- run all --config FILE")
+        codes.append(launch(args, hosts=hosts, port=port))
+
+    _guard(body)
+    if codes and codes[0]:
+        raise typer.Exit(codes[0])
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

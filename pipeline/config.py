@@ -1,0 +1,299 @@
+"""The pipeline's configuration: YAML -> `--set` overrides -> frozen, validated dataclasses.
+
+Owns the schema of every section in ../shared/CONTRACT.md and the rules for reading it.
+Refuses unknown keys, wrong types and impossible values before any work starts, with a
+message that names the key path (`ConfigError`, exit 2). It does not decide what enters a
+hash: that list lives in `identity.py`.
+
+    cfg = load_config("configs/demo.yaml", overrides=["sampling.temperature=0.7"])
+    cfg.sampling.temperature  # 0.7
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+import fsspec
+import yaml
+
+from pipeline.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    root: str
+    """Where every step writes: a local path, file://, gs://bucket/prefix or memory://."""
+    name: str
+    """A name for this run; the W&B run is named after it."""
+
+    def __post_init__(self):
+        _require(bool(self.root.strip()), "run.root", self.root, "a non-empty URL")
+        _require(bool(self.name.strip()), "run.name", self.name, "a non-empty name")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    """A Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files), local or gs://."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Weights' dtype on device; activations of the KV cache stay float32."""
+
+
+@dataclass(frozen=True)
+class PromptsConfig:
+    path: str
+    """A prompt file, folder or glob (JSONL, Parquet or .txt), on any fsspec filesystem."""
+    text_field: str = "prompt"
+    """The JSONL/Parquet field holding the prompt text (ignored for .txt)."""
+    id_field: str | None = None
+    """Field holding a unique prompt id; null uses the prompt's position."""
+    max_prompt_tokens: int = 1024
+    """Longer prompts are rejected (never truncated), per `on_invalid`."""
+    chat_template: bool = False
+    """Format each prompt as a user turn with the tokenizer's own chat template."""
+    system_prompt: str | None = None
+    """With chat_template: a system turn put before every prompt."""
+    on_invalid: Literal["fail", "skip"] = "fail"
+    """fail: stop before writing anything; skip: record each bad row with its reason and go on."""
+    num_shards: int | Literal["auto"] = "auto"
+    """Shards written by tokenize; auto = 8 per host. A runtime knob: never part of a hash."""
+
+    def __post_init__(self):
+        _require(self.max_prompt_tokens > 0, "prompts.max_prompt_tokens", self.max_prompt_tokens, "an integer > 0")
+        _require(self.num_shards == "auto" or self.num_shards > 0, "prompts.num_shards", self.num_shards, "an integer > 0 or auto")
+        _require(bool(self.text_field), "prompts.text_field", self.text_field, "a field name")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_new_tokens: int = 256
+    """Upper bound on generated tokens per sample; hitting it gives finish_reason 'length'."""
+    temperature: float = 0.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1 = off."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 = off."""
+    n: int = 1
+    """Samples per prompt (they share the prompt's prefill)."""
+    seed: int = 0
+    """Each (prompt, sample) draws from fold_in(fold_in(key(seed), prompt_index), sample_index)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: the completion is cut before the first one (finish_reason 'stop')."""
+
+    def __post_init__(self):
+        _require(self.max_new_tokens > 0, "sampling.max_new_tokens", self.max_new_tokens, "an integer > 0")
+        _require(self.temperature >= 0, "sampling.temperature", self.temperature, "a number >= 0 (0 = greedy)")
+        _require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "a number in (0, 1]")
+        _require(self.top_k >= 0, "sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
+        _require(self.n > 0, "sampling.n", self.n, "an integer > 0")
+        _require(all(self.stop), "sampling.stop", list(self.stop), "non-empty strings")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    batch_size: int | Literal["auto"] = "auto"
+    """Sequences decoded together per host; auto fits weights + KV cache in memory_fraction."""
+    memory_fraction: float = 0.85
+    """Share of device memory that auto batch sizing may plan for."""
+    part_rows: int = 256
+    """Rows per committed generate part: a hard kill loses at most the parts in flight."""
+
+    def __post_init__(self):
+        _require(self.batch_size == "auto" or self.batch_size > 0, "engine.batch_size", self.batch_size, "an integer > 0 or auto")
+        _require(0 < self.memory_fraction <= 1, "engine.memory_fraction", self.memory_fraction, "a number in (0, 1]")
+        _require(self.part_rows > 0, "engine.part_rows", self.part_rows, "an integer > 0")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    project: str = "pipeline"
+    """W&B project the run is logged to."""
+    entity: str | None = None
+    """W&B entity (user or team); null = the API key's default."""
+    mode: Literal["offline", "online", "disabled"] = field(
+        default_factory=lambda: "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    )
+    """online needs WANDB_API_KEY; offline writes a run `wandb sync` pushes later (default without a key)."""
+    table_max_rows: int = 10_000
+    """Rows put in the browsable wandb.Table; the Parquet files in the artifact hold every row."""
+
+    def __post_init__(self):
+        _require(self.table_max_rows >= 0, "wandb.table_max_rows", self.table_max_rows, "an integer >= 0")
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig
+    model: ModelConfig
+    prompts: PromptsConfig
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fully resolved config as plain YAML/JSON-able data."""
+        return _plain(dataclasses.asdict(self))
+
+    def get(self, key_path: str) -> Any:
+        """The value at a dotted key path, e.g. `sampling.temperature`."""
+        value: Any = self
+        for part in key_path.split("."):
+            value = getattr(value, part)
+        return _plain(value)
+
+
+def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (any fsspec URL), apply `KEY=VALUE` overrides, validate."""
+    try:
+        with fsspec.open(path, "r", encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError as err:
+        raise ConfigError(f"config file {path} not found") from err
+    except OSError as err:
+        raise ConfigError(f"config file {path} could not be read: {err}") from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {_one_line(err)}") from err
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must be a mapping of sections, got {type(data).__name__}")
+    for override in overrides:
+        data = apply_override(data, override)
+    return build_config(data, source=path)
+
+
+def apply_override(data: dict, override: str) -> dict:
+    """Return a copy of `data` with one `dotted.key=yaml-value` override applied."""
+    key_path, sep, raw = override.partition("=")
+    if not sep or not key_path.strip():
+        raise ConfigError(f"--set {override!r}: expected KEY=VALUE, e.g. --set sampling.temperature=0.7")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {override!r}: value is not valid YAML: {_one_line(err)}") from err
+    parts = key_path.strip().split(".")
+    result = dict(data)
+    node = result
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"--set {override!r}: {'.'.join(parts[: i + 1])} is not a section")
+        node[part] = dict(child)
+        node = node[part]
+    node[parts[-1]] = value
+    return result
+
+
+def build_config(data: dict, source: str = "config") -> Config:
+    """Validate plain data into a `Config`; every error names its key path."""
+    return _build(Config, data, prefix="", source=source)
+
+
+# --- typed conversion -----------------------------------------------------------------
+
+
+def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {where} must be a mapping, got {_describe(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key {prefix}{unknown[0]} (valid keys in {where}: {', '.join(fields)})"
+        )
+    values = {}
+    for name, f in fields.items():
+        key = f"{prefix}{name}"
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{source}: missing required key {key}")
+            continue
+        values[name] = _convert(hints[name], data[name], key, source)
+    try:
+        return cls(**values)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def _convert(tp: Any, value: Any, key: str, source: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value if value is not None else {}, prefix=f"{key}.", source=source)
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(option, value, key, source)
+            except ConfigError as err:
+                errors.append(err)
+        raise ConfigError(f"{source}: {key} must be {_expected(tp)}, got {_describe(value)}")
+    if origin is Literal:
+        if value in typing.get_args(tp) and type(value) is not bool:
+            return value
+        raise ConfigError(f"{source}: {key} must be {_expected(tp)}, got {_describe(value)}")
+    if origin is tuple:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source}: {key} must be {_expected(tp)}, got {_describe(value)}")
+        (item_tp, _) = typing.get_args(tp)
+        return tuple(_convert(item_tp, v, f"{key}[{i}]", source) for i, v in enumerate(value))
+    ok = {
+        bool: lambda v: type(v) is bool,
+        int: lambda v: type(v) is int,
+        float: lambda v: type(v) in (int, float),
+        str: lambda v: type(v) is str,
+    }[tp]
+    if not ok(value):
+        raise ConfigError(f"{source}: {key} must be {_expected(tp)}, got {_describe(value)}")
+    return float(value) if tp is float else value
+
+
+def _expected(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_expected(t) for t in typing.get_args(tp))
+    if origin is Literal:
+        return " or ".join(repr(v) if not isinstance(v, str) else v for v in typing.get_args(tp))
+    if origin is tuple:
+        return f"a list of {_expected(typing.get_args(tp)[0])}s"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "null"}[tp]
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})" if value is not None else "null"
+
+
+def _require(ok: bool, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} must be {expected}, got {value!r}")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())

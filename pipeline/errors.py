@@ -1,0 +1,35 @@
+"""The three kinds of failure the CLI turns into exit codes.
+
+Code raises these (or plain exceptions, which count as step failures) where a problem is
+detected; only `cli.py` maps them to exit codes:
+
+    ConfigError  -> 2   a config file, --set value or command line is wrong
+    StepFailed   -> 1   a step could not finish (bad data, missing upstream, storage)
+    Interrupted  -> 75  SIGTERM/SIGINT or a preemption notice: rerun the same command
+"""
+
+from __future__ import annotations
+
+
+class PipelineError(Exception):
+    """Base class: the message is the one line the user sees."""
+
+    exit_code = 1
+
+
+class ConfigError(PipelineError):
+    """The config, a --set override or a command-line value is invalid (exit 2)."""
+
+    exit_code = 2
+
+
+class StepFailed(PipelineError):
+    """A step failed; the message names the step and where to look (exit 1)."""
+
+    exit_code = 1
+
+
+class Interrupted(PipelineError):
+    """Stopped by a signal after committing finished work; rerun to resume (exit 75)."""
+
+    exit_code = 75

@@ -1,0 +1,96 @@
+"""What goes into a step's hash, and nothing else.
+
+A step's hash is sha256 over canonical JSON of: its name and code version, the config
+values listed for it in SEMANTIC_KEYS, content fingerprints of its inputs (prompt files,
+tokenizer and model files: checksums, never paths or mtimes), and its upstream hashes.
+Runtime knobs (engine.*, prompts.num_shards, run.root, host count, device kind) are in no
+list, so they can never change a hash. tests/test_identity.py holds the table of which
+edits change which hashes.
+
+    h = step_hash("generate", "1", semantic={...}, content={...}, upstream={"tokenize": "ab12..."})
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pipeline import storage
+from pipeline.config import Config
+
+SEMANTIC_KEYS: dict[str, tuple[str, ...]] = {
+    "tokenize": (
+        "prompts.text_field",
+        "prompts.id_field",
+        "prompts.max_prompt_tokens",
+        "prompts.chat_template",
+        "prompts.system_prompt",
+        "prompts.on_invalid",
+    ),
+    "generate": (
+        "model.dtype",
+        "sampling.max_new_tokens",
+        "sampling.temperature",
+        "sampling.top_p",
+        "sampling.top_k",
+        "sampling.n",
+        "sampling.seed",
+        "sampling.stop",
+    ),
+    "merge": (),
+    "upload": ("run.name", "wandb.project", "wandb.entity", "wandb.table_max_rows"),
+}
+"""Config keys whose values change each step's output."""
+
+CONTENT_INPUTS: dict[str, tuple[str, ...]] = {
+    "tokenize": ("prompts", "tokenizer"),
+    "generate": ("model",),
+    "merge": (),
+    "upload": (),
+}
+"""Input files whose content (not location) changes each step's output."""
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def step_hash(name: str, version: str, semantic: dict[str, Any], content: dict[str, Any],
+              upstream: dict[str, str]) -> str:
+    payload = {"step": name, "version": version, "semantic": semantic, "content": content,
+               "upstream": upstream}
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+
+
+def semantic_values(step: str, cfg: Config) -> dict[str, Any]:
+    return {key: cfg.get(key) for key in SEMANTIC_KEYS[step]}
+
+
+def content_fingerprints(step: str, cfg: Config) -> dict[str, Any]:
+    """Checksums of the input files a step reads, keyed by name relative to their input."""
+    return {kind: _FINGERPRINTERS[kind](cfg) for kind in CONTENT_INPUTS[step]}
+
+
+def _prompt_files(cfg: Config) -> list[str]:
+    # Order matters (prompt_index follows the sorted file order), names do not: the same
+    # files in another bucket give the same list.
+    return [storage.fingerprint(url) for url in storage.expand(cfg.prompts.path)]
+
+
+def _checkpoint_files(cfg: Config, weights: bool) -> dict[str, str]:
+    files = storage.expand(cfg.model.path)
+    return {
+        url.rsplit("/", 1)[-1]: storage.fingerprint(url)
+        for url in files
+        if weights or not url.endswith(WEIGHT_SUFFIXES)
+    }
+
+
+_FINGERPRINTERS = {
+    "prompts": _prompt_files,
+    "tokenizer": lambda cfg: _checkpoint_files(cfg, weights=False),
+    "model": lambda cfg: _checkpoint_files(cfg, weights=True),
+}

@@ -1,0 +1,85 @@
+"""Success markers and what `pipeline status` reports.
+
+A step's output folder is complete only when `_SUCCESS.json` is there; it is written last,
+after every data file, and holds the `StepRecord`: the manifest (files, rows, bytes,
+sha256), the step's summary, timings, package versions and the resolved config. Readers
+trust the marker, never the presence of files. This module refuses to guess: a folder with
+files but no marker is `partial`, whatever it holds.
+
+    record = read_marker(out_url)          # None when the step is not complete
+    state = output_state(out_url)          # "complete" | "partial" | "missing"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import platform
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pipeline import storage
+
+MARKER = "_SUCCESS.json"
+CONFIG_FILE = "config.yaml"
+"""The resolved config, written beside each step's output when the step starts."""
+
+State = Literal["complete", "partial", "missing"]
+
+_VERSIONED = ("jax-batch-pipeline", "jax", "jaxlib", "haliax", "equinox", "transformers",
+              "tokenizers", "pyarrow", "fsspec", "gcsfs", "wandb")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What a complete step leaves in its marker."""
+
+    step: str
+    hash: str
+    version: str
+    files: list[dict[str, Any]]
+    """One entry per data file: path (relative to the step folder), rows, bytes, sha256."""
+    summary: dict[str, Any]
+    """The step's own figures (rows in/out, rejected, tokens, ...)."""
+    rows: int
+    """Rows of the step's main output."""
+    started_at: str
+    finished_at: str
+    wall_s: float
+    config: dict[str, Any]
+    upstream: dict[str, str]
+    versions: dict[str, str] = field(default_factory=lambda: package_versions())
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def write_marker(out_url: str, record: StepRecord) -> None:
+    """Mark a step complete. Call only after every data file is written."""
+    storage.write_json(storage.join(out_url, MARKER), dataclasses.asdict(record))
+
+
+def read_marker(out_url: str) -> StepRecord | None:
+    url = storage.join(out_url, MARKER)
+    if not storage.exists(url):
+        return None
+    data = storage.read_json(url)
+    return StepRecord(**data)
+
+
+def remove_marker(out_url: str) -> None:
+    storage.remove(storage.join(out_url, MARKER))
+
+
+def output_state(out_url: str) -> State:
+    if storage.exists(storage.join(out_url, MARKER)):
+        return "complete"
+    fs, path = storage.filesystem(out_url)
+    return "partial" if fs.exists(path) else "missing"

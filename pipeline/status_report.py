@@ -1,0 +1,50 @@
+"""What `pipeline status` shows: one row per step, as data and as text.
+
+Owns the report's fields (the contract's name/hash/output/state/rows, plus why a run would
+or would not run the step, and rejected prompt rows). Changes nothing.
+
+    rows = report(cfg)
+    print(report_text(rows))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline import status
+from pipeline.config import Config
+from pipeline.runner import make_plan
+
+
+def report(cfg: Config) -> list[dict[str, Any]]:
+    rows = []
+    for p in make_plan(cfg):
+        row: dict[str, Any] = {"name": p.spec.name, "hash": p.hash, "output": p.url, "state": p.state,
+                               "rows": p.rows}
+        if p.state == "complete":
+            record = status.read_marker(p.url)
+            if record and "rejected" in record.summary:
+                row["rejected"] = record.summary["rejected"]
+        row["why"] = _why(p)
+        rows.append(row)
+    return rows
+
+
+def _why(p: Any) -> str:
+    if p.state == "complete":
+        return "complete: `run all` skips it (--force reruns it)"
+    if p.action == "blocked":
+        return p.reason
+    if p.state == "partial":
+        return "partial: the next run resumes it"
+    return "missing: the next `run all` runs it"
+
+
+def report_text(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'step':<9} {'hash':<12} {'state':<9} {'rows':>9}  output / why"]
+    for r in rows:
+        count = "-" if r["rows"] is None else str(r["rows"])
+        extra = f" ({r['rejected']} rejected)" if r.get("rejected") else ""
+        lines.append(f"{r['name']:<9} {r['hash'][:12]:<12} {r['state']:<9} {count:>9}  {r['output']}{extra}")
+        lines.append(f"{'':<9} {'':<12} {'':<9} {'':>9}  {r['why']}")
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""Every byte the pipeline reads or writes goes through here, by fsspec URL.
+
+Owns: turning (root, step, hash) into an output URL (`step_url`, the only place that does),
+atomic writes (a reader sees a whole file or none), checksums and listing. Refuses to build
+paths from user data: names passed to `join` must be our own file names.
+
+Atomicity per filesystem (see ../shared/docs/gcs-emulator.md):
+- local: write `.name.tmp-<pid>-<rand>` in the same folder, fsync, `os.replace`.
+- gs://: one `pipe` upload of the whole object; GCS makes an object visible whole or not at
+  all (an exception inside `fs.open(..., "wb")` would commit a partial object, so we never
+  stream writes to GCS).
+- memory://: `pipe` stores the bytes in one assignment.
+
+    out = step_url("gs://b/runs/demo", "tokenize", "0123456789abcdef")
+    write_bytes(join(out, "shard-00000.parquet"), data)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import secrets
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+HASH_CHARS = 12
+"""Hex characters of a step hash used in its folder name."""
+
+
+def normalize(url: str) -> str:
+    """A URL fsspec understands; plain paths become absolute local paths."""
+    if "://" in url:
+        return url.rstrip("/") if not url.endswith("://") else url
+    return os.path.abspath(os.path.expanduser(url))
+
+
+def join(base: str, *names: str) -> str:
+    """`base/name/...` for our own file names (never for user data)."""
+    url = normalize(base)
+    for name in names:
+        url = url.rstrip("/") + "/" + name.strip("/")
+    return url
+
+
+def step_url(root: str, step: str, step_hash: str) -> str:
+    """Where a step's output lives: `{root}/{step}-{hash12}`."""
+    return join(root, f"{step}-{step_hash[:HASH_CHARS]}")
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem for a URL and the path inside it."""
+    return fsspec.core.url_to_fs(normalize(url))
+
+
+def is_local(url: str) -> bool:
+    return isinstance(filesystem(url)[0], LocalFileSystem)
+
+
+def exists(url: str) -> bool:
+    fs, path = filesystem(url)
+    return fs.exists(path)
+
+
+def read_bytes(url: str) -> bytes:
+    fs, path = filesystem(url)
+    return fs.cat_file(path)
+
+
+def read_json(url: str) -> Any:
+    return json.loads(read_bytes(url))
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Write a whole file atomically: readers see the old file, the new one, or nothing."""
+    fs, path = filesystem(url)
+    if isinstance(fs, LocalFileSystem):
+        folder, name = os.path.split(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+    else:
+        fs.pipe_file(path, data)
+
+
+def write_json(url: str, value: Any) -> None:
+    write_bytes(url, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_text(url: str, text: str) -> None:
+    write_bytes(url, text.encode())
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    """Serialize a table to Parquet in memory (zstd), ready for an atomic `write_bytes`."""
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue()
+
+
+def write_parquet(url: str, table: pa.Table) -> dict[str, Any]:
+    """Write a Parquet file atomically; return its manifest entry."""
+    data = parquet_bytes(table)
+    write_bytes(url, data)
+    return {"path": url.rsplit("/", 1)[-1], "rows": table.num_rows, "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def read_parquet(url: str, columns: list[str] | None = None) -> pa.Table:
+    fs, path = filesystem(url)
+    return pq.read_table(path, filesystem=fs, columns=columns)
+
+
+def list_files(url: str, suffix: str = "") -> list[str]:
+    """URLs of the files directly under a folder (sorted); hidden and temp files excluded."""
+    fs, path = filesystem(url)
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return []
+    names = sorted(
+        e["name"] for e in entries
+        if e.get("type") == "file" and e["name"].endswith(suffix)
+        and not e["name"].rsplit("/", 1)[-1].startswith(".")
+    )
+    return [_url_of(url, fs, name) for name in names]
+
+
+def remove(url: str, recursive: bool = False) -> None:
+    fs, path = filesystem(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=recursive)
+
+
+def sha256(url: str) -> str:
+    """sha256 of a file's content, streamed in 8 MiB blocks."""
+    fs, path = filesystem(url)
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint(url: str) -> str:
+    """A content fingerprint that does not depend on the file's path or mtime.
+
+    On GCS the object's crc32c/md5 from metadata (no download); elsewhere sha256 of the
+    bytes. Used by step hashes, so moving the same input to another bucket keeps the hash.
+    """
+    fs, path = filesystem(url)
+    if fs.protocol and ("gs" in fs.protocol or "gcs" in fs.protocol):
+        info = fs.info(path)
+        for key in ("md5Hash", "crc32c"):
+            if info.get(key):
+                return f"{key}:{info[key]}:{info.get('size')}"
+    return "sha256:" + sha256(url)
+
+
+def _url_of(like: str, fs: fsspec.AbstractFileSystem, name: str) -> str:
+    """The URL of a path `fs` returned, in the same protocol as `like`."""
+    if isinstance(fs, LocalFileSystem):
+        return name
+    return f"{like.split('://', 1)[0]}://{name.lstrip('/')}"
+
+
+def expand(pattern: str) -> list[str]:
+    """The files a path, folder or glob names (sorted); empty if it matches nothing."""
+    fs, path = filesystem(pattern)
+    if any(ch in path for ch in "*?["):
+        names = fs.glob(path)
+    elif fs.isdir(path):
+        names = [e["name"] for e in fs.ls(path, detail=True) if e.get("type") == "file"]
+    elif fs.exists(path):
+        names = [path]
+    else:
+        names = []
+    names = [n for n in names if not n.rsplit("/", 1)[-1].startswith((".", "_")) and fs.isfile(n)]
+    return [_url_of(normalize(pattern), fs, n) for n in sorted(names)]
