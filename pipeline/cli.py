@@ -143,6 +143,23 @@ def status_command(
     _guard(body)
 
 
+@app.command("preflight")
+def preflight_command(config: ConfigOpt, set_: SetOpt = None) -> None:
+    """Check the pod before any real work: every host joined, same code and same plan (step hashes).
+
+    Run it with the same launcher as the real job; it fails fast naming the odd host.
+    Example: pipeline launch --hosts 2 -- preflight --config configs/demo.yaml
+    """
+
+    def body() -> None:
+        from pipeline.config import load_config
+        from pipeline.runner import preflight
+
+        typer.echo(preflight(load_config(config, set_ or [])))
+
+    _guard(body)
+
+
 @app.command(
     "launch",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},

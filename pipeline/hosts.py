@@ -46,7 +46,7 @@ def initialize() -> None:
     if env.get(ENV_COUNT) or env.get(ENV_ADDRESS) or env.get(ENV_INDEX):
         address, count, index = _pod_from_env(env)
         if count > 1:
-            _join(address=address, num_processes=count, process_id=index)
+            _join(coordinator_address=address, num_processes=count, process_id=index)
     elif _on_multihost_tpu(env):
         _join()
 

@@ -140,6 +140,16 @@ def format_plan(plan: list[PlannedStep]) -> str:
     return "\n".join(lines)
 
 
+def preflight(cfg: Config) -> str:
+    """Join the pod, check every host agrees on code version and plan, meet at a barrier."""
+    hosts.initialize()
+    plan = make_plan(cfg)
+    hosts.agree("preflight", {"versions": status.package_versions(), "plan": [[p.spec.name, p.hash] for p in plan]},
+                "code version and plan")
+    hosts.barrier("preflight", timeout_s=120)
+    return f"{hosts.describe()}: joined, same code and plan as the leader ({', '.join(p.hash[:12] for p in plan)})"
+
+
 def run_steps(cfg: Config, targets: tuple[str, ...], force: bool = False, dry_run: bool = False,
               echo: Callable[[str], None] | None = None) -> list[PlannedStep]:
     """Run `targets` in order on this host (every host calls this); return the plan used."""

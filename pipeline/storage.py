@@ -67,6 +67,11 @@ def exists(url: str) -> bool:
     return fs.exists(path)
 
 
+def size(url: str) -> int:
+    fs, path = filesystem(url)
+    return fs.size(path)
+
+
 def read_bytes(url: str) -> bytes:
     fs, path = filesystem(url)
     return fs.cat_file(path)

@@ -1,0 +1,68 @@
+"""Progress for long work that reads well both in a terminal and in a log file.
+
+On a TTY: a tqdm bar (count, rate, ETA, and extra figures such as tokens/s). Elsewhere
+(a pod's log, CI): one plain line every `log_every_s` seconds and a last line at the end,
+never carriage-return spam. Only counts; it refuses to know what is being counted.
+
+    with Progress(total=1000, desc="host 0 generate", unit="sample") as bar:
+        bar.update(8, tokens=1024)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+
+class Progress:
+    def __init__(self, total: int | None, desc: str, unit: str, log_every_s: float = 30.0,
+                 file: Any = None):
+        self.total, self.desc, self.unit = total, desc, unit
+        self.file = file or sys.stderr
+        self.count = 0
+        self.extra: dict[str, float] = {}
+        self.started = time.monotonic()
+        self.last_log = self.started
+        self.log_every_s = log_every_s
+        is_tty = hasattr(self.file, "isatty") and self.file.isatty()
+        self.bar = tqdm(total=total, desc=desc, unit=unit, file=self.file, dynamic_ncols=True) if is_tty else None
+
+    def update(self, n: int = 1, **extra: float) -> None:
+        self.count += n
+        for key, value in extra.items():
+            self.extra[key] = self.extra.get(key, 0) + value
+        if self.bar is not None:
+            self.bar.update(n)
+            if self.extra:
+                self.bar.set_postfix_str(self._extras(), refresh=False)
+        elif time.monotonic() - self.last_log >= self.log_every_s:
+            self._log()
+
+    def _extras(self) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        return ", ".join(f"{k} {v:,.0f} ({v / elapsed:,.1f}/s)" for k, v in self.extra.items())
+
+    def _log(self) -> None:
+        self.last_log = time.monotonic()
+        elapsed = self.last_log - self.started
+        rate = self.count / elapsed if elapsed > 0 else 0.0
+        total = f"/{self.total:,}" if self.total else ""
+        eta = f", ETA {(self.total - self.count) / rate:,.0f}s" if self.total and rate > 0 else ""
+        extras = f", {self._extras()}" if self.extra else ""
+        print(f"{self.desc}: {self.count:,}{total} {self.unit}s, {rate:,.1f}/s{extras}{eta}",
+              file=self.file, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            self._log()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,263 @@
+"""generate: every host makes completions for its tokenize shards and commits Parquet parts.
+
+Owns the per-host work split, the part files and resume. Shards are assigned round-robin
+by shard number (shard i -> host i % hosts), and output is keyed by shard, never by host:
+`{out}/shard-00003/part-<time>-<rand>.parquet`. On start a host reads which
+(prompt_index, sample_index) pairs its shards already committed and asks the engine only for
+the missing ones, so a rerun with another host count resumes the same output. A part is one
+atomic write of at most `engine.part_rows` rows (or 60 s of work): a hard kill loses at most
+the rows not yet committed; SIGTERM stops taking new work, commits what finished, exits 75.
+Hosts never wait on each other while generating. The leader's `finish` checks that every
+shard is covered (exactly-once is merge's job: retries may leave identical duplicates).
+
+    generate(cfg, out)        # every host
+    finish(cfg, out)          # the leader, after every host reported done
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline import hosts, preemption, status, storage
+from pipeline.config import Config
+from pipeline.errors import StepFailed
+from pipeline.hf import load_tokenizer
+from pipeline.progress import Progress
+from pipeline.runner import StepOutput, StepResult
+
+PART_MAX_AGE_S = 60.0
+"""Commit a shard's finished rows at least this often, so a hard kill loses little work."""
+
+SCHEMA = pa.schema([
+    ("prompt_index", pa.int64()),
+    ("prompt_id", pa.string()),
+    ("sample_index", pa.int32()),
+    ("prompt", pa.string()),
+    ("completion", pa.string()),
+    ("completion_token_ids", pa.list_(pa.int32())),
+    ("num_prompt_tokens", pa.int32()),
+    ("num_completion_tokens", pa.int32()),
+    ("finish_reason", pa.string()),
+])
+"""The merged output's columns (../shared/CONTRACT.md); parts already hold them."""
+
+
+@dataclass(frozen=True)
+class HostMetrics:
+    host: int
+    hosts: int
+    shards: int
+    prompts: int
+    samples: int
+    generated_tokens: int
+    wall_s: float
+    compile_s: float
+    tokens_per_s: float
+    peak_memory_bytes: int | None
+    batch_size: int | None
+    compilations: int
+
+
+def generate(cfg: Config, out: StepOutput) -> None:
+    """Generate every missing (prompt, sample) of this host's shards; commit parts as they fill."""
+    started = time.monotonic()
+    shards = _my_shards(out)
+    todo = {name: _missing(cfg, out, name) for name in shards}
+    n_missing = sum(len(t[1]) for t in todo.values()) if todo else 0
+    engine = None
+    stats = None
+    samples = prompts = 0
+    if n_missing:
+        engine = _load_engine(cfg, out, todo)
+        writer = _PartWriter(out, cfg.engine.part_rows)
+        with Progress(total=n_missing, desc=f"generate {hosts.describe()}", unit="sample") as bar:
+            try:
+                for shard, c, source in _completions(engine, todo):
+                    writer.add(shard, _row(source, c))
+                    samples += 1
+                    bar.update(1, tokens=len(c.token_ids))
+                    if preemption.stop_requested():
+                        break
+            finally:
+                writer.flush_all()  # commit what is finished, also on errors and signals
+        preemption.check()
+        stats = engine.stats
+        prompts = len({(s, r["prompt_index"]) for s, (_, reqs) in todo.items() for r in reqs})
+    wall_s = time.monotonic() - started
+    metrics = HostMetrics(
+        host=hosts.process_index(), hosts=hosts.process_count(), shards=len(shards), prompts=prompts,
+        samples=samples, generated_tokens=stats.generated_tokens if stats else 0, wall_s=round(wall_s, 3),
+        compile_s=round(stats.compile_time_s, 3) if stats else 0.0,
+        tokens_per_s=round((stats.generated_tokens if stats else 0) / wall_s, 1) if wall_s > 0 else 0.0,
+        peak_memory_bytes=stats.peak_memory_bytes if stats else None,
+        batch_size=stats.batch_size if stats else None, compilations=stats.compilations if stats else 0,
+    )
+    storage.write_json(out.path("metrics", f"host-{hosts.process_index():05d}-{_stamp()}.json"), metrics.__dict__)
+
+
+def finish(cfg: Config, out: StepOutput) -> StepResult:
+    """Leader: check every shard holds every (prompt, sample); sum per-host metrics."""
+    files: list[dict[str, Any]] = []
+    missing_total, rows_total, examples = 0, 0, []
+    for shard in _shard_names(out):
+        shard_keys = storage.read_parquet(_shard_url(out, shard), columns=["prompt_index"])
+        expected = len(shard_keys) * cfg.sampling.n
+        parts = storage.list_files(out.path(_shard_dir(shard)), suffix=".parquet")
+        keys = _keys(parts)
+        got = len(set(keys))
+        rows_total += got
+        if got < expected:
+            missing_total += expected - got
+            examples.append(f"{shard}: {expected - got} of {expected}")
+        for url in parts:
+            files.append({"path": url[len(out.url) + 1:], "bytes": storage.size(url),
+                          "checksum": storage.fingerprint(url)})
+    if missing_total:
+        raise StepFailed(
+            f"generate output {out.url} is missing {missing_total} (prompt, sample) rows ({'; '.join(examples[:3])}"
+            f"{'; ...' if len(examples) > 3 else ''}): rerun `pipeline run generate` to make them")
+    host_metrics = [storage.read_json(u) for u in storage.list_files(out.path("metrics"), suffix=".json")]
+    tokens = sum(m["generated_tokens"] for m in host_metrics)
+    wall_s = max((m["wall_s"] for m in host_metrics), default=0.0)
+    summary = {
+        "rows": rows_total, "parts": len(files), "hosts": host_metrics, "generated_tokens": tokens,
+        "wall_s": wall_s, "compile_s": max((m["compile_s"] for m in host_metrics), default=0.0),
+        "tokens_per_s": round(sum(m["tokens_per_s"] for m in host_metrics if m["samples"]), 1),
+    }
+    return StepResult(rows=rows_total, files=files, summary=summary)
+
+
+# --- work split and resume ----------------------------------------------------------------
+
+
+def _shard_names(out: StepOutput) -> list[str]:
+    record = status.read_marker(out.upstream["tokenize"].url)
+    if record is None:
+        raise StepFailed(f"tokenize output {out.upstream['tokenize'].url} is not complete: run `pipeline run tokenize`")
+    return sorted(f["path"].removesuffix(".parquet") for f in record.files if f["path"].startswith("shard-"))
+
+
+def _my_shards(out: StepOutput) -> list[str]:
+    return [s for i, s in enumerate(_shard_names(out)) if i % hosts.process_count() == hosts.process_index()]
+
+
+def _shard_url(out: StepOutput, shard: str) -> str:
+    return storage.join(out.upstream["tokenize"].url, f"{shard}.parquet")
+
+
+def _shard_dir(shard: str) -> str:
+    return shard
+
+
+def _keys(part_urls: list[str]) -> list[tuple[int, int]]:
+    keys: list[tuple[int, int]] = []
+    for url in part_urls:
+        t = storage.read_parquet(url, columns=["prompt_index", "sample_index"])
+        keys.extend(zip(t["prompt_index"].to_pylist(), t["sample_index"].to_pylist()))
+    return keys
+
+
+def _missing(cfg: Config, out: StepOutput, shard: str) -> tuple[pa.Table, list[dict[str, Any]]]:
+    """The shard's rows and, per prompt, the sample indices not committed yet."""
+    try:
+        table = storage.read_parquet(_shard_url(out, shard))
+    except Exception as err:  # noqa: BLE001 - pyarrow raises many kinds for a bad file
+        raise StepFailed(f"tokenize shard {_shard_url(out, shard)} cannot be read ({err}); "
+                         f"rerun `pipeline run tokenize --force` to rewrite it") from err
+    done: dict[int, set[int]] = defaultdict(set)
+    for prompt_index, sample_index in _keys(storage.list_files(out.path(_shard_dir(shard)), suffix=".parquet")):
+        done[prompt_index].add(sample_index)
+    requests = []
+    for row in table.to_pylist():
+        wanted = [s for s in range(cfg.sampling.n) if s not in done[row["prompt_index"]]]
+        if wanted:
+            requests.append({**row, "sample_indices": wanted})
+    return table, requests
+
+
+def _load_engine(cfg: Config, out: StepOutput, todo: dict[str, tuple[pa.Table, list[dict]]]):
+    from engine import Engine, SamplingParams
+
+    tokenizer = load_tokenizer(cfg.model.path)
+    longest = max(max(pc.max(t["num_tokens"]).as_py() or 0 for t, _ in todo.values()), 1)
+    engine = Engine.load(
+        cfg.model.path, dtype=cfg.model.dtype,
+        sampling=SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
+                                top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, n=cfg.sampling.n,
+                                seed=cfg.sampling.seed, stop_strings=tuple(cfg.sampling.stop)),
+        batch_size=cfg.engine.batch_size, max_prompt_tokens=longest, tokenizer=tokenizer,
+    )
+    for shard, (table, _) in todo.items():
+        top = pc.max(pc.list_flatten(table["input_ids"])).as_py()
+        if top is not None and top >= engine.vocab_size:
+            raise StepFailed(
+                f"tokenize shard {_shard_url(out, shard)} holds token id {top}, but model.path {cfg.model.path} "
+                f"has a vocabulary of {engine.vocab_size}: the checkpoint does not match the tokenizer used in tokenize")
+    if hosts.is_leader() or hosts.process_count() == 1:
+        print(f"generate: {engine.describe()}", flush=True)
+    return engine
+
+
+def _completions(engine, todo: dict[str, tuple[pa.Table, list[dict]]]) -> Iterator[tuple[str, Any, dict]]:
+    from engine import GenerationRequest
+
+    sources: dict[int, tuple[str, dict]] = {}
+
+    def requests() -> Iterator[GenerationRequest]:
+        for shard, (_, rows) in todo.items():
+            for row in rows:
+                sources[row["prompt_index"]] = (shard, row)
+                yield GenerationRequest(row["prompt_index"], row["input_ids"], row["sample_indices"])
+
+    for c in engine.generate(requests()):
+        shard, row = sources[c.prompt_index]
+        yield shard, c, row
+
+
+def _row(source: dict[str, Any], c: Any) -> dict[str, Any]:
+    return {
+        "prompt_index": source["prompt_index"], "prompt_id": source["prompt_id"], "sample_index": c.sample_index,
+        "prompt": source["prompt"], "completion": c.text, "completion_token_ids": list(c.token_ids),
+        "num_prompt_tokens": source["num_tokens"], "num_completion_tokens": len(c.token_ids),
+        "finish_reason": c.finish_reason,
+    }
+
+
+class _PartWriter:
+    """Buffers finished rows per shard and commits each buffer as one atomic part."""
+
+    def __init__(self, out: StepOutput, part_rows: int):
+        self.out = out
+        self.part_rows = part_rows
+        self.rows: dict[str, list[dict]] = defaultdict(list)
+        self.since: dict[str, float] = {}
+
+    def add(self, shard: str, row: dict) -> None:
+        self.rows[shard].append(row)
+        self.since.setdefault(shard, time.monotonic())
+        if len(self.rows[shard]) >= self.part_rows or time.monotonic() - self.since[shard] >= PART_MAX_AGE_S:
+            self.flush(shard)
+
+    def flush(self, shard: str) -> None:
+        rows = self.rows.pop(shard, [])
+        self.since.pop(shard, None)
+        if rows:
+            rows.sort(key=lambda r: (r["prompt_index"], r["sample_index"]))
+            table = pa.Table.from_pylist(rows, schema=SCHEMA)
+            storage.write_parquet(self.out.path(_shard_dir(shard), f"part-{_stamp()}.parquet"), table)
+
+    def flush_all(self) -> None:
+        for shard in list(self.rows):
+            self.flush(shard)
+
+
+def _stamp() -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
