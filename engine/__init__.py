@@ -1,0 +1,19 @@
+"""Batch generation for the Llama family on JAX: `Engine.load(path, ...)`, then `engine.generate(requests)`.
+
+Modules: llama.py (model, config, checkpoint), sampler.py (sampling params and randomness),
+decode.py (compiled prefill and decode loop), memory.py (batch planning), engine.py (scheduler).
+"""
+
+from engine.engine import Completion, Engine, EngineConfig, EngineStats, GenerationRequest
+from engine.llama import UnsupportedModelError
+from engine.sampler import SamplingParams
+
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "GenerationRequest",
+    "SamplingParams",
+    "UnsupportedModelError",
+]

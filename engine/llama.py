@@ -361,7 +361,7 @@ class LlamaLM(eqx.Module):
             cache = None if caches is None else (*caches[i], write_pos)
             x, kv = layer(x, cos, sin, mask, cache)
             new_kvs.append(kv)
-        return self.norm(x), new_kvs
+        return self.norm(x), tuple(new_kvs)
 
     def logits(self, hidden: NamedArray) -> NamedArray:
         head = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -1,0 +1,406 @@
+"""The generation engine: load a checkpoint, then turn requests into completions.
+
+Owns: `Engine.load` (config checks, memory plan, weights), the host-side scheduler (sort rows
+by prompt length, bucket prompt and window lengths so few programs compile, refill finished
+slots from the queue), stop strings and detokenisation, and the run's statistics. It does not
+read prompt files or write results: the generate step does.
+
+    engine = Engine.load("gs://bucket/llama", dtype="bfloat16", sampling=SamplingParams(n=4),
+                         batch_size="auto", max_prompt_tokens=512, tokenizer=tok)
+    print(engine.describe())
+    for c in engine.generate([GenerationRequest(0, ids, sample_indices=range(4))]):
+        ...  # Completion(prompt_index, sample_index, token_ids, text, finish_reason)
+
+Rows (prompt, sample) are scheduled in order of prompt length. A row's tokens depend only on
+(seed, prompt_index, sample_index): see sampler.py. Finished rows free their slot at the end of
+a decode chunk; once an eighth of the slots are free (or none is busy) they are refilled with
+one prefill of the next prompts, so finished rows stop costing work after at most a chunk.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import functools
+import json
+import time
+from typing import Any, Iterable, Iterator, Literal, Sequence
+
+import fsspec
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from engine.decode import DecodeSpec, decode_chunk, init_caches, init_state, prefill_into_slots
+from engine.llama import LlamaConfig, UnsupportedModelError, load_checkpoint
+from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch
+from engine.sampler import SamplingParams
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    prompt_index: int
+    """0-based position of the prompt in the input; part of every sample's random key."""
+    input_ids: Sequence[int]
+    """The prompt's token ids (chat template and BOS already applied)."""
+    sample_indices: Sequence[int]
+    """Which of the n samples to make (a resume asks only for the missing ones)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    """Generated ids; the EOS/stop token is excluded, and a stop string's tokens are cut."""
+    text: str
+    """Decoded token_ids, cut before the stop string; '' without a tokenizer."""
+    finish_reason: Literal["eos", "stop", "length"]
+    """eos: an EOS id of the checkpoint; stop: a stop string or stop token id; length: max_new_tokens."""
+
+
+@dataclasses.dataclass
+class EngineStats:
+    batch_size: int
+    """Slots decoded together (the plan's batch size)."""
+    compilations: int = 0
+    """Programs compiled so far: one per (prefill rows, prompt bucket) and per decode window."""
+    compile_time_s: float = 0.0
+    generated_tokens: int = 0
+    """Tokens returned in completions plus the EOS/stop tokens they ended on."""
+    peak_memory_bytes: int | None = None
+    """Largest device peak reported by the allocator; on CPU the process's peak RSS."""
+    decode_time_s: float = 0.0
+    """Time running compiled prefill and decode programs (compilation excluded)."""
+    prompt_tokens: int = 0
+    """Prompt tokens prefilled (each prompt once, however many samples share it)."""
+    padded_prompt_tokens: int = 0
+    """Prompt positions computed including bucket padding; / prompt_tokens = padding overhead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "bfloat16"
+    """Weights and activations: float32 or bfloat16 (the KV cache stays float32 on CPU)."""
+    batch_size: int | str = "auto"
+    """Rows decoded together, or auto: the largest that fits memory_fraction of a device."""
+    max_prompt_tokens: int = 512
+    """Longest prompt accepted; longer ones are refused, never truncated."""
+    memory_fraction: float = 0.9
+    """Share of one device's memory the weights + KV cache + prefill may plan to use."""
+    decode_chunk_steps: int = 16
+    """Decode steps per compiled call; finished slots are refilled between calls."""
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"prompts.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"engine.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+
+def length_buckets(limit: int, *, fine: bool) -> list[int]:
+    """16, 24, 32, 48, 64, 96, ... (fine: padding <= 1/3) or 16, 32, 64, ... up to limit, limit included."""
+    buckets, size = [], 16
+    while size < limit:
+        buckets.append(size)
+        if fine and size * 3 // 2 < limit:
+            buckets.append(size * 3 // 2)
+        size *= 2
+    return sorted(set(buckets)) + [limit]
+
+
+def _read_json(fs, path: str) -> dict[str, Any] | None:
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        return json.load(f)
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+@dataclasses.dataclass
+class _Row:
+    prompt_index: int
+    sample_index: int
+    prompt: np.ndarray
+    tokens: list[int] = dataclasses.field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model, config: LlamaConfig, engine_config: EngineConfig, sampling: SamplingParams,
+                 plan: BatchPlan, eos_token_ids: tuple[int, ...], tokenizer, devices: list[jax.Device], source: str):
+        self.model = model
+        self.config = config
+        self.engine_config = engine_config
+        self.sampling = sampling
+        self.plan = plan
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
+        self.devices = devices
+        self.source = source
+        self.vocab_size = config.vocab_size
+        self.stats = EngineStats(batch_size=plan.batch_size)
+        self._mesh = Mesh(np.array(devices), ("data",))
+        self._batch_sharding = NamedSharding(self._mesh, PartitionSpec("data"))
+        self._spec = DecodeSpec(sampling, tuple(sorted(set(eos_token_ids) | set(sampling.stop_token_ids))), self._batch_sharding)
+        self._seq_len = engine_config.max_prompt_tokens + sampling.max_new_tokens
+        self._cache_dtype = jnp.float32 if devices[0].platform == "cpu" else DTYPES[engine_config.dtype]
+        self._prompt_buckets = length_buckets(engine_config.max_prompt_tokens, fine=True)
+        self._window_buckets = length_buckets(self._seq_len, fine=False)
+        self._compiled: dict[tuple, Any] = {}
+
+    @staticmethod
+    def load(
+        model_path: str,
+        *,
+        dtype: str = "bfloat16",
+        sampling: SamplingParams = SamplingParams(),
+        batch_size: int | str = "auto",
+        max_prompt_tokens: int = 512,
+        tokenizer=None,
+        memory_fraction: float = 0.9,
+        decode_chunk_steps: int = 16,
+    ) -> "Engine":
+        """Checks the checkpoint's config and the batch plan, then reads the weights."""
+        engine_config = EngineConfig(dtype, batch_size, max_prompt_tokens, memory_fraction, decode_chunk_steps)
+        fs, root = fsspec.core.url_to_fs(model_path)
+        root = root.rstrip("/")
+        config_path = f"{model_path.rstrip('/')}/config.json"
+        hf_config = _read_json(fs, f"{root}/config.json")
+        if hf_config is None:
+            raise FileNotFoundError(f"model.path {config_path} does not exist (expected a Hugging Face checkpoint folder)")
+        config = LlamaConfig.from_hf(hf_config, source=config_path)
+        generation_config = _read_json(fs, f"{root}/generation_config.json") or {}
+        eos = _as_ids(generation_config.get("eos_token_id", hf_config.get("eos_token_id")))
+
+        seq_len = max_prompt_tokens + sampling.max_new_tokens
+        if seq_len > config.max_position_embeddings:
+            raise ValueError(
+                f"prompts.max_prompt_tokens + sampling.max_new_tokens = {seq_len} exceeds max_position_embeddings"
+                f" {config.max_position_embeddings} in {config_path}"
+            )
+        if config.sliding_window is not None and seq_len > config.sliding_window:
+            raise UnsupportedModelError(
+                f"model.path {config_path}: sliding_window {config.sliding_window} is shorter than prompt + new tokens"
+                f" ({seq_len}); sliding-window attention is not implemented"
+            )
+        if sampling.stop_strings and tokenizer is None:
+            raise ValueError("sampling.stop needs a tokenizer: pass Engine.load(..., tokenizer=...)")
+
+        devices = jax.local_devices()
+        plan = plan_batch(
+            config,
+            dtype=DTYPES[dtype],
+            cache_dtype=jnp.float32 if devices[0].platform == "cpu" else DTYPES[dtype],
+            batch_size=batch_size,
+            max_prompt_tokens=max_prompt_tokens,
+            max_new_tokens=sampling.max_new_tokens,
+            devices=devices,
+            memory_fraction=memory_fraction,
+        )
+        replicated = NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec())
+        model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=replicated)
+        return Engine(model, config, engine_config, sampling, plan, tuple(eos), tokenizer, devices, model_path)
+
+    def describe(self) -> str:
+        c, p = self.config, self.plan
+        n = len(self.devices)
+        need = p.need_bytes(p.batch_size, n)
+        return (
+            f"{c.model_type} {c.num_hidden_layers}x{c.hidden_size} (vocab {c.vocab_size}) from {self.source},"
+            f" {self.engine_config.dtype} on {n} {self.devices[0].platform} device(s);"
+            f" batch_size {p.batch_size} ({p.reason}); memory ~{need / GiB:.2f} GiB per device"
+            f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row) of {p.limit_bytes / GiB:.2f} GiB allowed;"
+            f" prompts <= {self.engine_config.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new"
+        )
+
+    # ------------------------------------------------------------------ compiled programs
+
+    def _run(self, kind: str, fn, static: tuple, *args):
+        """Compiles once per (kind, static, shapes) and runs; compile time is counted apart."""
+        key = (kind, static, tuple(getattr(a, "shape", None) for a in args[3:]), args[1][0][0].axes[0].size)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            start = time.perf_counter()
+            compiled = jax.jit(fn, donate_argnums=(1, 2)).lower(*args).compile()
+            self.stats.compile_time_s += time.perf_counter() - start
+            self.stats.compilations += 1
+            self._compiled[key] = compiled
+        start = time.perf_counter()
+        out = compiled(*args)
+        jax.block_until_ready(out)
+        self.stats.decode_time_s += time.perf_counter() - start
+        return out
+
+    # ---------------------------------------------------------------------------- generate
+
+    def _rows(self, requests: Iterable[GenerationRequest]) -> list[_Row]:
+        rows = []
+        for r in requests:
+            ids = np.asarray(list(r.input_ids), dtype=np.int32)
+            if not 1 <= len(ids) <= self.engine_config.max_prompt_tokens:
+                raise ValueError(
+                    f"prompt {r.prompt_index} has {len(ids)} tokens; the engine accepts 1 to"
+                    f" prompts.max_prompt_tokens={self.engine_config.max_prompt_tokens}"
+                )
+            if ids.min() < 0 or ids.max() >= self.vocab_size:
+                raise ValueError(f"prompt {r.prompt_index} has token ids outside [0, {self.vocab_size})")
+            rows += [_Row(r.prompt_index, int(s), ids) for s in r.sample_indices]
+        rows.sort(key=lambda row: (len(row.prompt), row.prompt_index, row.sample_index))
+        return rows
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[Completion]:
+        """Yields one Completion per (prompt, sample) requested, in the order rows finish.
+        Safe to abandon part way: nothing is left running on the device between yields."""
+        pending = collections.deque(self._rows(requests))
+        if not pending:
+            return
+        n_dev = len(self.devices)
+        batch = self.plan.batch_size
+        # A small job gets fewer slots (power of two) instead of decoding empty ones.
+        slots = min(batch, -(-(1 << (len(pending) - 1).bit_length()) // n_dev) * n_dev)
+        steps = self.engine_config.decode_chunk_steps
+        refill_min = max(1, slots // 8)
+        caches = init_caches(self.config, slots, self._seq_len, self._cache_dtype, self._batch_sharding)
+        state = init_state(slots, self._batch_sharding)
+        live: list[_Row | None] = [None] * slots
+        kill = np.zeros(slots, bool)
+        try:
+            while pending or any(live):
+                free = [s for s in range(slots) if live[s] is None]
+                if pending and free and (len(free) >= refill_min or len(free) == slots):
+                    caches, state, first, filled = self._refill(caches, state, pending, free, live, slots)
+                    first, done = np.asarray(first), np.asarray(state.done)
+                    for s in filled:
+                        kill[s] = False
+                        live[s].tokens.append(int(first[s]))
+                        completion = self._maybe_finish(live[s], device_done=bool(done[s]))
+                        if completion is not None:
+                            live[s], kill[s] = None, not done[s]
+                            yield completion
+                    continue
+                busy = [s for s in range(slots) if live[s] is not None]
+                reach = max(len(live[s].prompt) + len(live[s].tokens) - 1 for s in busy) + steps
+                window = self._window_buckets[bisect.bisect_left(self._window_buckets, min(reach, self._seq_len))]
+                caches, state, out = self._run(
+                    "decode",
+                    functools.partial(decode_chunk, spec=self._spec, window=window, steps=steps),
+                    (window, steps),
+                    self.model, caches, state, jax.device_put(kill, self._batch_sharding),
+                )
+                kill[:] = False
+                out, done = np.asarray(out), np.asarray(state.done)
+                for s in busy:
+                    row = live[s]
+                    row.tokens += [int(t) for t in out[s] if t >= 0]
+                    completion = self._maybe_finish(row, device_done=bool(done[s]))
+                    if completion is not None:
+                        live[s], kill[s] = None, not done[s]
+                        yield completion
+        finally:
+            self.stats.peak_memory_bytes = peak_memory_bytes(self.devices)
+
+    def _refill(self, caches, state, pending, free, live, slots):
+        """One prefill of the next prompts into free slots; samples of a prompt share it."""
+        taken = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+        prompts: dict[int, int] = {}
+        for row in taken:
+            prompts.setdefault(row.prompt_index, len(prompts))
+        n_dev = len(self.devices)
+        sizes = sorted({-(-max(1, slots // d) // n_dev) * n_dev for d in (8, 4, 2, 1)})
+        rows_p = sizes[bisect.bisect_left(sizes, len(prompts))] if len(prompts) <= sizes[-1] else len(prompts)
+        longest = max(len(row.prompt) for row in taken)
+        length = self._prompt_buckets[bisect.bisect_left(self._prompt_buckets, longest)]
+        tokens = np.zeros((rows_p, length), np.int32)
+        lengths = np.ones(rows_p, np.int32)
+        src = np.full(slots, -1, np.int32)
+        prompt_index = np.zeros(slots, np.int32)
+        sample_index = np.zeros(slots, np.int32)
+        seen = set()
+        for row, s in zip(taken, free):
+            p = prompts[row.prompt_index]
+            if p not in seen:
+                seen.add(p)
+                tokens[p, : len(row.prompt)] = row.prompt
+                lengths[p] = len(row.prompt)
+                self.stats.prompt_tokens += len(row.prompt)
+            src[s], prompt_index[s], sample_index[s] = p, row.prompt_index, row.sample_index
+            live[s] = row
+        self.stats.padded_prompt_tokens += rows_p * length
+        put = functools.partial(jax.device_put, device=self._batch_sharding)
+        replicated = NamedSharding(self._mesh, PartitionSpec())
+        caches, state, first = self._run(
+            "prefill",
+            functools.partial(prefill_into_slots, spec=self._spec),
+            (),
+            self.model, caches, state,
+            jax.device_put(tokens, self._batch_sharding if rows_p % n_dev == 0 else replicated),
+            jax.device_put(lengths, replicated),
+            put(src), put(prompt_index), put(sample_index),
+        )
+        return caches, state, first, free[: len(taken)]
+
+    # ------------------------------------------------------------------------- finishing
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _maybe_finish(self, row: _Row, *, device_done: bool) -> Completion | None:
+        """The row's Completion if it has finished (device stop rule or a stop string), else None."""
+        tokens = row.tokens
+        body, reason = tokens, None
+        if device_done:
+            if tokens[-1] in self.eos_token_ids:
+                body, reason = tokens[:-1], "eos"
+            elif tokens[-1] in self.sampling.stop_token_ids:
+                body, reason = tokens[:-1], "stop"
+            else:
+                reason = "length"
+        cut = self._find_stop_string(body, whole=device_done)
+        if cut is not None:
+            body, text, reason = cut[0], cut[1], "stop"
+        elif reason is None:
+            return None
+        else:
+            text = self._decode(body)
+        self.stats.generated_tokens += len(tokens)
+        return Completion(row.prompt_index, row.sample_index, list(body), text, reason)
+
+    def _find_stop_string(self, tokens: list[int], *, whole: bool) -> tuple[list[int], str] | None:
+        """(tokens fully before the earliest stop string, text cut before it), or None."""
+        stops = self.sampling.stop_strings
+        if not stops or not tokens:
+            return None
+        if not whole:
+            # Cheap look at the tail first: a stop string ending in the newest chunk lies within it.
+            tail = tokens[-(self.engine_config.decode_chunk_steps + 2 * max(map(len, stops)) + 8):]
+            tail_text = self._decode(tail)
+            if not any(stop in tail_text for stop in stops):
+                return None
+        text = self._decode(tokens)
+        hits = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+        if not hits:
+            return None
+        cut = min(hits)
+        # Largest k whose decoded prefix fits before the cut (decoded length grows with k).
+        lo, hi = 0, len(tokens)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(self._decode(tokens[:mid])) <= cut:
+                lo = mid
+            else:
+                hi = mid - 1
+        while lo > 0 and not text.startswith(self._decode(tokens[:lo])):
+            lo -= 1
+        return tokens[:lo], text[:cut]
+

@@ -1,0 +1,83 @@
+"""Sampling parameters and the per-row token choice (greedy, temperature, top-k, top-p).
+
+Owns: `SamplingParams` (validated, frozen: it is baked into the compiled decode loop) and the
+randomness rule: row (prompt p, sample s) draws its t-th token with
+`fold_in(fold_in(fold_in(key(seed), p), s), t)`, so a row's tokens do not depend on which batch,
+slot or host it ran in. It does not own stop strings (the host checks those, see engine.py).
+
+    params = SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9)
+    keys = row_keys(params.seed, prompt_index, sample_index)       # [rows]
+    tokens = sample(logits, step_keys(keys, steps), params)         # [rows]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    """Upper bound on generated tokens per sample; hitting it gives finish_reason 'length'."""
+    temperature: float = 0.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1 = off."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 = off."""
+    n: int = 1
+    """Samples per prompt; they share one prefill of the prompt."""
+    seed: int = 0
+    """Root of every row's randomness (see the module docstring)."""
+    stop_strings: tuple[str, ...] = ()
+    """Stop when the completion text contains one of these; the text is cut before it."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens besides the checkpoint's EOS ids; finish_reason 'stop', token excluded."""
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"sampling.n must be >= 1, got {self.n}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError(f"sampling.stop must not contain empty strings, got {list(self.stop_strings)}")
+        # Tuples keep the dataclass hashable when a caller passes lists.
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+def row_keys(seed: int | jax.Array, prompt_index: jax.Array, sample_index: jax.Array) -> jax.Array:
+    """One key per row: fold_in(fold_in(key(seed), prompt_index), sample_index)."""
+    root = jax.random.key(seed)
+    return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(root, p), s))(prompt_index, sample_index)
+
+
+def step_keys(keys: jax.Array, steps: jax.Array) -> jax.Array:
+    """The key for each row's token number `steps` (0 = the token sampled from the prefill)."""
+    return jax.vmap(jax.random.fold_in)(keys, steps)
+
+
+def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams) -> jax.Array:
+    """logits [rows, vocab] float32 -> token ids [rows] int32. Branches only on static params."""
+    if params.temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / params.temperature
+    if params.top_k == 0 and params.top_p == 1.0:
+        return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+    k = params.top_k if params.top_k > 0 else logits.shape[-1]
+    values, indices = jax.lax.top_k(logits, min(k, logits.shape[-1]))  # sorted, most likely first
+    if params.top_p < 1.0:
+        probs = jax.nn.softmax(values, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        values = jnp.where(mass_before < params.top_p, values, -jnp.inf)  # the first always stays
+    choice = jax.vmap(jax.random.categorical)(keys, values)
+    return jnp.take_along_axis(indices, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
