@@ -48,22 +48,31 @@ DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan with 
 
 def _guard(body: Callable[[], None]) -> None:
     """Run a command body; turn exceptions into one `error:` line and the contract's exit code."""
+    from pipeline import hosts
+
     preemption.install()
     try:
         body()
+        hosts.leave(0)
     except PipelineError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(err.exit_code) from None
+        _fail(str(err), err.exit_code)
     except KeyboardInterrupt:
-        typer.echo("error: interrupted; rerun the same command to resume", err=True)
-        raise typer.Exit(preemption.EXIT_INTERRUPTED) from None
+        _fail("interrupted; rerun the same command to resume", preemption.EXIT_INTERRUPTED)
     except Exception as err:  # noqa: BLE001 - the one place that maps anything to exit 1
         traceback.print_exc(file=sys.stderr)
         if preemption.stop_requested():
-            typer.echo(f"error: interrupted while failing ({type(err).__name__}: {err}); rerun to resume", err=True)
-            raise typer.Exit(preemption.EXIT_INTERRUPTED) from None
-        typer.echo(f"error: {type(err).__name__}: {err}", err=True)
-        raise typer.Exit(1) from None
+            _fail(f"interrupted while failing ({type(err).__name__}: {err}); rerun to resume",
+                  preemption.EXIT_INTERRUPTED)
+        _fail(f"{type(err).__name__}: {err}", 1)
+
+
+def _fail(message: str, code: int) -> None:
+    from pipeline import hosts
+
+    typer.echo(f"error: {message}", err=True)
+    hosts.abort(message)
+    hosts.leave(code)
+    raise typer.Exit(code)
 
 
 def _run(targets: tuple[str, ...], config: str, overrides: list[str] | None, force: bool, dry_run: bool) -> None:

@@ -271,7 +271,8 @@ def _expected(tp: Any) -> str:
     if origin is Literal:
         return " or ".join(repr(v) if not isinstance(v, str) else v for v in typing.get_args(tp))
     if origin is tuple:
-        return f"a list of {_expected(typing.get_args(tp)[0])}s"
+        item = typing.get_args(tp)[0]
+        return "a list of " + {str: "strings", int: "integers", float: "numbers"}.get(item, _expected(item))
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "null"}[tp]
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import time
 from typing import Any, Callable, TypeVar
 
@@ -33,6 +35,9 @@ ENV_HEARTBEAT_TIMEOUT = "PIPELINE_HEARTBEAT_TIMEOUT_S"
 
 POLL_S = 2.0
 """How often a waiting host wakes to check for a stop signal while it waits."""
+
+LEAVE_GRACE_S = 1.0
+"""How long the leader (which serves the coordinator) outlives the other hosts' goodbyes."""
 
 _state: dict[str, Any] = {"initialized": False, "index": 0, "count": 1, "client": None}
 
@@ -68,12 +73,17 @@ def describe() -> str:
     return f"host {process_index()}/{process_count()}"
 
 
-def barrier(name: str, timeout_s: float = 24 * 3600) -> None:
-    """Wait until every host reaches `name` (no-op on one host)."""
-    client = _state["client"]
-    if client is None:
+def barrier(name: str, what: str = "") -> None:
+    """Wait until every host reaches `name` (no-op on one host).
+
+    Built on the key-value store rather than `wait_at_barrier` so a waiting host notices
+    when another host failed (see `abort`) and stops waiting at once.
+    """
+    if _state["client"] is None:
         return
-    client.wait_at_barrier(f"pipeline/{name}", int(timeout_s * 1000))
+    publish(f"barrier/{name}/{process_index()}", True)
+    for index in range(process_count()):
+        wait_for(f"barrier/{name}/{index}", what or f"every host to reach {name}")
 
 
 def publish(key: str, value: Any) -> None:
@@ -83,7 +93,11 @@ def publish(key: str, value: Any) -> None:
 
 
 def wait_for(key: str, what: str) -> Any:
-    """Block until some host publishes `key`; checks for stop signals while waiting."""
+    """Block until some host publishes `key`.
+
+    Wakes every POLL_S to check for a stop signal and for another host's `abort`, so no
+    host waits forever on work that will never come.
+    """
     client = _state["client"]
     while True:
         preemption.check()
@@ -91,12 +105,57 @@ def wait_for(key: str, what: str) -> Any:
             return json.loads(client.blocking_key_value_get(f"pipeline/{key}", int(POLL_S * 1000)))
         except Exception as err:  # noqa: BLE001 - jaxlib raises its own XlaRuntimeError
             text = str(err)
-            if "DEADLINE_EXCEEDED" in text or "deadline" in text.lower():
-                continue
-            raise StepFailed(
-                f"{describe()}: lost contact with the leader while waiting for {what} "
-                f"(the leader or coordinator is gone): {text.splitlines()[0]}"
-            ) from err
+            if "DEADLINE_EXCEEDED" not in text and "deadline" not in text.lower():
+                raise StepFailed(
+                    f"{describe()}: lost contact with the pod while waiting for {what} "
+                    f"(the leader or coordinator is gone): {text.splitlines()[0]}"
+                ) from err
+        aborted = _try_get("abort")
+        if aborted is not None:
+            raise StepFailed(f"{describe()}: stopped waiting for {what}: host {aborted['host']} failed: "
+                             f"{aborted['error']}")
+
+
+def abort(error: str) -> None:
+    """Tell every other host that this one failed (first failure wins); safe on one host."""
+    if _state["client"] is None:
+        return
+    try:
+        _state["client"].key_value_set("pipeline/abort", json.dumps({"host": process_index(), "error": error}))
+    except Exception:  # noqa: BLE001 - another host aborted first, or the coordinator is gone
+        pass
+
+
+def leave(code: int) -> None:
+    """Leave the pod with exit `code`; returns only when there is no pod.
+
+    jax's own shutdown needs the coordinator (on the leader) to outlive every other host's
+    shutdown call, and aborts the process natively otherwise. So after a successful
+    command the other hosts say goodbye and leave, and the leader, which serves the
+    coordinator, leaves last. After a failure a host leaves at once: the others learn of it
+    through `abort`.
+    """
+    if _state["client"] is None:
+        return
+    if code == 0:
+        if is_leader():
+            for index in range(1, process_count()):
+                wait_for(f"leaving/{index}", f"host {index} to finish")
+            # A host exits right after saying goodbye; the coordinator must outlive that
+            # exit or the host's error poller sees it vanish and aborts natively.
+            time.sleep(LEAVE_GRACE_S)
+        else:
+            publish(f"leaving/{process_index()}", True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _try_get(key: str) -> Any:
+    try:
+        return json.loads(_state["client"].key_value_try_get(f"pipeline/{key}"))
+    except Exception:  # noqa: BLE001 - NOT_FOUND is an exception here
+        return None
 
 
 def on_leader(tag: str, fn: Callable[[], T], what: str) -> T | None:
@@ -165,22 +224,34 @@ def _join(**kwargs: Any) -> None:
     from jax._src import distributed
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Hosts that fail or leave must not take the others down with a native abort: we
+    # detect failures ourselves (abort key, end barrier) and exit with the contract's codes.
+    jax.config.update("jax_enable_recoverability", True)
     init_timeout_s = int(os.environ.get(ENV_INIT_TIMEOUT, "120"))
-    started = time.monotonic()
+    where = (f"the pod at {kwargs.get('coordinator_address', 'TPU auto-detect')} as process "
+             f"{kwargs.get('process_id', '?')} of {kwargs.get('num_processes', '?')}")
+
+    def give_up() -> None:
+        # jax aborts the process (SIGABRT, a native stack trace) when registration times
+        # out; say what happened in one line and leave first.
+        print(f"error: multi-host: could not join {where} within {init_timeout_s}s (is every host started? "
+              f"{ENV_INIT_TIMEOUT} sets the wait)", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    watchdog = threading.Timer(init_timeout_s, give_up)
+    watchdog.daemon = True
+    watchdog.start()
     try:
         jax.distributed.initialize(
             **kwargs,
-            initialization_timeout=init_timeout_s,
+            initialization_timeout=init_timeout_s + 30,
             heartbeat_timeout_seconds=int(os.environ.get(ENV_HEARTBEAT_TIMEOUT, "30")),
             shutdown_timeout_seconds=30,
         )
     except Exception as err:  # noqa: BLE001 - jaxlib's error type is private
-        raise StepFailed(
-            f"multi-host: could not join the pod at {kwargs.get('coordinator_address', 'TPU auto-detect')} "
-            f"as process {kwargs.get('process_id', '?')} of {kwargs.get('num_processes', '?')} within "
-            f"{time.monotonic() - started:.0f}s (is every host started? {ENV_INIT_TIMEOUT} sets the wait): "
-            f"{str(err).splitlines()[0]}"
-        ) from err
+        raise StepFailed(f"multi-host: could not join {where}: {str(err).splitlines()[0]}") from err
+    finally:
+        watchdog.cancel()
     _state.update(index=jax.process_index(), count=jax.process_count(),
                   client=distributed.global_state.client)
 

@@ -146,7 +146,7 @@ def preflight(cfg: Config) -> str:
     plan = make_plan(cfg)
     hosts.agree("preflight", {"versions": status.package_versions(), "plan": [[p.spec.name, p.hash] for p in plan]},
                 "code version and plan")
-    hosts.barrier("preflight", timeout_s=120)
+    hosts.barrier("preflight")
     return f"{hosts.describe()}: joined, same code and plan as the leader ({', '.join(p.hash[:12] for p in plan)})"
 
 
@@ -182,6 +182,7 @@ def run_steps(cfg: Config, targets: tuple[str, ...], force: bool = False, dry_ru
                 f"{_summary_line(result.summary)}")
         by_name[planned.spec.name] = dataclasses.replace(planned, state="complete",
                                                          rows=result.rows if result else None)
+    hosts.barrier("end", "every host to finish")  # nobody leaves while the leader still works
     return plan
 
 

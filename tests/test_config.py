@@ -1,0 +1,93 @@
+"""Config loading: YAML + --set into frozen dataclasses; every error names the key path (exit 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.config import apply_override, build_config, load_config
+from pipeline.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+MINIMAL = {"run": {"root": "/tmp/r", "name": "x"}, "model": {"path": "/m"}, "prompts": {"path": "/p.jsonl"}}
+
+
+def with_section(section: str, **values) -> dict:
+    data = {k: dict(v) for k, v in MINIMAL.items()}
+    data.setdefault(section, {}).update(values)
+    return data
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in (REPO / "configs").glob("*.yaml")))
+def test_every_bundled_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.run.name and cfg.model.path and cfg.prompts.path
+
+
+def test_defaults_fill_optional_sections():
+    cfg = build_config(MINIMAL)
+    assert cfg.sampling.temperature == 0.0 and cfg.sampling.n == 1 and cfg.engine.batch_size == "auto"
+    assert cfg.prompts.on_invalid == "fail" and cfg.wandb.table_max_rows == 10_000
+
+
+@pytest.mark.parametrize("data, message", [
+    (with_section("sampling", top_p=1.5), "sampling.top_p must be a number in (0, 1], got 1.5"),
+    (with_section("sampling", temperature=-0.1), "sampling.temperature must be a number >= 0"),
+    (with_section("sampling", n=0), "sampling.n must be an integer > 0, got 0"),
+    (with_section("sampling", max_new_tokens="many"), "sampling.max_new_tokens must be an integer, got 'many'"),
+    (with_section("sampling", temperature=True), "sampling.temperature must be a number, got True"),
+    (with_section("sampling", stop="###"), "sampling.stop must be a list of strings"),
+    (with_section("sampling", stop=[""]), "sampling.stop must be non-empty strings"),
+    (with_section("sampling", tempreature=0.7), "unknown key sampling.tempreature"),
+    (with_section("engine", batch_size=0), "engine.batch_size must be an integer > 0 or auto, got 0"),
+    (with_section("engine", batch_size="big"), "engine.batch_size must be an integer or auto, got 'big'"),
+    (with_section("model", dtype="float16"), "model.dtype must be float32 or bfloat16, got 'float16'"),
+    (with_section("prompts", on_invalid="ignore"), "prompts.on_invalid must be fail or skip"),
+    (with_section("prompts", max_prompt_tokens=-1), "prompts.max_prompt_tokens must be an integer > 0, got -1"),
+    (with_section("wandb", mode="cloud"), "wandb.mode must be offline or online or disabled"),
+    ({"run": {"root": "/r", "name": "x"}, "model": {"path": "/m"}}, "missing required key prompts"),
+    (with_section("run", name=None), "run.name must be a string, got null"),
+    ({**MINIMAL, "extra": {}}, "unknown key extra"),
+    (with_section("sampling", **{"seed": 1.5}), "sampling.seed must be an integer, got 1.5"),
+])
+def test_bad_values_name_the_key_path(data, message):
+    with pytest.raises(ConfigError) as err:
+        build_config(data)
+    assert message in str(err.value)
+
+
+def test_set_overrides_are_yaml_typed_and_dotted():
+    data = apply_override(apply_override(MINIMAL, "sampling.temperature=0.7"), 'sampling.stop=["\\n\\n"]')
+    cfg = build_config(apply_override(data, "engine.batch_size=auto"))
+    assert cfg.sampling.temperature == 0.7 and cfg.sampling.stop == ("\n\n",) and cfg.engine.batch_size == "auto"
+    assert MINIMAL.get("sampling") is None  # the input is not mutated
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sampling.temperature", "expected KEY=VALUE"),
+    ("run.root.deeper=1", "run.root is not a section"),
+    ("sampling.n=[1", "value is not valid YAML"),
+])
+def test_bad_set_syntax(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        apply_override(MINIMAL, override)
+
+
+def test_yaml_syntax_error_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("run: {root: /tmp\n  name: [\n")
+    with pytest.raises(ConfigError, match=f"config file {path} is not valid YAML"):
+        load_config(str(path))
+
+
+def test_cli_config_errors_exit_2_with_one_line(tmp_path):
+    runner = CliRunner()
+    missing = runner.invoke(app, ["run", "all", "--config", str(tmp_path / "nope.yaml")])
+    assert missing.exit_code == 2
+    assert missing.output.strip().splitlines()[-1] == f"error: config file {tmp_path / 'nope.yaml'} not found"
+    bad = runner.invoke(app, ["status", "--config", str(REPO / "configs" / "demo.yaml"), "--set", "sampling.top_p=2"])
+    assert bad.exit_code == 2
+    assert bad.output.strip().splitlines()[-1].startswith("error: ") and "sampling.top_p" in bad.output

@@ -1,0 +1,54 @@
+"""The multi-host frame with the real jax.distributed: local processes started by
+`pipeline launch`, joined on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from pipeline.launch import free_port
+
+
+def pipeline(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_launch_two_hosts_meet_at_a_barrier_and_agree_on_the_plan(make_config):
+    result = pipeline("launch", "--hosts", "2", "--", "preflight", "--config", make_config())
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    for host in (0, 1):
+        assert any(line.startswith(f"[host {host}] host {host}/2: joined, same code and plan") for line in lines)
+
+
+def test_hosts_with_different_configs_fail_fast_naming_the_difference(make_config):
+    port = str(free_port())
+    env = {"PIPELINE_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "PIPELINE_NUM_PROCESSES": "2"}
+    config = make_config()
+    procs = [subprocess.Popen([sys.executable, "-m", "pipeline.cli", "preflight", "--config", config,
+                               *(["--set", "sampling.temperature=0.9"] if i else [])],
+                              env={**os.environ, **env, "PIPELINE_PROCESS_ID": str(i)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert procs[1].returncode == 2
+    assert "host 1/2: code version and plan differs from the leader's" in outputs[1][1]
+    assert "plan" in outputs[1][1].strip().splitlines()[-1]
+
+
+def test_a_missing_host_fails_in_bounded_time_with_a_clear_message(make_config):
+    env = {"PIPELINE_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "PIPELINE_NUM_PROCESSES": "2",
+           "PIPELINE_PROCESS_ID": "0", "PIPELINE_INIT_TIMEOUT_S": "3"}
+    result = pipeline("preflight", "--config", make_config(), env=env, timeout=60)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: multi-host: could not join the pod at 127.0.0.1:"), result.stderr[-2000:]
+    assert "as process 0 of 2" in last and "is every host started?" in last
+
+
+def test_bad_pod_variables_are_a_usage_error(make_config):
+    env = {"PIPELINE_COORDINATOR_ADDRESS": "127.0.0.1:1", "PIPELINE_NUM_PROCESSES": "2", "PIPELINE_PROCESS_ID": "5"}
+    result = pipeline("preflight", "--config", make_config(), env=env)
+    assert result.returncode == 2
+    assert "PIPELINE_PROCESS_ID=5 must be in [0, PIPELINE_NUM_PROCESSES=2)" in result.stderr

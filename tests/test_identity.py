@@ -1,0 +1,93 @@
+"""Which edits change which step hashes: semantic ones change a step and its descendants,
+runtime knobs change nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.config import apply_override, build_config
+from pipeline.runner import STEP_NAMES, make_plan
+
+ALL = set(STEP_NAMES)
+FROM_GENERATE = {"generate", "merge", "upload"}
+
+
+def hashes(cfg) -> dict[str, str]:
+    return {p.spec.name: p.hash for p in make_plan(cfg)}
+
+
+@pytest.fixture
+def base(tmp_path, demo_model):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"prompt": "world"}\n')
+    model = tmp_path / "model"
+    shutil.copytree(demo_model, model)
+    return {"run": {"root": str(tmp_path / "runs"), "name": "t"}, "model": {"path": str(model)},
+            "prompts": {"path": str(prompts)}}
+
+
+@pytest.mark.parametrize("override, changed", [
+    ("sampling.temperature=0.7", FROM_GENERATE),
+    ("sampling.n=3", FROM_GENERATE),
+    ("sampling.stop=['###']", FROM_GENERATE),
+    ("model.dtype=float32", FROM_GENERATE),
+    ("prompts.max_prompt_tokens=7", ALL),
+    ("prompts.chat_template=true", ALL),
+    ("prompts.on_invalid=skip", ALL),
+    ("wandb.project=other", {"upload"}),
+    ("run.name=other", {"upload"}),
+    # runtime knobs: never part of a hash
+    ("engine.batch_size=3", set()),
+    ("engine.part_rows=5", set()),
+    ("prompts.num_shards=5", set()),
+    ("run.root=memory://elsewhere", set()),
+    ("wandb.mode=disabled", set()),
+])
+def test_which_edits_change_which_hashes(base, override, changed):
+    before = hashes(build_config(base))
+    after = hashes(build_config(apply_override(base, override)))
+    assert {name for name in STEP_NAMES if before[name] != after[name]} == changed
+
+
+def test_content_not_location_enters_the_hash(base, tmp_path):
+    before = hashes(build_config(base))
+    moved = tmp_path / "elsewhere" / "renamed.jsonl"
+    moved.parent.mkdir()
+    shutil.copy(base["prompts"]["path"], moved)
+    assert hashes(build_config(apply_override(base, f"prompts.path={moved}"))) == before
+
+    moved.write_text('{"prompt": "hello"}\n{"prompt": "world!"}\n')
+    assert set(hashes(build_config(apply_override(base, f"prompts.path={moved}"))).items()) & set(before.items()) == set()
+
+
+def test_model_weights_change_generate_but_not_tokenize(base):
+    before = hashes(build_config(base))
+    weights = f"{base['model']['path']}/model.safetensors"
+    data = bytearray(open(weights, "rb").read())
+    data[-1] ^= 0xFF
+    open(weights, "wb").write(bytes(data))
+    after = hashes(build_config(base))
+    assert {n for n in STEP_NAMES if before[n] != after[n]} == FROM_GENERATE
+
+
+def test_tokenizer_change_changes_every_hash(base):
+    before = hashes(build_config(base))
+    path = f"{base['model']['path']}/tokenizer_config.json"
+    config = json.load(open(path))
+    config["model_max_length"] = 77
+    json.dump(config, open(path, "w"))
+    after = hashes(build_config(base))
+    assert all(before[n] != after[n] for n in STEP_NAMES)
+
+
+def test_hashes_are_stable_across_processes(base):
+    code = ("import json,sys; from pipeline.config import build_config; from pipeline.runner import make_plan;"
+            "print(json.dumps([p.hash for p in make_plan(build_config(json.loads(sys.argv[1])))]))")
+    runs = [subprocess.run([sys.executable, "-c", code, json.dumps(base)], capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout) == [hashes(build_config(base))[n] for n in STEP_NAMES]

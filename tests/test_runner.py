@@ -1,0 +1,135 @@
+"""The runner's contract on stand-in steps: skip what is complete, --force, --dry-run writes
+nothing, the marker is written last, missing upstream names the command that makes it.
+
+The steps here are stubs that write one file each: they isolate the runner. The real steps
+run end to end in tests/test_end_to_end.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline import runner, status, storage
+from pipeline.cli import app
+from pipeline.config import load_config
+
+CALLS: list[str] = []
+FAIL_IN: set[str] = set()
+
+
+def _stub(name: str):
+    def step(cfg, out):
+        CALLS.append(name)
+        storage.write_text(out.path("data.txt"), f"{name} output")
+        if name in FAIL_IN:
+            raise RuntimeError(f"{name} broke after writing its data")
+        return runner.StepResult(rows=3, files=[{"path": "data.txt"}], summary={"rows": 3})
+    return step
+
+
+def _finish(cfg, out):
+    return runner.StepResult(rows=3, files=[], summary={})
+
+
+stub_tokenize, stub_generate, stub_merge, stub_upload = (_stub(n) for n in runner.STEP_NAMES)
+
+
+@pytest.fixture(autouse=True)
+def stub_steps(monkeypatch):
+    specs = tuple(
+        dataclasses.replace(spec, entry=f"{__name__}:stub_{spec.name}",
+                            finish=f"{__name__}:_finish" if spec.finish else None)
+        for spec in runner.STEPS
+    )
+    monkeypatch.setattr(runner, "STEPS", specs)
+    CALLS.clear()
+    FAIL_IN.clear()
+
+
+def files_under(root) -> dict[str, float]:
+    return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+            for d, _, fs in os.walk(root) for f in fs}
+
+
+def test_first_run_runs_all_then_second_run_skips_all(make_config, tmp_path):
+    cfg = load_config(make_config())
+    runner.run_steps(cfg, runner.STEP_NAMES, echo=lambda _: None)
+    assert CALLS == list(runner.STEP_NAMES)
+    assert [p.state for p in runner.make_plan(cfg)] == ["complete"] * 4
+    before = files_under(tmp_path / "runs")
+    CALLS.clear()
+    plan = runner.run_steps(cfg, runner.STEP_NAMES, echo=lambda _: None)
+    assert CALLS == [] and [p.action for p in plan] == ["skip"] * 4
+    assert files_under(tmp_path / "runs") == before
+
+
+def test_marker_holds_manifest_config_and_versions(make_config):
+    cfg = load_config(make_config())
+    runner.run_steps(cfg, ("tokenize",), echo=lambda _: None)
+    (planned,) = [p for p in runner.make_plan(cfg) if p.spec.name == "tokenize"]
+    record = status.read_marker(planned.url)
+    assert record.rows == 3 and record.files == [{"path": "data.txt"}] and record.hash == planned.hash
+    assert record.config["sampling"]["n"] == 2 and "jax" in record.versions and record.wall_s >= 0
+    assert storage.exists(storage.join(planned.url, status.CONFIG_FILE))
+
+
+def test_failure_after_data_leaves_step_partial_not_complete(make_config):
+    cfg = load_config(make_config())
+    FAIL_IN.add("generate")
+    with pytest.raises(RuntimeError, match="generate broke"):
+        runner.run_steps(cfg, runner.STEP_NAMES, echo=lambda _: None)
+    states = {p.spec.name: p.state for p in runner.make_plan(cfg)}
+    assert states == {"tokenize": "complete", "generate": "partial", "merge": "missing", "upload": "missing"}
+    FAIL_IN.clear()
+    CALLS.clear()
+    plan = runner.run_steps(cfg, runner.STEP_NAMES, echo=lambda _: None)
+    assert CALLS == ["generate", "merge", "upload"]
+    assert plan[1].reason.startswith("partial output from an earlier attempt")
+
+
+def test_dry_run_writes_nothing(make_config, tmp_path):
+    cfg = load_config(make_config())
+    plan = runner.run_steps(cfg, runner.STEP_NAMES, dry_run=True, echo=lambda _: None)
+    assert [p.action for p in plan] == ["run"] * 4 and CALLS == []
+    assert not (tmp_path / "runs").exists()
+
+
+def test_force_reruns_a_complete_step(make_config):
+    cfg = load_config(make_config())
+    runner.run_steps(cfg, runner.STEP_NAMES, echo=lambda _: None)
+    CALLS.clear()
+    runner.run_steps(cfg, ("upload",), force=True, echo=lambda _: None)
+    assert CALLS == ["upload"]
+
+
+def test_changing_sampling_reruns_generate_and_after_only(make_config):
+    runner.run_steps(load_config(make_config()), runner.STEP_NAMES, echo=lambda _: None)
+    CALLS.clear()
+    runner.run_steps(load_config(make_config(), ["sampling.temperature=0.5"]), runner.STEP_NAMES, echo=lambda _: None)
+    assert CALLS == ["generate", "merge", "upload"]
+
+
+def test_single_step_with_missing_upstream_exits_1_naming_the_command(make_config):
+    result = CliRunner().invoke(app, ["run", "merge", "--config", make_config()])
+    assert result.exit_code == 1
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("error: cannot run merge: needs generate, which is missing")
+    assert "pipeline run generate" in last
+    assert CALLS == []
+
+
+def test_status_json_lists_four_steps(make_config):
+    import json
+
+    config = make_config()
+    CliRunner().invoke(app, ["run", "all", "--config", config], catch_exceptions=False)
+    result = CliRunner().invoke(app, ["status", "--config", config, "--json"])
+    assert result.exit_code == 0
+    steps = json.loads(result.output)["steps"]
+    assert [s["name"] for s in steps] == list(runner.STEP_NAMES)
+    assert all(s["state"] == "complete" and s["rows"] == 3 and len(s["hash"]) == 64 for s in steps)
+    assert all(s["output"].endswith(f"{s['name']}-{s['hash'][:12]}") for s in steps)
