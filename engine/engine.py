@@ -39,6 +39,8 @@ from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch
 from engine.sampler import SamplingParams
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_COMPILED: dict[tuple, Any] = {}
+"""Compiled programs by (program, static args, sampling spec, input structure and shapes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,12 +154,14 @@ class Engine:
         self.stats = EngineStats(batch_size=plan.batch_size)
         self._mesh = Mesh(np.array(devices), ("data",))
         self._batch_sharding = NamedSharding(self._mesh, PartitionSpec("data"))
-        self._spec = DecodeSpec(sampling, tuple(sorted(set(eos_token_ids) | set(sampling.stop_token_ids))), self._batch_sharding)
+        # Only what the programs compute with: engines differing in n or stop strings share them.
+        compiled_sampling = dataclasses.replace(sampling, n=1, stop_strings=(), stop_token_ids=())
+        stop_ids = tuple(sorted(set(eos_token_ids) | set(sampling.stop_token_ids)))
+        self._spec = DecodeSpec(compiled_sampling, stop_ids, self._batch_sharding)
         self._seq_len = engine_config.max_prompt_tokens + sampling.max_new_tokens
         self._cache_dtype = jnp.float32 if devices[0].platform == "cpu" else DTYPES[engine_config.dtype]
         self._prompt_buckets = length_buckets(engine_config.max_prompt_tokens, fine=True)
         self._window_buckets = length_buckets(self._seq_len, fine=False)
-        self._compiled: dict[tuple, Any] = {}
 
     @staticmethod
     def load(
@@ -227,15 +231,17 @@ class Engine:
     # ------------------------------------------------------------------ compiled programs
 
     def _run(self, kind: str, fn, static: tuple, *args):
-        """Compiles once per (kind, static, shapes) and runs; compile time is counted apart."""
-        key = (kind, static, tuple(getattr(a, "shape", None) for a in args[3:]), args[1][0][0].axes[0].size)
-        compiled = self._compiled.get(key)
+        """Compiles once per program and input shapes (shared by engines in this process: a
+        reload with the same shapes compiles nothing) and runs; compile time is counted apart."""
+        leaves, treedef = jax.tree.flatten(args)
+        key = (kind, static, self._spec, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+        compiled = _COMPILED.get(key)
         if compiled is None:
             start = time.perf_counter()
             compiled = jax.jit(fn, donate_argnums=(1, 2)).lower(*args).compile()
             self.stats.compile_time_s += time.perf_counter() - start
             self.stats.compilations += 1
-            self._compiled[key] = compiled
+            _COMPILED[key] = compiled
         start = time.perf_counter()
         out = compiled(*args)
         jax.block_until_ready(out)

@@ -1,0 +1,88 @@
+"""Fixtures for the engine tests: tiny random-weight checkpoints built by transformers, and a
+word-level tokenizer, all made locally (no network).
+
+Weights are drawn with std 0.3 (not transformers' 0.02) so that logits have real margins and
+greedy tokens are not a coin toss between near-ties.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# This folder is named like the package it tests. Under pytest's default (prepend) import mode
+# tests/ is on sys.path, so `import engine` would find this folder as a namespace package
+# before the editable install's finder; putting the repo root on sys.path makes the real
+# package win (a regular package beats a namespace portion wherever it sits on sys.path).
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+if getattr(sys.modules.get("engine"), "__file__", "") is None:
+    del sys.modules["engine"]
+
+from engine_testlib import VOCAB  # noqa: E402
+
+
+def _randomize(model, std: float = 0.3) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+
+
+def _save(model, path: Path, eos=None) -> str:
+    model.generation_config.eos_token_id = eos
+    model.config.eos_token_id = eos
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory):
+    """(path, torch model): Llama with GQA (4 heads, 2 KV heads), llama3 rope scaling, untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    _randomize(model)
+    return _save(model, tmp_path_factory.mktemp("llama") / "ckpt"), model
+
+
+@pytest.fixture(scope="session")
+def qwen2(tmp_path_factory):
+    """(path, torch model): Qwen2 with q/k/v biases (randomized, not zero) and tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    _randomize(model)
+    return _save(model, tmp_path_factory.mktemp("qwen2") / "ckpt"), model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """Word-level tokenizer: id i <-> word 'x{i}y' (no word is a prefix of another), space-joined."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({f"x{i}y": i for i in range(VOCAB)}, unk_token="x0y"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)

@@ -1,0 +1,120 @@
+"""The model's definition of correct: logits and greedy tokens against transformers (float32),
+on tiny random-weight checkpoints built by transformers; plus checkpoint loading and refusals.
+
+Tolerance: float32 teacher-forced logits agree within LOGIT_TOL (measured ~2e-6). Greedy
+tokens must match generate's exactly, except that once transformers' top-2 margin at a step
+falls below LOGIT_TOL the rest of that sequence is not compared (a near-tie may go either way).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import fsspec
+import haliax as hax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from engine import Engine, GenerationRequest, SamplingParams, UnsupportedModelError
+from engine.llama import LlamaConfig, load_checkpoint
+from engine_testlib import VOCAB, hf_greedy
+
+LOGIT_TOL = 1e-4
+PROMPTS = [np.random.RandomState(i).randint(0, VOCAB, n).tolist() for i, n in enumerate([5, 23, 9, 17, 30, 12])]
+
+
+def _our_logits(model, ids: np.ndarray) -> np.ndarray:
+    B, L = ids.shape
+    Batch, Pos, KPos = hax.Axis("batch", B), hax.Axis("position", L), hax.Axis("key_position", L)
+    positions = hax.named(jnp.broadcast_to(jnp.arange(L), (B, L)), (Batch, Pos))
+    mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L)), (Batch, Pos, KPos))
+    hidden, _ = model.forward(hax.named(jnp.asarray(ids), (Batch, Pos)), positions, mask)
+    return np.asarray(model.logits(hidden).rearrange(("batch", "position", "vocab")).array)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_logits_match_transformers(name, request):
+    path, hf = request.getfixturevalue(name)
+    config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
+    model = load_checkpoint(path, config, dtype=jnp.float32)
+    ids = np.random.RandomState(0).randint(0, VOCAB, (2, 40))  # 40 > the 16 positions llama3 rope keeps unscaled
+    with torch.no_grad():
+        expected = hf(torch.tensor(ids)).logits.numpy()
+    ours = _our_logits(model, ids)
+    assert np.abs(expected).max() > 1.0, "weights too small to test anything"
+    np.testing.assert_allclose(ours, expected, atol=LOGIT_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_greedy_matches_transformers_generate(name, request):
+    """Six prompts of mixed lengths through 4 slots: exercises buckets and slot refill too."""
+    path, hf = request.getfixturevalue(name)
+    new = 24
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=new), batch_size=4, max_prompt_tokens=32)
+    got = {c.prompt_index: c for c in engine.generate(GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS))}
+    assert sorted(got) == list(range(len(PROMPTS)))
+    compared = 0
+    for i, prompt in enumerate(PROMPTS):
+        expected = hf_greedy(hf, prompt, new)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + expected])).logits[0, len(prompt) - 1 :]
+        top2 = torch.topk(logits, 2, dim=-1).values
+        margins = (top2[:, 0] - top2[:, 1]).tolist()
+        upto = next((t for t, m in enumerate(margins) if m < LOGIT_TOL), new)
+        assert got[i].token_ids[:upto] == expected[:upto], f"prompt {i}"
+        assert got[i].finish_reason == "length" and len(got[i].token_ids) == new
+        compared += upto
+    assert compared >= 0.9 * new * len(PROMPTS)
+    assert engine.stats.generated_tokens == new * len(PROMPTS)
+    assert engine.stats.compilations <= 4, engine.stats  # prefill buckets + decode windows
+
+
+def test_bfloat16_logits_close(llama):
+    path, hf = llama
+    config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
+    model = load_checkpoint(path, config, dtype=jnp.bfloat16)
+    ids = np.random.RandomState(1).randint(0, VOCAB, (1, 24))
+    with torch.no_grad():
+        expected = hf(torch.tensor(ids)).logits.numpy()
+    ours = _our_logits(model, ids)
+    scale = np.abs(expected).max()
+    assert np.abs(ours - expected).max() < 0.05 * scale  # bf16 has ~3 significant digits
+
+
+def test_sharded_checkpoint_from_fsspec_url(llama, tmp_path):
+    """A checkpoint split in shards with model.safetensors.index.json, read from memory://."""
+    path, hf = llama
+    local = tmp_path / "sharded"
+    hf.save_pretrained(local, safe_serialization=True, max_shard_size="20KB")
+    assert (local / "model.safetensors.index.json").exists()
+    mem = fsspec.filesystem("memory")
+    for f in local.iterdir():
+        mem.pipe(f"/sharded-llama/{f.name}", f.read_bytes())
+    config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
+    ids = np.arange(12)[None] % VOCAB
+    expected = _our_logits(load_checkpoint(path, config, dtype=jnp.float32), ids)
+    got = _our_logits(load_checkpoint("memory://sharded-llama", config, dtype=jnp.float32), ids)
+    np.testing.assert_array_equal(got, expected)
+
+
+def _edited_checkpoint(src: str, dst, **config_values) -> str:
+    shutil.copytree(src, dst)
+    data = json.loads((dst / "config.json").read_text())
+    data.update(config_values)
+    (dst / "config.json").write_text(json.dumps(data))
+    return str(dst)
+
+
+def test_unsupported_architecture_is_refused(llama, tmp_path):
+    path = _edited_checkpoint(llama[0], tmp_path / "gpt2", model_type="gpt2")
+    with pytest.raises(UnsupportedModelError, match=r"config.json: model_type 'gpt2' is not supported \(supported: llama, mistral, qwen2\)"):
+        Engine.load(path, dtype="float32", batch_size=1, max_prompt_tokens=8)
+
+
+def test_unimplemented_rope_type_is_refused(llama, tmp_path):
+    path = _edited_checkpoint(llama[0], tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+    with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported"):
+        Engine.load(path, dtype="float32", batch_size=1, max_prompt_tokens=8)
