@@ -1,0 +1,80 @@
+"""The whole pipeline through the CLI on a temp folder, as a user runs it.
+
+First run completes all four steps; the second skips every step and touches no file;
+--dry-run writes nothing; changing a sampling value reruns generate and everything after it,
+and nothing before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+
+COLUMNS = ["prompt_index", "prompt_id", "sample_index", "prompt", "completion", "completion_token_ids",
+           "num_prompt_tokens", "num_completion_tokens", "finish_reason"]
+
+
+@pytest.fixture(autouse=True)
+def hermetic_wandb(tmp_path, monkeypatch):
+    for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+
+def invoke(*args: str):
+    from pipeline import preemption
+
+    preemption.reset()
+    return CliRunner().invoke(app, list(args), catch_exceptions=False)
+
+
+def snapshot(root) -> dict[str, int]:
+    return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(root) for f in fs}
+
+
+def status(config: str) -> dict[str, dict]:
+    result = invoke("status", "--config", config, "--json")
+    assert result.exit_code == 0, result.output
+    return {s["name"]: s for s in json.loads(result.output)["steps"]}
+
+
+def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_path):
+    config = make_config(sampling={"temperature": 0.7, "top_p": 0.9, "top_k": 20, "n": 2, "max_new_tokens": 6})
+    runs = tmp_path / "runs"
+
+    first = invoke("run", "all", "--config", config)
+    assert first.exit_code == 0, first.output
+    steps = status(config)
+    assert [s["state"] for s in steps.values()] == ["complete"] * 4
+    assert steps["tokenize"]["rows"] == 12 and steps["merge"]["rows"] == 24
+
+    merged = pq.read_table([p for p in snapshot(runs) if "/merge-" in p and p.endswith(".parquet")][0])
+    assert merged.column_names == COLUMNS and merged.num_rows == 24
+    keys = list(zip(merged["prompt_index"].to_pylist(), merged["sample_index"].to_pylist()))
+    assert keys == [(p, s) for p in range(12) for s in range(2)]
+    assert merged["prompt_id"].to_pylist()[:2] == ["p0", "p0"]
+    assert all(n == len(ids) for n, ids in zip(merged["num_completion_tokens"].to_pylist(),
+                                                merged["completion_token_ids"].to_pylist()))
+
+    before = snapshot(runs)
+    second = invoke("run", "all", "--config", config)
+    assert second.exit_code == 0 and second.output.count("skip") >= 4
+    assert snapshot(runs) == before
+
+    dry = invoke("run", "all", "--config", config, "--set", "sampling.temperature=0.3", "--dry-run")
+    assert dry.exit_code == 0 and "generate" in dry.output
+    assert snapshot(runs) == before
+
+    changed = invoke("run", "all", "--config", config, "--set", "sampling.temperature=0.3")
+    assert changed.exit_code == 0, changed.output
+    after = snapshot(runs)
+    assert {p: t for p, t in after.items() if "/tokenize-" in p} == {p: t for p, t in before.items() if "/tokenize-" in p}
+    new_dirs = {os.path.relpath(p, runs).split(os.sep)[0] for p in set(after) - set(before)}
+    assert sorted(d.split("-")[0] for d in new_dirs) == ["generate", "merge", "upload"]

@@ -1,0 +1,126 @@
+"""generate on real pods of local processes (`pipeline launch`): same rows for any host
+count, resume after SIGKILL / SIGTERM without losing or duplicating a (prompt, sample)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import write_prompts
+
+GREEDY = {"sampling": {"max_new_tokens": 12, "temperature": 0.0, "n": 2}, "engine": {"batch_size": 4, "part_rows": 4}}
+
+
+def pipeline(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def generated_rows(root) -> dict[tuple[int, int], tuple]:
+    """Every committed generate row, keyed by (prompt_index, sample_index); fails on a duplicate key."""
+    rows: dict[tuple[int, int], tuple] = {}
+    for path in sorted(glob.glob(f"{root}/generate-*/shard-*/part-*.parquet")):
+        for r in pq.read_table(path).to_pylist():
+            key = (r["prompt_index"], r["sample_index"])
+            assert key not in rows, f"duplicate row {key} in {path}"
+            rows[key] = (r["completion_token_ids"], r["finish_reason"], r["prompt_id"], r["num_prompt_tokens"])
+    return rows
+
+
+@pytest.fixture
+def many_prompts(tmp_path):
+    return str(write_prompts(tmp_path / "many.jsonl", [f"Prompt {i}: write about the number {i * 7}." for i in range(40)]))
+
+
+@pytest.fixture
+def reference(make_config, tmp_path, many_prompts):
+    """An uninterrupted single-host run of tokenize + generate."""
+    config = make_config("reference.yaml", run={"root": str(tmp_path / "reference")}, prompts={"path": many_prompts},
+                         **GREEDY)
+    for step in ("tokenize", "generate"):
+        result = pipeline("run", step, "--config", config)
+        assert result.returncode == 0, result.stderr[-3000:]
+    rows = generated_rows(tmp_path / "reference")
+    assert len(rows) == 40 * 2
+    return rows
+
+
+@pytest.mark.parametrize("hosts", [2, 3])
+def test_any_host_count_gives_the_same_rows(make_config, tmp_path, many_prompts, reference, hosts):
+    config = make_config(f"pod{hosts}.yaml", run={"root": str(tmp_path / f"pod{hosts}")}, prompts={"path": many_prompts},
+                         **GREEDY)
+    assert pipeline("run", "tokenize", "--config", config).returncode == 0
+    result = pipeline("launch", "--hosts", str(hosts), "--", "run", "generate", "--config", config)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert generated_rows(tmp_path / f"pod{hosts}") == reference
+    metrics = glob.glob(f"{tmp_path}/pod{hosts}/generate-*/metrics/host-*.json")
+    assert len(metrics) == hosts
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for_parts(root, at_least: int, proc: subprocess.Popen, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(glob.glob(f"{root}/generate-*/shard-*/part-*.parquet")) < at_least:
+        assert proc.poll() is None, f"finished before it could be interrupted: {proc.stdout.read()[-2000:]}"
+        assert time.monotonic() < deadline, "no parts appeared"
+        time.sleep(0.05)
+
+
+def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp_path, many_prompts, reference):
+    """A hard kill loses only uncommitted rows; the rerun (now 1 host instead of 2) fills exactly the gaps."""
+    root = tmp_path / "killed"
+    config = make_config("killed.yaml", run={"root": str(root)}, prompts={"path": many_prompts}, **GREEDY)
+    assert pipeline("run", "tokenize", "--config", config).returncode == 0
+    pod = _start(["launch", "--hosts", "2", "--", "run", "generate", "--config", config])
+    _wait_for_parts(root, 2, pod)
+    victim = [p for p in _children(pod.pid)]
+    assert victim, "no host processes found"
+    os.kill(victim[-1], signal.SIGKILL)
+    started = time.monotonic()
+    output, _ = pod.communicate(timeout=240)
+    assert pod.returncode != 0
+    print(f"pod exited {pod.returncode} {time.monotonic() - started:.1f}s after the kill:\n{output[-1500:]}")
+    partial = generated_rows(root)
+    assert 0 < len(partial) < 80
+    states = {s["name"]: s["state"] for s in json.loads(pipeline("status", "--config", config, "--json").stdout)["steps"]}
+    assert states == {"tokenize": "complete", "generate": "partial", "merge": "missing", "upload": "missing"}
+
+    result = pipeline("run", "all", "--config", config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert generated_rows(root) == reference
+
+
+def test_sigterm_commits_finished_rows_and_exits_75(make_config, tmp_path, many_prompts, reference):
+    root = tmp_path / "termed"
+    config = make_config("termed.yaml", run={"root": str(root)}, prompts={"path": many_prompts}, **GREEDY)
+    assert pipeline("run", "tokenize", "--config", config).returncode == 0
+    proc = _start(["run", "generate", "--config", config])
+    _wait_for_parts(root, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, output[-3000:]
+    assert output.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
+    committed = generated_rows(root)
+    assert 0 < len(committed) < 80
+    assert committed.items() <= reference.items()
+
+    result = pipeline("run", "generate", "--config", config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert generated_rows(root) == reference
+
+
+def _children(pid: int) -> list[int]:
+    """Host processes started by a `pipeline launch` (direct children of pid)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
