@@ -11,9 +11,9 @@ which rows go to which slots and when; it does not own stop strings or schedulin
     caches, state, out = decode_chunk(model, caches, state, kill, spec=spec, window=256, steps=16)
 
 A decode chunk runs up to `steps` tokens in one `lax.while_loop` (no Python per token), stopping
-early when every slot is done. It attends only to the first `window` cache positions: the host
+early when every slot is done. It attends only to the first `window` cache positions (the host
 picks the smallest window bucket covering every live slot, so short rows do not read the whole
-preallocated cache each step.
+preallocated cache each step) plus the chunk's own new positions.
 """
 
 from __future__ import annotations
@@ -134,14 +134,25 @@ def prefill_into_slots(
 
 
 def decode_chunk(model: LlamaLM, caches: Caches, state: DecodeState, kill: jax.Array, *, spec: DecodeSpec, window: int, steps: int):
-    """Up to `steps` decode steps for every live slot, attending to cache positions < window.
-    kill [slots] marks rows the host finished (stop strings). Returns (caches, state, tokens
-    [slots, steps], -1 where a slot produced nothing)."""
+    """Up to `steps` decode steps for every live slot. kill [slots] marks rows the host finished
+    (stop strings). Returns (caches, state, tokens [slots, steps], -1 where a slot produced nothing).
+
+    Inside the loop the cache is read-only, cut to its first `window` positions (the host picks
+    a window covering every live slot's position); each step's keys/values go to a small chunk
+    buffer at the step index (the same for every row), which is scattered into the cache at each
+    row's own position once, after the loop.
+    """
     slots = state.done.shape[0]
-    full_len = caches[0][0].axes[2].size
-    Batch, Pos, KPos = Axis("batch", slots), Axis("position", 1), Axis("key_position", window)
-    small = tuple(tuple(hax.named(c.array[:, :, :window], c.axes[:2] + (KPos,) + c.axes[3:]) for c in kv) for kv in caches)
-    key_positions = jnp.arange(window, dtype=jnp.int32)
+    Batch, Pos = Axis("batch", slots), Axis("position", 1)
+    KPos, Chunk = Axis("key_position", window), Axis("chunk", steps)
+    state = state._replace(done=state.done | kill)
+    start = state.position
+    readonly = tuple(tuple(hax.named(c.array[:, :, :window], c.axes[:2] + (KPos,) + c.axes[3:]) for c in kv) for kv in caches)
+    chunk_axes = (Batch, model.config.KVHeads, Chunk, model.config.HeadDim)
+    chunk_shape = tuple(a.size for a in chunk_axes)
+    cache_dtype = caches[0][0].dtype
+    chunks = tuple(tuple(hax.named(jnp.zeros(chunk_shape, cache_dtype), chunk_axes) for _ in range(2)) for _ in caches)
+    cache_mask = hax.named((jnp.arange(window)[None, :] < start[:, None])[:, None, :], (Batch, Pos, KPos))
     max_new = spec.sampling.max_new_tokens
 
     def cond(carry):
@@ -149,14 +160,13 @@ def decode_chunk(model: LlamaLM, caches: Caches, state: DecodeState, kill: jax.A
         return (i < steps) & ~jnp.all(st.done)
 
     def body(carry):
-        i, kv, st, out = carry
-        mask = hax.named((key_positions[None, :] <= st.position[:, None])[:, None, :], (Batch, Pos, KPos))
-        hidden, kv = model.forward(
+        i, chunk_kv, st, out = carry
+        chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= i, (slots, 1, steps)), (Batch, Pos, Chunk))
+        hidden, chunk_kv = model.forward(
             hax.named(st.last_token[:, None], (Batch, Pos)),
             hax.named(st.position[:, None], (Batch, Pos)),
-            mask,
-            kv,
-            write_pos=st.position,
+            (cache_mask, chunk_mask),
+            tuple((k, v, ck, cv, i) for (k, v), (ck, cv) in zip(readonly, chunk_kv)),
         )
         logits = model.logits(hidden["position", 0]).rearrange(("batch", "vocab")).array
         token = sample(logits, step_keys(st.keys, st.generated), spec.sampling)
@@ -171,16 +181,19 @@ def decode_chunk(model: LlamaLM, caches: Caches, state: DecodeState, kill: jax.A
             keys=st.keys,
         )
         out = out.at[:, i].set(jnp.where(live, token, -1))
-        return i + 1, kv, st, out
+        return i + 1, chunk_kv, st, out
 
-    state = state._replace(done=state.done | kill)
     out = jnp.full((slots, steps), -1, jnp.int32)
-    _, small, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), small, state, out))
-    if window < full_len:
-        caches = tuple(
-            tuple(hax.named(jax.lax.dynamic_update_slice(c.array, s.array, (0, 0, 0, 0)), c.axes) for c, s in zip(kv, skv))
-            for kv, skv in zip(caches, small)
+    _, chunks, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), chunks, state, out))
+    # Entries past a row's last live step are garbage written beyond its valid positions, where
+    # nothing is read before it is overwritten; positions past the cache are dropped.
+    rows = jnp.arange(slots)[:, None]
+    positions = start[:, None] + jnp.arange(steps)[None, :]
+    caches = tuple(
+        tuple(
+            hax.named(c.array.at[rows, :, positions, :].set(jnp.swapaxes(u.array, 1, 2), mode="drop"), c.axes)
+            for c, u in zip(kv, ukv)
         )
-    else:
-        caches = small
+        for kv, ukv in zip(caches, chunks)
+    )
     return _constrain(caches, spec.batch_sharding), _constrain(state, spec.batch_sharding), out

@@ -104,6 +104,8 @@ class EngineConfig:
             raise ValueError(f"prompts.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"engine.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.decode_chunk_steps < 1:
+            raise ValueError(f"engine.decode_chunk_steps must be >= 1, got {self.decode_chunk_steps}")
 
 
 def length_buckets(limit: int, *, fine: bool) -> list[int]:
@@ -296,8 +298,8 @@ class Engine:
                             yield completion
                     continue
                 busy = [s for s in range(slots) if live[s] is not None]
-                reach = max(len(live[s].prompt) + len(live[s].tokens) - 1 for s in busy) + steps
-                window = self._window_buckets[bisect.bisect_left(self._window_buckets, min(reach, self._seq_len))]
+                reach = max(len(live[s].prompt) + len(live[s].tokens) - 1 for s in busy)
+                window = self._window_buckets[bisect.bisect_left(self._window_buckets, reach)]
                 caches, state, out = self._run(
                     "decode",
                     functools.partial(decode_chunk, spec=self._spec, window=window, steps=steps),

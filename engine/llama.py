@@ -91,6 +91,15 @@ class LlamaConfig:
     def HeadDim(self) -> Axis:
         return Axis("head_dim", self.head_dim)
 
+    @property
+    def QHeadsDim(self) -> Axis:
+        """Query heads x head_dim flattened, as transformers stores q_proj/o_proj."""
+        return Axis("q_heads_dim", self.num_attention_heads * self.head_dim)
+
+    @property
+    def KVHeadsDim(self) -> Axis:
+        return Axis("kv_heads_dim", self.num_key_value_heads * self.head_dim)
+
     @staticmethod
     def from_hf(cfg: dict[str, Any], *, source: str = "config.json") -> "LlamaConfig":
         """Reads a transformers config dict (v4 `rope_scaling` or v5 `rope_parameters` style)."""
@@ -213,13 +222,17 @@ def apply_rotary(x: NamedArray, cos: NamedArray, sin: NamedArray) -> NamedArray:
 
 
 class Attention(eqx.Module):
-    """Grouped-query attention: query heads are (KVHeads, QPerKV), so no head is ever repeated."""
+    """Grouped-query attention: query heads are (KVHeads, QPerKV), so no head is ever repeated.
+
+    Projection weights keep transformers' 2-D [out, in] layout with the head axes flattened;
+    activations are unflattened after the matmul. With 4-D weights XLA on CPU copied every
+    projection to a 2-D layout on each decode step (measured on the tiny bench model)."""
 
     config: LlamaConfig = eqx.field(static=True)
-    q_proj: NamedArray  # (KVHeads, QPerKV, HeadDim, Embed), transformers' [out, in] layout
-    k_proj: NamedArray  # (KVHeads, HeadDim, Embed)
+    q_proj: NamedArray  # (QHeadsDim, Embed)
+    k_proj: NamedArray  # (KVHeadsDim, Embed)
     v_proj: NamedArray
-    o_proj: NamedArray  # (Embed, KVHeads, QPerKV, HeadDim)
+    o_proj: NamedArray  # (Embed, QHeadsDim)
     q_bias: NamedArray | None
     k_bias: NamedArray | None
     v_bias: NamedArray | None
@@ -233,10 +246,10 @@ class Attention(eqx.Module):
         kv_axes = (c.KVHeads, c.HeadDim)
         return Attention(
             config=c,
-            q_proj=_normal(k_q, (*q_axes, c.Embed)),
-            k_proj=_normal(k_k, (*kv_axes, c.Embed)),
-            v_proj=_normal(k_v, (*kv_axes, c.Embed)),
-            o_proj=_normal(k_o, (c.Embed, *q_axes)),
+            q_proj=_normal(k_q, (c.QHeadsDim, c.Embed)),
+            k_proj=_normal(k_k, (c.KVHeadsDim, c.Embed)),
+            v_proj=_normal(k_v, (c.KVHeadsDim, c.Embed)),
+            o_proj=_normal(k_o, (c.Embed, c.QHeadsDim)),
             q_bias=hax.zeros(q_axes) if c.qkv_bias else None,
             k_bias=hax.zeros(kv_axes) if c.qkv_bias else None,
             v_bias=hax.zeros(kv_axes) if c.qkv_bias else None,
@@ -244,42 +257,55 @@ class Attention(eqx.Module):
         )
 
     def __call__(self, x, cos, sin, mask, cache):
-        """x (Batch, Pos, Embed); mask (Batch, Pos, KPos) True where a query may attend.
+        """x (Batch, Pos, Embed).
 
-        cache None (prefill): keys are this call's own positions, returned as the new (k, v).
-        cache (k, v, write_pos): k/v (Batch, KVHeads, KPos, HeadDim) with this call's single
-        position written at write_pos (Batch,) in place; the updated pair is returned.
+        cache None (prefill): mask (Batch, Pos, KPos) True where a query may attend; keys are
+        this call's own positions, returned as the new (k, v).
+        cache (k, v, chunk_k, chunk_v, step) (decode, one position): k/v (Batch, KVHeads, KPos,
+        HeadDim) hold what was written before this decode chunk and are only read; the new key
+        and value go to index `step` of chunk_k/chunk_v (Batch, KVHeads, Chunk, HeadDim), which
+        are returned. mask is (cache mask (Batch, Pos, KPos), chunk mask (Batch, Pos, Chunk)).
+        Keeping the big cache read-only inside the decode loop matters: a per-row scatter into
+        it made XLA copy the whole cache every step.
         """
-        q = hax.dot(x, self.q_proj, axis="embed")
-        k = hax.dot(x, self.k_proj, axis="embed")
-        v = hax.dot(x, self.v_proj, axis="embed")
+        c = self.config
+        q = hax.unflatten_axis(hax.dot(x, self.q_proj, axis="embed"), "q_heads_dim", (c.KVHeads, c.QPerKV, c.HeadDim))
+        k = hax.unflatten_axis(hax.dot(x, self.k_proj, axis="embed"), "kv_heads_dim", (c.KVHeads, c.HeadDim))
+        v = hax.unflatten_axis(hax.dot(x, self.v_proj, axis="embed"), "kv_heads_dim", (c.KVHeads, c.HeadDim))
         if self.q_bias is not None:
             q, k, v = q + self.q_bias, k + self.k_bias, v + self.v_bias
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin).rearrange(("batch", "kv_heads", "position", "head_dim"))
         v = v.rearrange(("batch", "kv_heads", "position", "head_dim"))
+        scale = 1.0 / math.sqrt(self.config.head_dim)
         if cache is None:
             keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
+            scores = hax.dot(q, keys, axis="head_dim", preferred_element_type=jnp.float32) * scale
+            scores = hax.where(mask, scores, jnp.finfo(jnp.float32).min)
+            probs = hax.nn.softmax(scores, axis="key_position").astype(values.dtype)
+            attn = hax.dot(probs, values, axis="key_position")
             new_kv = (keys, values)
         else:
-            cache_k, cache_v, write_pos = cache
-            rows = jnp.arange(cache_k.array.shape[0])
-            # Scatter each row's one new position; [batch, kv_heads, seq, head_dim] stays in place.
-            keys = hax.named(
-                cache_k.array.at[rows, :, write_pos, :].set(k.array[:, :, 0, :].astype(cache_k.dtype), mode="drop"),
-                cache_k.axes,
-            )
-            values = hax.named(
-                cache_v.array.at[rows, :, write_pos, :].set(v.array[:, :, 0, :].astype(cache_v.dtype), mode="drop"),
-                cache_v.axes,
-            )
-            new_kv = (keys, values)
-        scale = 1.0 / math.sqrt(self.config.head_dim)
-        scores = hax.dot(q, keys, axis="head_dim", preferred_element_type=jnp.float32) * scale
-        scores = hax.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = hax.nn.softmax(scores, axis="key_position").astype(values.dtype)
-        attn = hax.dot(probs, values, axis="key_position").astype(x.dtype)
-        out = hax.dot(attn, self.o_proj, axis=("kv_heads", "q_per_kv", "head_dim"))
+            cache_k, cache_v, chunk_k, chunk_v, step = cache
+            cache_mask, chunk_mask = mask
+            chunk_k = hax.named(jax.lax.dynamic_update_slice(chunk_k.array, k.array.astype(chunk_k.dtype), (0, 0, step, 0)), chunk_k.axes)
+            chunk_v = hax.named(jax.lax.dynamic_update_slice(chunk_v.array, v.array.astype(chunk_v.dtype), (0, 0, step, 0)), chunk_v.axes)
+            # One softmax over both key sets, without concatenating them.
+            s_cache = hax.dot(q, cache_k, axis="head_dim", preferred_element_type=jnp.float32) * scale
+            s_chunk = hax.dot(q, chunk_k, axis="head_dim", preferred_element_type=jnp.float32) * scale
+            s_cache = hax.where(cache_mask, s_cache, -jnp.inf)
+            s_chunk = hax.where(chunk_mask, s_chunk, -jnp.inf)  # the current position is always there
+            top = hax.maximum(hax.max(s_cache, axis="key_position"), hax.max(s_chunk, axis="chunk"))
+            e_cache = hax.exp(s_cache - top)
+            e_chunk = hax.exp(s_chunk - top)
+            total = hax.sum(e_cache, axis="key_position") + hax.sum(e_chunk, axis="chunk")
+            attn = (
+                hax.dot(e_cache.astype(cache_v.dtype), cache_v, axis="key_position")
+                + hax.dot(e_chunk.astype(chunk_v.dtype), chunk_v, axis="chunk")
+            ) / total
+            new_kv = (chunk_k, chunk_v)
+        attn = attn.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).astype(x.dtype)
+        out = hax.dot(hax.flatten_axes(attn, ("kv_heads", "q_per_kv", "head_dim"), "q_heads_dim"), self.o_proj, axis="q_heads_dim")
         if self.o_bias is not None:
             out = out + self.o_bias
         return out, new_kv
@@ -351,14 +377,14 @@ class LlamaLM(eqx.Module):
             lm_head=None if config.tie_word_embeddings else _normal(k_head, (config.Vocab, config.Embed)),
         )
 
-    def forward(self, tokens: NamedArray, positions: NamedArray, mask: NamedArray, caches=None, write_pos=None):
-        """Hidden states after the final norm, and per-layer (k, v): fresh ones when caches is
-        None, else the caches with positions written at write_pos (decode, one position)."""
+    def forward(self, tokens: NamedArray, positions: NamedArray, mask, caches=None):
+        """Hidden states after the final norm, and per layer what Attention returns: the fresh
+        (k, v) when caches is None (prefill), else the updated chunk (k, v) (decode)."""
         x = self.embed_tokens.take("vocab", tokens)
         cos, sin = rotary_tables(self.config, positions, x.dtype)
         new_kvs = []
         for i, layer in enumerate(self.layers):
-            cache = None if caches is None else (*caches[i], write_pos)
+            cache = None if caches is None else caches[i]
             x, kv = layer(x, cos, sin, mask, cache)
             new_kvs.append(kv)
         return self.norm(x), tuple(new_kvs)
