@@ -22,6 +22,7 @@ import io
 import json
 import os
 import secrets
+import shutil
 from typing import Any
 
 import fsspec
@@ -108,6 +109,31 @@ def write_json(url: str, value: Any) -> None:
 
 def write_text(url: str, text: str) -> None:
     write_bytes(url, text.encode())
+
+
+def put_file(local_path: str, url: str) -> None:
+    """Move a finished local file to `url` atomically, like `write_bytes`; `local_path` is consumed.
+
+    For files too big to hold in memory (tokenize streams its shards to local files first):
+    local targets get a same-folder temp name then `os.replace`; gs:// gets one upload.
+    """
+    fs, path = filesystem(url)
+    if isinstance(fs, LocalFileSystem):
+        folder, name = os.path.split(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            shutil.move(local_path, tmp)  # a rename on the same filesystem, else a copy
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+    else:
+        fs.put_file(local_path, path)
+        os.remove(local_path)
 
 
 def parquet_bytes(table: pa.Table) -> bytes:
