@@ -18,6 +18,7 @@ from typing import Any
 
 from pipeline import storage
 from pipeline.config import Config
+from pipeline.errors import StepFailed
 
 SEMANTIC_KEYS: dict[str, tuple[str, ...]] = {
     "tokenize": (
@@ -71,7 +72,14 @@ def semantic_values(step: str, cfg: Config) -> dict[str, Any]:
 
 def content_fingerprints(step: str, cfg: Config) -> dict[str, Any]:
     """Checksums of the input files a step reads, keyed by name relative to their input."""
-    return {kind: _FINGERPRINTERS[kind](cfg) for kind in CONTENT_INPUTS[step]}
+    fingerprints = {}
+    for kind in CONTENT_INPUTS[step]:
+        key = "prompts.path" if kind == "prompts" else "model.path"
+        try:
+            fingerprints[kind] = _FINGERPRINTERS[kind](cfg)
+        except Exception as err:  # noqa: BLE001 - any filesystem's error (unknown protocol, no network, ...)
+            raise StepFailed(f"{key} {cfg.get(key)} could not be read: {type(err).__name__}: {err}") from err
+    return fingerprints
 
 
 def _prompt_files(cfg: Config) -> list[str]:
