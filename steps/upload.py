@@ -1,0 +1,282 @@
+"""upload: log the merged result to W&B as a `generations` artifact, resuming the same W&B run.
+
+Owns the W&B run of a pipeline run: created here only (on the leader, where the runner calls this
+step; `wandb` is imported nowhere else), with the resolved config, package versions and git commit;
+generate's metrics and three charts; and one artifact of type `generations` holding the merged
+Parquet files (every row) and a `wandb.Table` named `generations` (the first `wandb.table_max_rows`
+rows). Refuses to touch the merged files, and never writes the API key anywhere: wandb reads
+WANDB_API_KEY itself; error messages are scrubbed of it.
+
+Run id rule: `{run.name as a slug}-{sha256(run.root normalized + newline + run.name)[:12]}`, unless
+the upload folder holds `wandb_run.json` from an earlier attempt (then that id). A rerun (`--force`),
+a rerun after deleting the upload folder, or from another machine resumes the same W&B run
+(`resume="allow"`); a changed config of the same run logs a new version of the same artifact.
+
+Modes (`wandb.mode`): online (W&B down or refusing fails the step, exit 1; the merged files stay, and
+`pipeline run upload` retries only this step); offline (default without an API key: the run is
+written to `{upload folder}/wandb/` for a local root, else to a local cache folder, and the `wandb
+sync` command that pushes it is printed; an earlier offline folder of the same id there is replaced,
+because syncing two folders of one id misbehaves upstream); disabled (logs nothing, says so in the
+marker). An unchanged result re-uploaded has the same artifact digest, so W&B makes no new version.
+
+    result = upload(cfg, out)   # out.upstream["merge"] complete
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline import status, storage
+from pipeline.config import Config
+from pipeline.errors import StepFailed
+from pipeline.runner import StepOutput, StepResult
+
+RUN_FILE = "wandb_run.json"
+"""In the upload folder: the W&B run id (and where its offline copy is), written at init."""
+ARTIFACT_TYPE = "generations"
+TABLE_NAME = "generations"
+CACHE_ENV = "PIPELINE_CACHE_DIR"
+"""Local folder for W&B files when run.root is remote (default ~/.cache/jax-batch-pipeline)."""
+
+
+def upload(cfg: Config, out: StepOutput) -> StepResult:
+    """Log the merged Parquet files, a browsable table, metrics and charts to one W&B run."""
+    merge_url = out.upstream["merge"].url
+    merged = status.read_marker(merge_url)
+    if merged is None:
+        raise StepFailed(f"merge output {merge_url} is not complete: run `pipeline run merge --config FILE`")
+    mode = cfg.wandb.mode
+    if mode == "disabled":
+        return StepResult(rows=0, files=[], summary={
+            "mode": "disabled", "rows": 0, "merged_rows": merged.rows,
+            "note": f"wandb.mode is disabled: nothing was logged; the merged files are in {merge_url}"})
+
+    import wandb  # only here: no other step or host pays for it, or starts its service
+
+    run_id = _run_id(cfg, out)
+    local = _local_folder(out, run_id)
+    wandb_dir = os.path.join(local, "wandb")
+    if mode == "offline":
+        for earlier in glob.glob(os.path.join(wandb_dir, f"offline-run-*-{run_id}")):
+            shutil.rmtree(earlier)
+    generate = _generate_record(cfg, merged)
+    config = {**cfg.to_dict(), "pipeline": {
+        "versions": status.package_versions(), "git": _git_commit(),
+        "steps": {"generate": merged.upstream.get("generate"), "merge": out.upstream["merge"].hash,
+                  "upload": out.hash}}}
+    try:
+        run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, id=run_id, name=cfg.run.name,
+                         resume="allow", mode=mode, dir=local, config=config, job_type="upload",
+                         settings=wandb.Settings(console="off"))
+    except Exception as err:  # wandb raises CommError, UsageError, AuthenticationError, timeouts...
+        raise StepFailed(_failed("could not start the W&B run", run_id, mode, merge_url, err)) from err
+    run_dir = str(Path(run.dir).parent)
+    storage.write_json(out.path(RUN_FILE), {"run_id": run_id, "project": cfg.wandb.project,
+                                            "entity": cfg.wandb.entity, "mode": mode, "run_dir": run_dir})
+    try:
+        paths = _local_copies(merge_url, merged.files, local)
+        _log_metrics(wandb, run, generate.summary if generate else {}, merged.summary["finish_reasons"], paths)
+        table, table_rows = _table(wandb, paths, min(cfg.wandb.table_max_rows, wandb.Table.MAX_ARTIFACT_ROWS))
+        truncated = table_rows < merged.rows
+        artifact = _artifact(wandb, cfg, run_id, merged, out.upstream["merge"].hash, paths, table, table_rows)
+        run.summary.update({"rows": merged.rows, "table_rows": table_rows, "table_truncated": truncated,
+                            "merged_files": len(paths)})
+        logged = run.log_artifact(artifact)
+        version = None
+        if mode == "online":
+            logged.wait()  # raises if W&B refuses it; gives the version number
+            version = logged.version
+        digest = artifact.digest
+        run.finish()
+        # finish() can return before W&B's service has flushed the offline run's record log; the
+        # marker is written after every file of the step, so wait for the service to close it.
+        wandb.teardown()
+    except Exception as err:
+        try:
+            run.finish(exit_code=1)
+        finally:
+            raise StepFailed(_failed("could not log the result", run_id, mode, merge_url, err)) from err
+    summary: dict[str, Any] = {
+        "mode": mode, "run_id": run_id, "project": cfg.wandb.project, "entity": cfg.wandb.entity,
+        "artifact": f"{ARTIFACT_TYPE}-{run_id}", "artifact_version": version, "artifact_digest": digest,
+        "rows": merged.rows, "table_rows": table_rows, "table_truncated": truncated,
+    }
+    if mode == "offline":
+        summary.update(offline_run_dir=run_dir, sync_command=f"wandb sync {run_dir}")
+        print(f"upload: offline W&B run {run_id} written to {run_dir}; push it with: wandb sync {run_dir}",
+              file=sys.stderr, flush=True)
+    record = out.path(RUN_FILE)
+    entry = {"path": RUN_FILE, "bytes": storage.size(record), "sha256": storage.sha256(record)}
+    return StepResult(rows=merged.rows, files=[entry], summary=summary)
+
+
+# --- identity and places -----------------------------------------------------------------------
+
+
+def _run_id(cfg: Config, out: StepOutput) -> str:
+    earlier = out.path(RUN_FILE)
+    if storage.exists(earlier):
+        return storage.read_json(earlier)["run_id"]
+    slug = re.sub(r"[^a-z0-9_-]+", "-", cfg.run.name.lower()).strip("-")[:40] or "run"
+    digest = hashlib.sha256(f"{storage.normalize(cfg.run.root)}\n{cfg.run.name}".encode()).hexdigest()
+    return f"{slug}-{digest[:12]}"
+
+
+def _local_folder(out: StepOutput, run_id: str) -> str:
+    """Where W&B writes: the upload folder itself when local, else a local cache folder for the run."""
+    if storage.is_local(out.url):
+        return storage.filesystem(out.url)[1]
+    cache = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax-batch-pipeline")
+    return os.path.join(cache, "upload", run_id)
+
+
+def _local_copies(merge_url: str, files: list[dict[str, Any]], local: str) -> list[str]:
+    """Local paths of the merged files: themselves when local, else copies in the cache folder."""
+    if storage.is_local(merge_url):
+        return [storage.filesystem(storage.join(merge_url, f["path"]))[1] for f in files]
+    folder = os.path.join(local, "merged-" + merge_url.rstrip("/").rsplit("-", 1)[-1])
+    paths = []
+    for f in files:
+        path = os.path.join(folder, f["path"])
+        if not (os.path.exists(path) and storage.sha256(path) == f["sha256"]):
+            data = storage.read_bytes(storage.join(merge_url, f["path"]))
+            if hashlib.sha256(data).hexdigest() != f["sha256"]:
+                raise StepFailed(f"merged file {merge_url}/{f['path']} no longer matches merge's manifest: "
+                                 f"rerun `pipeline run merge --config FILE --force`")
+            storage.write_bytes(path, data)
+        paths.append(path)
+    return paths
+
+
+def _generate_record(cfg: Config, merged: status.StepRecord) -> status.StepRecord | None:
+    generate_hash = merged.upstream.get("generate")
+    return status.read_marker(storage.step_url(cfg.run.root, "generate", generate_hash)) if generate_hash else None
+
+
+def _git_commit() -> dict[str, Any] | None:
+    """The pipeline code's git commit (and whether the checkout has changes), if it is a checkout."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        changes = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode:
+        return None
+    return {"commit": head.stdout.strip(), "dirty": bool(changes.stdout.strip())}
+
+
+# --- what is logged ----------------------------------------------------------------------------
+
+
+def _log_metrics(wandb: Any, run: Any, generate: dict[str, Any], finish_reasons: dict[str, int],
+                 paths: list[str]) -> None:
+    """generate's per-host and total figures, and the three charts."""
+    hosts = sorted(generate.get("hosts", []), key=lambda h: h.get("host", 0))
+    # Per-host figures on an explicit `host` axis rather than W&B's own step counter, so a resumed
+    # run (whose step counter has moved on) logs them at the same x values again.
+    run.define_metric("host")
+    run.define_metric("host/*", step_metric="host")
+    for h in hosts:
+        run.log({"host": h.get("host", 0), **{f"host/{k}": v for k, v in h.items() if _is_number(v) and k != "host"}})
+    totals = {k: v for k, v in generate.items() if _is_number(v)}
+    totals["prompts"] = sum(h.get("prompts", 0) for h in hosts)
+    totals["samples"] = sum(h.get("samples", 0) for h in hosts)
+    run.summary.update({f"generate/{k}": v for k, v in totals.items()})
+
+    per_length = np.zeros(1, np.int64)  # rows per completion length, counted file by file
+    for path in paths:
+        lengths = pq.read_table(path, columns=["num_completion_tokens"])["num_completion_tokens"].to_numpy()
+        counts = np.bincount(lengths, minlength=len(per_length))
+        counts[:len(per_length)] += per_length
+        per_length = counts
+    width = -(-len(per_length) // 64)  # at most 64 bins, each a whole number of tokens wide
+    binned = np.bincount(np.arange(len(per_length)) // width, weights=per_length).astype(np.int64)
+    edges = np.arange(len(binned) + 1) * width
+    charts: dict[str, Any] = {
+        "completion_tokens": wandb.Histogram(np_histogram=(binned.tolist(), edges.tolist())),
+        "finish_reasons": wandb.plot.bar(
+            wandb.Table(columns=["finish_reason", "rows"], data=[[k, v] for k, v in sorted(finish_reasons.items())]),
+            "finish_reason", "rows", title="finish reasons"),
+    }
+    if hosts:
+        charts["tokens_per_s_per_host"] = wandb.plot.bar(
+            wandb.Table(columns=["host", "tokens_per_s"],
+                        data=[[f"host {h.get('host', 0)}", h.get("tokens_per_s", 0.0)] for h in hosts]),
+            "host", "tokens_per_s", title="generated tokens/s per host")
+    run.log(charts)
+
+
+def _artifact(wandb: Any, cfg: Config, run_id: str, merged: status.StepRecord, merge_hash: str,
+              paths: list[str], table: Any, table_rows: int) -> Any:
+    """The `generations` artifact: every merged Parquet file and the browsable table."""
+    truncated = table_rows < merged.rows
+    artifact = wandb.Artifact(
+        f"{ARTIFACT_TYPE}-{run_id}", type=ARTIFACT_TYPE,
+        description=(f"{merged.rows} generations of run {cfg.run.name} in {len(paths)} Parquet files; the "
+                     f"`{TABLE_NAME}` table shows {'the first ' if truncated else ''}{table_rows} rows"),
+        # No timestamps here: an unchanged result must give the same artifact.
+        metadata={"rows": merged.rows, "table_rows": table_rows, "table_truncated": truncated, "merge": merge_hash,
+                  "files": [{k: f[k] for k in ("path", "rows", "bytes", "sha256")} for f in merged.files]})
+    for f, path in zip(merged.files, paths):
+        artifact.add_file(path, name=f["path"], policy="immutable")  # no staging copy: merge never rewrites
+    artifact.add(table, TABLE_NAME)
+    return artifact
+
+
+def _table(wandb: Any, paths: list[str], max_rows: int) -> tuple[Any, int]:
+    """A wandb.Table of the first `max_rows` merged rows, every column.
+
+    List columns (completion_token_ids) go in as compact JSON text: W&B types and converts a list
+    element by element, which took ~5 s for 10k rows of ~50 ids (~0.5 s as text) and grows with
+    max_new_tokens. The Parquet files in the same artifact keep the lists.
+    """
+    columns: list[str] = []
+    data: list[list[Any]] = []
+    for path in paths:
+        parquet = pq.ParquetFile(path)
+        columns = parquet.schema_arrow.names
+        for batch in parquet.iter_batches(batch_size=min(max(max_rows, 1), 65536)):
+            if len(data) >= max_rows:
+                break
+            batch = batch.slice(0, max_rows - len(data))
+            values = [_as_text(c) if pa.types.is_list(c.type) else c.to_pylist() for c in batch.columns]
+            data.extend(list(row) for row in zip(*values))
+        if len(data) >= max_rows:
+            break
+    return wandb.Table(columns=columns, data=data), len(data)
+
+
+def _as_text(lists: pa.Array) -> list[str | None]:
+    return [None if v is None else json.dumps(v, separators=(",", ":")) for v in lists.to_pylist()]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _failed(what: str, run_id: str, mode: str, merge_url: str, err: Exception) -> str:
+    detail = " ".join(str(err).split())
+    key = os.environ.get("WANDB_API_KEY")
+    if key:
+        detail = detail.replace(key, "***")
+    hint = ("check WANDB_API_KEY, wandb.entity/project and that W&B is reachable, or set wandb.mode=offline "
+            "and `wandb sync` later" if mode == "online" else "see the W&B logs under the run folder")
+    return (f"upload: {what} ({mode} run {run_id}): {type(err).__name__}: {detail}. The merged results are "
+            f"untouched in {merge_url}; {hint}; then `pipeline run upload --config FILE` retries only this step")

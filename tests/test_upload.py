@@ -1,0 +1,175 @@
+"""The upload step (issue 7): W&B for real in offline mode, read back from the run's own files."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import socket
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import storage
+from pipeline.errors import StepFailed
+from steps.generate import SCHEMA
+
+pytestmark = pytest.mark.usefixtures("wandb_env")
+
+
+@pytest.fixture
+def merged_run(fake_run):
+    """make(**wandb) -> a FakeRun whose merge is complete (3 files of at most 7 of its 20 rows)."""
+
+    def make(root: str | None = None, **wandb):
+        run = fake_run(prompts=10, n=2, root=root, **wandb)
+        run.run("merge", file_rows=7)
+        return run
+
+    return make
+
+
+def merged_rows(run) -> list[dict]:
+    files = storage.list_files(run.url["merge"], suffix=".parquet")
+    return pa.concat_tables([storage.read_parquet(f) for f in files]).to_pylist()
+
+
+def generations(recorded: dict) -> dict:
+    (artifact,) = [a for a in recorded["artifacts"] if a["type"] == "generations"]
+    return artifact
+
+
+def table_rows(artifact: dict) -> list[dict]:
+    """The `generations` table's rows; token ids are JSON text there (the Parquet files hold lists)."""
+    table = json.loads(open(artifact["entries"]["generations.table.json"]["local_path"]).read())
+    assert table["columns"] == SCHEMA.names
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    return [{**r, "completion_token_ids": json.loads(r["completion_token_ids"])} for r in rows]
+
+
+def offline_dirs(run) -> list[str]:
+    return glob.glob(os.path.join(run.url["upload"], "wandb", "offline-run-*"))
+
+
+def test_offline_run_holds_config_metrics_charts_and_the_artifact(merged_run, capsys, read_wandb_run):
+    run = merged_run()
+    result = run.run("upload")
+    summary = result.summary
+    assert summary["mode"] == "offline" and result.rows == 20
+    assert [f["path"] for f in result.files] == ["wandb_run.json"]
+    assert offline_dirs(run) == [summary["offline_run_dir"]]
+    assert f"wandb sync {summary['offline_run_dir']}" in capsys.readouterr().err
+
+    recorded = read_wandb_run(summary["offline_run_dir"])
+    assert recorded["run_id"] == summary["run_id"]
+    config = recorded["config"]
+    assert {k: config[k] for k in run.cfg.to_dict()} == run.cfg.to_dict()
+    assert config["pipeline"]["versions"]["wandb"] and config["pipeline"]["versions"]["pyarrow"]
+    assert len(config["pipeline"]["git"]["commit"]) == 40
+    assert config["pipeline"]["steps"]["merge"] == run.HASHES["merge"]
+
+    logged = recorded["summary"]
+    assert logged["rows"] == 20 and logged["table_rows"] == 20 and logged["table_truncated"] is False
+    assert logged["generate/tokens_per_s"] == 300 and logged["generate/prompts"] == 10
+    assert logged["generate/wall_s"] == 3 and logged["generate/compile_s"] == 0.5
+    per_host = [(h["host"], h["host/tokens_per_s"]) for h in recorded["history"] if "host/tokens_per_s" in h]
+    assert per_host == [(0, 100), (1, 200)]
+    assert logged["completion_tokens"]["_type"] == "histogram"  # every fake completion is 3 tokens long
+    assert logged["completion_tokens"]["bins"] == [0, 1, 2, 3, 4] and logged["completion_tokens"]["values"] == [0, 0, 0, 20]
+    bars = config["_wandb"]["visualize"]
+    assert {bars[k]["panel_config"]["panelDefId"] for k in ("finish_reasons", "tokens_per_s_per_host")} == {
+        "wandb/bar/v0"}
+
+    artifact = generations(recorded)
+    assert artifact["name"] == summary["artifact"] == f"generations-{summary['run_id']}"
+    assert sorted(artifact["entries"]) == ["generations.table.json"] + [f"merged-{i:05d}.parquet" for i in range(3)]
+    assert artifact["digest"] == summary["artifact_digest"]
+    assert table_rows(artifact) == merged_rows(run)
+
+
+def test_rerun_with_force_resumes_the_same_run_with_the_same_artifact(merged_run, read_wandb_run):
+    run = merged_run()
+    first = run.run("upload")
+    second = run.run("upload")  # what `pipeline run upload --force` does after the runner drops the marker
+    assert second.summary["run_id"] == first.summary["run_id"]
+    assert offline_dirs(run) == [second.summary["offline_run_dir"]]  # one offline folder per run id
+    assert second.summary["artifact_digest"] == first.summary["artifact_digest"]  # W&B makes no new version
+    assert read_wandb_run(second.summary["offline_run_dir"])["run_id"] == first.summary["run_id"]
+
+
+def test_deleting_the_upload_output_and_rerunning_resumes_the_same_run(merged_run):
+    run = merged_run()
+    first = run.run("upload")
+    shutil.rmtree(run.url["upload"])
+    second = run.run("upload")
+    assert second.summary["run_id"] == first.summary["run_id"]
+    assert second.summary["run_id"].startswith("test-run-")  # run.name as a slug, then a hash of root and name
+    assert json.loads(open(os.path.join(run.url["upload"], "wandb_run.json")).read())["run_id"] == first.summary["run_id"]
+
+
+def test_table_is_capped_at_table_max_rows_and_parquet_keeps_every_row(merged_run, read_wandb_run):
+    run = merged_run(table_max_rows=5)
+    result = run.run("upload")
+    assert result.rows == 20 and result.summary["table_rows"] == 5 and result.summary["table_truncated"] is True
+    recorded = read_wandb_run(result.summary["offline_run_dir"])
+    assert recorded["summary"]["table_truncated"] is True
+    artifact = generations(recorded)
+    assert artifact["metadata"]["table_truncated"] is True and artifact["metadata"]["rows"] == 20
+    assert table_rows(artifact) == merged_rows(run)[:5]
+    parquet = [e["local_path"] for name, e in sorted(artifact["entries"].items()) if name.endswith(".parquet")]
+    assert pa.concat_tables([pq.read_table(p) for p in parquet]).to_pylist() == merged_rows(run)
+
+
+def test_api_key_is_written_to_no_file(merged_run, monkeypatch, tmp_path):
+    key = "fakekey0" * 5
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    run = merged_run(mode="offline")
+    result = run.run("upload")
+    assert result.summary["mode"] == "offline"
+    files = [p for p in glob.glob(str(tmp_path / "**"), recursive=True) if os.path.isfile(p)]
+    assert any(".wandb" in p for p in files) and len(files) > 10
+    assert [p for p in files if key.encode() in open(p, "rb").read()] == []
+
+
+def test_disabled_logs_nothing_and_says_so(merged_run):
+    run = merged_run(mode="disabled")
+    result = run.run("upload")
+    assert result.rows == 0 and result.summary["mode"] == "disabled" and result.summary["merged_rows"] == 20
+    assert "disabled" in result.summary["note"]
+    assert not os.path.exists(os.path.join(run.url["upload"], "wandb"))
+
+
+def test_unreachable_w_and_b_fails_clearly_and_keeps_the_merged_files(merged_run, monkeypatch):
+    with socket.socket() as s:  # a local port nobody listens on: connection refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key = "fakekey1" * 5
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")
+    run = merged_run(mode="online")
+    before = merged_rows(run)
+    with pytest.raises(StepFailed) as err:
+        run.run("upload")
+    message = str(err.value)
+    assert message.startswith("upload: could not start the W&B run (online run test-run-")
+    assert run.url["merge"] in message and "`pipeline run upload --config FILE`" in message
+    assert key not in message
+    assert merged_rows(run) == before
+
+
+def test_remote_root_writes_the_offline_run_to_the_local_cache(merged_run, wandb_env, read_wandb_run):
+    run = merged_run(root="memory://upload-test/runs")
+    try:
+        result = run.run("upload")
+        cache = str(wandb_env / "pipeline-cache")
+        assert result.summary["offline_run_dir"].startswith(cache)
+        artifact = generations(read_wandb_run(result.summary["offline_run_dir"]))
+        parquet = [e["local_path"] for name, e in sorted(artifact["entries"].items()) if name.endswith(".parquet")]
+        assert all(p.startswith(cache) for p in parquet)
+        assert pa.concat_tables([pq.read_table(p) for p in parquet]).to_pylist() == merged_rows(run)
+        assert storage.read_json(storage.join(run.url["upload"], "wandb_run.json"))["run_id"] == result.summary["run_id"]
+    finally:
+        storage.remove("memory://upload-test", recursive=True)
