@@ -114,6 +114,10 @@ def wait_for(key: str, what: str) -> Any:
         if aborted is not None:
             raise StepFailed(f"{describe()}: stopped waiting for {what}: host {aborted['host']} failed: "
                              f"{aborted['error']}")
+        dead = _dead_hosts()
+        if dead:
+            raise StepFailed(f"{describe()}: stopped waiting for {what}: host {dead[0]} stopped responding "
+                             f"(killed or lost; noticed after {ENV_HEARTBEAT_TIMEOUT}); rerun the same command to resume")
 
 
 def abort(error: str) -> None:
@@ -149,6 +153,16 @@ def leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _dead_hosts() -> list[int]:
+    """Hosts the coordinator no longer hears heartbeats from (those that left cleanly included)."""
+    everyone = list(range(process_count()))
+    try:
+        live = _state["client"].get_live_nodes(everyone)
+    except Exception:  # noqa: BLE001 - no answer is not evidence of death
+        return []
+    return [i for i in everyone if i not in live and _try_get(f"leaving/{i}") is None]
 
 
 def _try_get(key: str) -> Any:

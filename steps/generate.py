@@ -71,7 +71,7 @@ def generate(cfg: Config, out: StepOutput) -> None:
     started = time.monotonic()
     shards = _my_shards(out)
     todo = {name: _missing(cfg, out, name) for name in shards}
-    n_missing = sum(len(t[1]) for t in todo.values()) if todo else 0
+    n_missing = sum(len(r["sample_indices"]) for _, rows in todo.values() for r in rows)
     engine = None
     stats = None
     samples = prompts = 0

@@ -19,6 +19,10 @@ from conftest import write_prompts
 GREEDY = {"sampling": {"max_new_tokens": 12, "temperature": 0.0, "n": 2}, "engine": {"batch_size": 4, "part_rows": 4}}
 
 
+# Notice a killed host after 5 s instead of the default 30 s.
+os.environ["PIPELINE_HEARTBEAT_TIMEOUT_S"] = "5"
+
+
 def pipeline(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout)
 
