@@ -16,6 +16,7 @@ later files. Duplicates are compared before anything is written, reading only th
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -47,9 +48,12 @@ EXAMPLES = 5
 def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_bytes: int = FILE_BYTES) -> StepResult:
     """Verify exactly-once coverage of generate's parts and write them merged and ordered."""
     generate_url = out.upstream["generate"].url
+    generate = status.read_marker(generate_url)
+    if generate is None:
+        raise StepFailed(f"generate output {generate_url} is not complete: run `pipeline run generate --config FILE`")
     n = cfg.sampling.n
-    accepted = _accepted_prompts(cfg, generate_url)
-    parts = _Parts.of(generate_url)
+    accepted = _accepted_prompts(cfg, generate)
+    parts = _Parts.of(generate_url, generate)
     keys = _read_keys(parts)
     order, first = _check_coverage(keys, accepted, n, parts, generate_url)
     _check_duplicates(keys, order, first, parts, generate_url, file_rows)
@@ -58,13 +62,8 @@ def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_byte
     for old in storage.list_files(out.url, suffix=".parquet"):
         if old.rsplit("/", 1)[-1].startswith(FILE_PREFIX):
             storage.remove(old)  # a partial earlier attempt; this one rewrites every file
-    files = _write_merged(out, parts, keys.part[kept], keys.row[kept], keys.part_bytes_per_row,
-                          file_rows, file_bytes)
-
-    finish_reasons: dict[str, int] = {}
-    for f in files:
-        for reason, count in f.pop("finish_reasons").items():
-            finish_reasons[reason] = finish_reasons.get(reason, 0) + count
+    files, finish_reasons = _write_merged(out, parts, keys.part[kept], keys.row[kept], keys.part_bytes_per_row,
+                                          file_rows, file_bytes)
     rows = sum(f["rows"] for f in files)
     if rows != len(accepted) * n:  # the rows in must be the rows out, whatever happened above
         raise StepFailed(f"merge wrote {rows} rows to {out.url}, expected {len(accepted) * n} (a bug)")
@@ -82,11 +81,8 @@ def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_byte
 # --- inputs ------------------------------------------------------------------------------------
 
 
-def _accepted_prompts(cfg: Config, generate_url: str) -> np.ndarray:
+def _accepted_prompts(cfg: Config, generate: status.StepRecord) -> np.ndarray:
     """Sorted prompt_index of every prompt tokenize accepted (the rows generate had to cover)."""
-    generate = status.read_marker(generate_url)
-    if generate is None:
-        raise StepFailed(f"generate output {generate_url} is not complete: run `pipeline run generate --config FILE`")
     tokenize_url = storage.step_url(cfg.run.root, "tokenize", generate.upstream["tokenize"])
     tokenize = status.read_marker(tokenize_url)
     if tokenize is None:
@@ -113,10 +109,9 @@ class _Parts:
     paths: list[str]
 
     @classmethod
-    def of(cls, generate_url: str) -> "_Parts":
+    def of(cls, generate_url: str, generate: status.StepRecord) -> "_Parts":
         # The marker, not a listing, says which parts belong to the output (STYLE: trust the marker).
-        record = status.read_marker(generate_url)
-        names = sorted(f["path"] for f in record.files if f["path"].endswith(".parquet"))
+        names = sorted(f["path"] for f in generate.files if f["path"].endswith(".parquet"))
         fs, root = storage.filesystem(generate_url)
         return cls(generate_url, fs, names, [f"{root.rstrip('/')}/{name}" for name in names])
 
@@ -288,14 +283,19 @@ def _list_rows(keys: _Keys, rows: np.ndarray, parts: _Parts) -> str:
 
 
 def _write_merged(out: StepOutput, parts: _Parts, part: np.ndarray, row: np.ndarray,
-                  encoded_bytes_per_row: np.ndarray, file_rows: int, file_bytes: int) -> list[dict[str, Any]]:
-    """Write the rows (given in output order as (part, row in part)) into files of bounded size."""
+                  encoded_bytes_per_row: np.ndarray, file_rows: int,
+                  file_bytes: int) -> tuple[list[dict[str, Any]], Counter[str]]:
+    """Write the rows (given in output order as (part, row in part)) into files of bounded size.
+
+    Returns the files' manifest entries and how many rows end for each finish_reason.
+    """
     total = len(part)
     last_use = np.full(len(parts.paths), -1, np.int64)
     np.maximum.at(last_use, part, np.arange(total))
     sizes = _RowBytes(encoded_bytes_per_row)
     loaded: dict[int, pa.Table] = {}
     files: list[dict[str, Any]] = []
+    finish_reasons: Counter[str] = Counter()
     start = 0
     with Progress(total=total, desc="merge", unit="row") as bar:
         while start < total or not files:  # an empty result still gets one (empty) file
@@ -310,11 +310,13 @@ def _write_merged(out: StepOutput, parts: _Parts, part: np.ndarray, row: np.ndar
                     sizes.measure(p, loaded[p])
             table = _gather(loaded, part[start:end], row[start:end]) if end > start else SCHEMA.empty_table()
             files.append(_write_file(out, len(files), table))
+            for count in pc.value_counts(table["finish_reason"]).to_pylist():
+                finish_reasons[count["values"]] += count["counts"]
             bar.update(end - start)
             for p in [p for p in loaded if last_use[p] < end]:
                 del loaded[p]
             start = end
-    return files
+    return files, finish_reasons
 
 
 class _RowBytes:
@@ -363,10 +365,8 @@ def _gather(loaded: dict[int, pa.Table], part: np.ndarray, row: np.ndarray) -> p
 
 def _write_file(out: StepOutput, index: int, table: pa.Table) -> dict[str, Any]:
     entry = storage.write_parquet(out.path(f"{FILE_PREFIX}{index:05d}.parquet"), table)
-    counts = pc.value_counts(table["finish_reason"]).to_pylist()
     return {
         **entry,
         "prompt_tokens": int(pc.sum(table["num_prompt_tokens"]).as_py() or 0),
         "completion_tokens": int(pc.sum(table["num_completion_tokens"]).as_py() or 0),
-        "finish_reasons": {c["values"]: c["counts"] for c in counts},
     }

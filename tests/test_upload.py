@@ -77,7 +77,8 @@ def test_offline_run_holds_config_metrics_charts_and_the_artifact(merged_run, ca
     per_host = [(h["host"], h["host/tokens_per_s"]) for h in recorded["history"] if "host/tokens_per_s" in h]
     assert per_host == [(0, 100), (1, 200)]
     assert logged["completion_tokens"]["_type"] == "histogram"  # every fake completion is 3 tokens long
-    assert logged["completion_tokens"]["bins"] == [0, 1, 2, 3, 4] and logged["completion_tokens"]["values"] == [0, 0, 0, 20]
+    histogram = logged["completion_tokens"]
+    assert histogram["bins"] == [0, 1, 2, 3, 4] and histogram["values"] == [0, 0, 0, 20]
     bars = config["_wandb"]["visualize"]
     assert {bars[k]["panel_config"]["panelDefId"] for k in ("finish_reasons", "tokens_per_s_per_host")} == {
         "wandb/bar/v0"}
@@ -106,7 +107,8 @@ def test_deleting_the_upload_output_and_rerunning_resumes_the_same_run(merged_ru
     second = run.run("upload")
     assert second.summary["run_id"] == first.summary["run_id"]
     assert second.summary["run_id"].startswith("test-run-")  # run.name as a slug, then a hash of root and name
-    assert json.loads(open(os.path.join(run.url["upload"], "wandb_run.json")).read())["run_id"] == first.summary["run_id"]
+    saved = storage.read_json(storage.join(run.url["upload"], "wandb_run.json"))
+    assert saved["run_id"] == first.summary["run_id"]
 
 
 def test_table_is_capped_at_table_max_rows_and_parquet_keeps_every_row(merged_run, read_wandb_run):
@@ -170,6 +172,7 @@ def test_remote_root_writes_the_offline_run_to_the_local_cache(merged_run, wandb
         parquet = [e["local_path"] for name, e in sorted(artifact["entries"].items()) if name.endswith(".parquet")]
         assert all(p.startswith(cache) for p in parquet)
         assert pa.concat_tables([pq.read_table(p) for p in parquet]).to_pylist() == merged_rows(run)
-        assert storage.read_json(storage.join(run.url["upload"], "wandb_run.json"))["run_id"] == result.summary["run_id"]
+        saved = storage.read_json(storage.join(run.url["upload"], "wandb_run.json"))
+        assert saved["run_id"] == result.summary["run_id"]
     finally:
         storage.remove("memory://upload-test", recursive=True)
