@@ -30,22 +30,22 @@ Rules:
   an unknown file type, a file that cannot be read, no prompts, every row rejected) fail
   in both modes.
 
-Design: one pass; memory holds two batches and at most BUFFER_BYTES of shard rows. Read
-rows (text formats in 4 MiB blocks; JSONL blocks parsed by Arrow's C++ reader, falling
-back to per-line `json` for any block with a problem; Parquet by record batches), check
-them, and tokenize 8192 at a time in a worker thread (the Rust tokenizer releases the GIL)
-while the main thread checks the next batch and writes the last. Each accepted row goes to
-the shard with the fewest tokens so far (ties: the lowest shard number) and is appended to
-that shard's local Parquet file. This online greedy keeps every shard's token total within
-one prompt's length (<= max_prompt_tokens) of every other shard's - the same absolute
-bound as longest-first greedy - without keeping every prompt's length, spilling tokenized
-batches and reading them back. Rows reach each shard in input order, so shards are sorted
-by prompt_index for free, and the first N prompts open shards 0..N-1, so a small input
-just gets fewer shards (never an empty one). Only the set of prompt_ids seen grows with
-the input (with `id_field`; roughly 100 bytes per prompt). Shards are written in a local
-temp folder ($TMPDIR needs room for one copy of the output) and moved into the output
-folder, each atomically, only after the whole input was read; the runner writes the
-success marker last. A stopped run starts over: tokenizing is one pass.
+Design: one pass; memory holds one batch and at most BUFFER_BYTES of shard rows. Read rows
+(text formats in 4 MiB blocks; JSONL blocks parsed by Arrow's C++ reader, falling back to
+per-line `json` for any block with a problem; Parquet by record batches), check them, and
+tokenize 8192 at a time (batched calls into the Rust tokenizer, which uses every core).
+Each accepted row goes to the shard with the fewest tokens so far (ties: the lowest shard
+number) and is appended to that shard's local Parquet file. This online greedy keeps every
+shard's token total within one prompt's length (<= max_prompt_tokens) of every other
+shard's - the same absolute bound as longest-first greedy - without keeping every prompt's
+length, spilling tokenized batches and reading them back. Rows reach each shard in input
+order, so shards are sorted by prompt_index for free, and the first N prompts open shards
+0..N-1, so a small input just gets fewer shards (never an empty one). Only the set of
+prompt_ids seen grows with the input (with `id_field`; roughly 100 bytes per prompt).
+Shards are written in a local temp folder ($TMPDIR needs room for one copy of the output)
+and moved into the output folder, each atomically, only after the whole input was read;
+the runner writes the success marker last. A stopped run starts over: tokenizing is one
+pass.
 
     result = tokenize(cfg, out)   # what `pipeline run tokenize` runs on the leader
 """
@@ -61,7 +61,6 @@ import os
 import tempfile
 import zlib
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -126,23 +125,15 @@ def tokenize(cfg: Config, out: StepOutput) -> StepResult:
         shards = _Shards(tmp, num_shards)
         reader = _Reader(options, encode, shards, rejects)
         inputs = []
-        with Progress(total=None, desc="tokenize", unit="prompt") as progress, \
-                ThreadPoolExecutor(1, thread_name_prefix="tokenize") as worker:
-            pending: tuple[_Batch, Future | None] | None = None
+        with Progress(total=None, desc="tokenize", unit="prompt") as progress:
             for url in urls:
                 rows_before = reader.rows_in
                 for rows in _read(url, options):
                     preemption.check()
                     batch = reader.take(url, rows)
-                    # Tokenize this batch in the worker while the last one is checked and written.
-                    tokenized = worker.submit(encode, batch.texts) if batch.texts else None
-                    if pending is not None:
-                        progress.update(pending[0].taken, tokens=reader.finish(*pending))
-                    pending = (batch, tokenized)
+                    progress.update(batch.taken, tokens=reader.finish(batch))
                 inputs.append({"url": url, "bytes": storage.size(url), "fingerprint": storage.fingerprint(url),
                                "rows": reader.rows_in - rows_before})
-            if pending is not None:
-                progress.update(pending[0].taken, tokens=reader.finish(*pending))
         if rejects.count and options.on_invalid == "fail":
             raise StepFailed(rejects.failure_message())
         if reader.rows_in == 0:
@@ -497,8 +488,9 @@ class _Batch:
 class _Reader:
     """Numbers rows, checks them, and hands the tokenized good ones to the shards.
 
-    `take` and `finish` run in the main thread; tokenizing in between runs in a worker (the
-    Rust tokenizer releases the GIL), so checking and writing overlap with tokenizing.
+    Tokenizing runs inline: a worker thread overlapping it with checking and writing was
+    slower on 2 cores (the Rust tokenizer already uses every core) and cannot help where
+    many cores make the per-row Python work the bottleneck.
     """
 
     def __init__(self, options: PromptsConfig, encode: _Encoder, shards: "_Shards", rejects: "_Rejects"):
@@ -526,14 +518,37 @@ class _Reader:
             batch.ids.append(prompt_id if prompt_id is not None else str(index))
         return batch
 
-    def finish(self, batch: _Batch, tokenized: Future | None) -> int:
-        """Check lengths and ids, send good rows to the shards, record bad ones; tokens kept."""
-        token_ids = self._token_ids(batch, tokenized)
+    def finish(self, batch: _Batch) -> int:
+        """Tokenize, check lengths and ids, send good rows to the shards, record bad ones; tokens kept."""
+        token_ids = self._token_ids(batch)
+        limit, seen, ids = self.options.max_prompt_tokens, self.seen_ids, batch.ids
+        lengths = list(map(len, token_ids))
+        keep = range(len(token_ids))
+        if lengths and 0 < min(lengths) and max(lengths) <= limit and (
+                seen is None or (len(fresh := set(ids)) == len(ids) and seen.isdisjoint(fresh))):
+            if seen is not None:
+                seen |= fresh  # the usual batch: every row good, checked without a Python loop
+        else:
+            keep, lengths = self._check_each(batch, token_ids, lengths)
+        for index, number, prompt_id, problem, raw in sorted(batch.bad, key=lambda b: b[0]):
+            self.rejects.add(batch.url, number, index, prompt_id, problem, raw)
+        if keep and not self.rejects.failing:
+            columns = (batch.indices, ids, batch.texts, token_ids)
+            if len(keep) < len(token_ids):
+                columns = tuple([col[i] for i in keep] for col in columns)
+            indices, ids, texts, token_ids = columns
+            self.shards.add(pa.record_batch([
+                pa.array(indices, pa.int64()), pa.array(ids, pa.string()), pa.array(texts, pa.string()),
+                pa.array(token_ids, pa.list_(pa.int32())), pa.array(lengths, pa.int32()),
+            ], schema=SHARD_SCHEMA), lengths)
+        return sum(lengths)
+
+    def _check_each(self, batch: _Batch, token_ids: list[list[int]], all_lengths: list[int]) -> tuple[list[int], list[int]]:
+        """Row by row: which rows to keep and their lengths; the others go to `batch.bad`."""
         has_ids = self.seen_ids is not None
         keep, lengths = [], []
         limit, seen, ids = self.options.max_prompt_tokens, self.seen_ids, batch.ids
-        for i, row_ids in enumerate(token_ids):
-            n = len(row_ids)
+        for i, n in enumerate(all_lengths):
             problem = None
             if n > limit:
                 problem = ("too long", f"{n} tokens > prompts.max_prompt_tokens={limit}")
@@ -550,24 +565,13 @@ class _Reader:
             else:
                 batch.bad.append((batch.indices[i], batch.numbers[i], ids[i] if has_ids else None, problem,
                                   batch.texts[i]))
-        for index, number, prompt_id, problem, raw in sorted(batch.bad, key=lambda b: b[0]):
-            self.rejects.add(batch.url, number, index, prompt_id, problem, raw)
-        if keep and not self.rejects.failing:
-            columns = (batch.indices, ids, batch.texts, token_ids)
-            if len(keep) < len(token_ids):
-                columns = tuple([col[i] for i in keep] for col in columns)
-            indices, ids, texts, token_ids = columns
-            self.shards.add(pa.record_batch([
-                pa.array(indices, pa.int64()), pa.array(ids, pa.string()), pa.array(texts, pa.string()),
-                pa.array(token_ids, pa.list_(pa.int32())), pa.array(lengths, pa.int32()),
-            ], schema=SHARD_SCHEMA), lengths)
-        return sum(lengths)
+        return keep, lengths
 
-    def _token_ids(self, batch: _Batch, tokenized: Future | None) -> list[list[int]]:
-        if tokenized is None:
+    def _token_ids(self, batch: _Batch) -> list[list[int]]:
+        if not batch.texts:
             return []
         try:
-            return tokenized.result()
+            return self.encode(batch.texts)
         except TypeError:
             # Lone surrogates (e.g. "\ud800" escapes in JSON) are not encodable text: find them.
             bad = [i for i, t in enumerate(batch.texts) if not _encodable(t)]

@@ -132,8 +132,10 @@ def test_shards_keep_every_prompt_its_id_and_the_tokenizers_ids(tmp_path, demo_m
     assert output_files(url) == sorted([status.MARKER, status.CONFIG_FILE] + [f["path"] for f in record.files])
 
 
-def test_shards_are_balanced_by_tokens_and_sorted(tmp_path, demo_model):
+def test_shards_are_balanced_by_tokens_and_sorted(tmp_path, demo_model, monkeypatch):
     """Online greedy: every shard's token total is within the longest prompt of every other's."""
+    monkeypatch.setattr(tk, "BATCH_ROWS", 50)
+    monkeypatch.setattr(tk, "BUFFER_BYTES", 1)  # every batch flushes every shard's buffer
     rng = random.Random(1)
     texts = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "x"]) for _ in range(rng.randint(1, 40)))
              for _ in range(300)]
@@ -164,6 +166,30 @@ def test_greedy_bound_holds_for_any_lengths(tmp_path_factory, lengths, count):
     used = shards.shard_tokens[:shards.used]
     assert shards.used == min(count, len(lengths)) and all(used) and not any(shards.shard_tokens[shards.used:])
     assert max(used) - min(used) <= max(lengths)
+
+
+def test_auto_shards_are_8_per_host(tmp_path, demo_model, monkeypatch):
+    from pipeline import hosts
+
+    monkeypatch.setattr(hosts, "process_count", lambda: 2)
+    (tmp_path / "p.txt").write_text("".join(f"prompt {i}\n" for i in range(40)))
+    url, record = run_tokenize(write_config(tmp_path, demo_model, path=str(tmp_path / "p.txt")))
+    assert record.summary["num_shards"] == len(read_shards(url, record)) == 16
+
+
+def test_reading_streams_in_blocks(monkeypatch):
+    """Memory stays bounded: the first rows come out after reading one block, not the file."""
+    import io
+
+    monkeypatch.setattr(tk, "READ_BYTES", 1000)
+    monkeypatch.setattr(tk, "BATCH_ROWS", 10)
+    data = jsonl(*({"prompt": f"prompt number {i}"} for i in range(20_000)))
+    f = io.BytesIO(data)
+    options = build_config({"run": {"root": "r", "name": "t"}, "model": {"path": "m"}, "prompts": {"path": "p"}}).prompts
+    rows = tk._text_rows(f, options, is_jsonl=True)
+    first = next(rows)
+    assert len(first) == 10 and f.tell() <= 2 * 1000 < len(data)
+    assert sum(len(b) for b in rows) + len(first) == 20_000
 
 
 def test_formats_and_sorted_file_order_give_prompt_index(tmp_path, demo_model, reference):
@@ -482,8 +508,12 @@ def test_lines_across_read_blocks(tmp_path, demo_model, monkeypatch):
     (tmp_path / "in" / "q.txt").write_text("\n".join(texts))
     monkeypatch.setattr(tk, "READ_BYTES", 7)
     monkeypatch.setattr(tk, "BATCH_ROWS", 3)
-    url, record = run_tokenize(write_config(tmp_path, demo_model, path=str(tmp_path / "in" / "*")))
+    monkeypatch.setattr(tk, "FLUSH_ROWS", 2)  # many row groups per shard, flushed one by one
+    url, record = run_tokenize(write_config(tmp_path, demo_model, path=str(tmp_path / "in" / "*"), num_shards=2))
     assert [r["prompt"] for r in all_rows(url, record)] == texts + texts
+    shard = pq.ParquetFile(storage.join(url, "shard-00000.parquet"))
+    assert shard.metadata.num_row_groups > 5
+    assert shard.read()["prompt_index"].to_pylist() == sorted(shard.read()["prompt_index"].to_pylist())
 
 
 # --- identity: what changes the tokenize hash -----------------------------------------------
