@@ -6,10 +6,12 @@ in-memory (Arrow) data. Refuses to write anything when a row is missing, unexpec
 twice with different content: the error names the first rows, their count and the command that
 repairs them. Identical duplicates (a retried part) are dropped.
 
-Memory stays bounded by the output file size, not the result size: a first pass reads only the key
-columns of every generate part (about 50 bytes per row at peak while sorting, ~500 MB for 10M rows); the
-second pass writes the files in order, holding one file's rows plus the parts that also hold rows of
-later files. Duplicates are compared before anything is written, reading only the parts that hold them.
+Memory: row contents are held about one output file at a time, whatever the result's size. A first
+pass reads only the key columns of every generate part and keeps one 8-byte slot per row, its place
+in the output (about 26 bytes per row at peak while checking: ~260 MB for 10M rows; no sort, slots
+index the output). The second pass writes the files in order, holding one file's rows plus the parts
+that also hold rows of later files. Duplicates are compared before anything is written, reading only
+the parts that hold them.
 
     result = merge(cfg, out)   # out.upstream["generate"] complete; on the leader or any one machine
 """
@@ -54,22 +56,20 @@ def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_byte
     n = cfg.sampling.n
     accepted = _accepted_prompts(cfg, generate)
     parts = _Parts.of(generate_url, generate)
-    keys = _read_keys(parts)
-    order, first = _check_coverage(keys, accepted, n, parts, generate_url)
-    _check_duplicates(keys, order, first, parts, generate_url, file_rows)
+    keys = _read_keys(parts, accepted, n)
+    first = _check_coverage(keys, accepted, n, generate_url)
+    _check_duplicates(keys, first, accepted, n, parts, generate_url, file_rows)
 
-    kept = order[first]
     for old in storage.list_files(out.url, suffix=".parquet"):
         if old.rsplit("/", 1)[-1].startswith(FILE_PREFIX):
             storage.remove(old)  # a partial earlier attempt; this one rewrites every file
-    files, finish_reasons = _write_merged(out, parts, keys.part[kept], keys.row[kept], keys.part_bytes_per_row,
-                                          file_rows, file_bytes)
+    files, finish_reasons = _write_merged(out, parts, keys, first, file_rows, file_bytes)
     rows = sum(f["rows"] for f in files)
     if rows != len(accepted) * n:  # the rows in must be the rows out, whatever happened above
         raise StepFailed(f"merge wrote {rows} rows to {out.url}, expected {len(accepted) * n} (a bug)")
     summary = {
         "rows": rows, "files": len(files), "prompts": len(accepted), "samples_per_prompt": n,
-        "parts_read": len(parts.paths), "duplicates_dropped": int(len(order) - len(kept)),
+        "parts_read": len(parts.paths), "duplicates_dropped": keys.rows - len(first),
         "bytes": sum(f["bytes"] for f in files),
         "prompt_tokens": sum(f["prompt_tokens"] for f in files),
         "completion_tokens": sum(f["completion_tokens"] for f in files),
@@ -141,105 +141,116 @@ class _Parts:
 
 @dataclass(frozen=True)
 class _Keys:
-    """One entry per row of every part, in part order."""
+    """Where each row of every part goes: rows are numbered in part order, 0 .. rows-1."""
 
-    prompt: np.ndarray
-    sample: np.ndarray
-    part: np.ndarray
-    row: np.ndarray
-    part_bytes_per_row: np.ndarray
-    """Per part: an estimate of a row's in-memory bytes (from the Parquet metadata)."""
+    slot: np.ndarray
+    """Per row: its place in the output, rank of its prompt among the accepted ones x n + sample_index
+    (so slots sort like (prompt_index, sample_index)); -1 for a row that is not wanted."""
+    part_start: np.ndarray
+    """Per part: the number of its first row; one more entry at the end, the total."""
+    encoded_bytes_per_row: np.ndarray
+    """Per part: a row's encoded size from the Parquet metadata (a first estimate of its size)."""
+    unwanted: int
+    unwanted_examples: list[str]
+
+    @property
+    def rows(self) -> int:
+        return len(self.slot)
+
+    def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(part, row within the part) of row numbers."""
+        part = np.searchsorted(self.part_start, rows, side="right") - 1
+        return part, rows - self.part_start[part]
 
 
-def _read_keys(parts: _Parts) -> _Keys:
-    prompts, samples, part_rows, bytes_per_row = [], [], [], []
+def _read_keys(parts: _Parts, accepted: np.ndarray, n: int) -> _Keys:
+    """The key columns of every part, reduced to one slot per row (8 bytes per row)."""
+    slots, counts, encoded, unwanted, examples = [], [], [], 0, []
     for i in range(len(parts.paths)):
         table, meta = parts.read(i, columns=KEYS)
         if table["prompt_index"].null_count or table["sample_index"].null_count:
             raise StepFailed(f"generate part {parts.url}/{parts.names[i]} has rows with no prompt_index or "
                              f"sample_index: rerun `pipeline run generate --config FILE --force` to remake it")
-        prompts.append(table["prompt_index"].to_numpy().astype(np.int64, copy=False))
-        samples.append(table["sample_index"].to_numpy())
-        part_rows.append(table.num_rows)
-        encoded = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
-        bytes_per_row.append(encoded / max(table.num_rows, 1))
-    counts = np.array(part_rows, np.int64)
-    total = int(counts.sum())
-    part = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
-    row = (np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.int32)
-    return _Keys(np.concatenate(prompts) if prompts else np.zeros(0, np.int64),
-                 np.concatenate(samples) if samples else np.zeros(0, np.int32),
-                 part, row, np.array(bytes_per_row, np.float64))
+        prompt = table["prompt_index"].to_numpy()
+        sample = table["sample_index"].to_numpy().astype(np.int64)
+        rank = np.searchsorted(accepted, prompt)
+        wanted = (rank < len(accepted)) & (sample >= 0) & (sample < n)
+        wanted[wanted] = accepted[rank[wanted]] == prompt[wanted]
+        slots.append(np.where(wanted, rank * n + sample, -1))
+        for j in np.flatnonzero(~wanted)[:EXAMPLES - len(examples)]:
+            examples.append(f"(prompt_index {prompt[j]}, sample {sample[j]}) in {parts.names[i]}")
+        unwanted += int(np.count_nonzero(~wanted))
+        counts.append(table.num_rows)
+        encoded.append(sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
+                       / max(table.num_rows, 1))
+    return _Keys(np.concatenate(slots) if slots else np.zeros(0, np.int64),
+                 np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]),
+                 np.array(encoded, np.float64), unwanted, examples)
 
 
 # --- checks ------------------------------------------------------------------------------------
 
 
-def _check_coverage(keys: _Keys, accepted: np.ndarray, n: int, parts: _Parts,
-                    generate_url: str) -> tuple[np.ndarray, np.ndarray]:
-    """Rows in (prompt_index, sample_index) order, and which of them are first of their key.
+def _check_coverage(keys: _Keys, accepted: np.ndarray, n: int, generate_url: str) -> np.ndarray:
+    """The output in order: for each wanted (prompt, sample), the first row that holds it.
 
     Raises when a wanted row is missing or a row is not wanted (a prompt tokenize did not accept, or
-    sample_index outside 0..n-1).
+    sample_index outside 0..n-1). No sort: slots index the output directly.
     """
-    valid_sample = (keys.sample >= 0) & (keys.sample < n)
-    # With 0 <= sample < n, prompt * n + sample sorts exactly like (prompt, sample).
-    key = np.where(valid_sample, keys.prompt * n + keys.sample.astype(np.int64), -1)
-    order = np.argsort(key, kind="stable")
-    sorted_key = key[order]
-    first = np.ones(len(order), bool)
-    first[1:] = sorted_key[1:] != sorted_key[:-1]
-    present = sorted_key[first]
-    wanted = (accepted[:, None] * n + np.arange(n)).ravel()
-    missing = np.setdiff1d(wanted, present, assume_unique=True)
-    unwanted_rows = order[:0]
-    if len(np.setdiff1d(present, wanted, assume_unique=True)):
-        unwanted_rows = order[~np.isin(sorted_key, wanted)]  # every copy, with the part that holds it
+    first = np.full(len(accepted) * n, keys.rows, np.int64)  # keys.rows: no row holds it
+    if keys.unwanted:
+        wanted = np.flatnonzero(keys.slot >= 0)
+        np.minimum.at(first, keys.slot[wanted], wanted)
+    else:
+        np.minimum.at(first, keys.slot, np.arange(keys.rows))
+    missing = np.flatnonzero(first == keys.rows)
     problems = []
     if len(missing):
-        problems.append(
-            f"{len(missing)} of {len(wanted)} (prompt, sample) rows are missing: "
-            f"{_list_keys(missing // n, missing % n, len(missing))}")
-    if len(unwanted_rows):
-        problems.append(
-            f"{len(unwanted_rows)} rows are not wanted (prompt not accepted by tokenize, or sample_index "
-            f"outside 0..{n - 1}): {_list_rows(keys, unwanted_rows, parts)}")
+        shown = ", ".join(f"(prompt_index {accepted[m // n]}, sample {m % n})" for m in missing[:EXAMPLES])
+        problems.append(f"{len(missing)} of {len(first)} (prompt, sample) rows are missing: {shown}"
+                        f"{_more(len(missing))}")
+    if keys.unwanted:
+        problems.append(f"{keys.unwanted} rows are not wanted (prompt not accepted by tokenize, or sample_index "
+                        f"outside 0..{n - 1}): {', '.join(keys.unwanted_examples)}{_more(keys.unwanted)}")
     if problems:
         fix = ("make the missing rows with `pipeline run generate --config FILE --force` (it keeps the finished "
                "parts and generates only what is missing), then `pipeline run merge --config FILE`")
-        if len(unwanted_rows):
+        if keys.unwanted:
             fix = ("the parts named hold rows of another run: delete them, then run "
                    "`pipeline run generate --config FILE --force` and `pipeline run merge --config FILE`")
         raise StepFailed(f"merge: generate output {generate_url} is not exactly the accepted prompts x "
                          f"sampling.n={n}: {'; '.join(problems)}. To repair: {fix}")
-    return order, first
+    return first
 
 
-def _check_duplicates(keys: _Keys, order: np.ndarray, first: np.ndarray, parts: _Parts,
+def _check_duplicates(keys: _Keys, first: np.ndarray, accepted: np.ndarray, n: int, parts: _Parts,
                       generate_url: str, batch_rows: int) -> None:
-    """Raise if a key appears twice with different content; identical copies are fine."""
-    extra = np.flatnonzero(~first)
-    if not len(extra):
+    """Raise if a (prompt, sample) is held by two rows with different content; identical copies are fine."""
+    block = 1 << 20  # bounded temporaries for 10M+ rows
+    copies = np.concatenate([np.zeros(0, np.int64)] + [
+        b + np.flatnonzero(first[keys.slot[b:b + block]] != np.arange(b, min(b + block, keys.rows)))
+        for b in range(0, keys.rows, block)])
+    if not len(copies):
         return
-    group_start = np.maximum.accumulate(np.where(first, np.arange(len(first)), 0))
-    conflicts: list[tuple[int, int]] = []  # (copy, original) row numbers in part order
-    for start in range(0, len(extra), batch_rows):
-        copies = order[extra[start:start + batch_rows]]
-        originals = order[group_start[extra[start:start + batch_rows]]]
-        ids = np.unique(np.concatenate([keys.part[copies], keys.part[originals]]))
-        loaded = {int(p): parts.read_rows(int(p)) for p in ids}
-        same = _rows_equal(_gather(loaded, keys.part[copies], keys.row[copies]),
-                           _gather(loaded, keys.part[originals], keys.row[originals]))
-        conflicts.extend(zip(copies[~same].tolist(), originals[~same].tolist()))
+    copies = copies[np.argsort(keys.slot[copies], kind="stable")]
+    originals = first[keys.slot[copies]]
+    conflicts: list[tuple[int, int]] = []  # (copy, original) row numbers
+    for b in range(0, len(copies), batch_rows):
+        (cp, cr), (op, orow) = keys.locate(copies[b:b + batch_rows]), keys.locate(originals[b:b + batch_rows])
+        loaded = {int(p): parts.read_rows(int(p)) for p in np.unique(np.concatenate([cp, op]))}
+        same = _rows_equal(_gather(loaded, cp, cr), _gather(loaded, op, orow))
+        conflicts.extend(zip(copies[b:b + batch_rows][~same].tolist(), originals[b:b + batch_rows][~same].tolist()))
     if conflicts:
+        def name(r: int) -> str:
+            return parts.names[int(keys.locate(np.array([r]))[0][0])]
+
         shown = "; ".join(
-            f"(prompt_index {keys.prompt[c]}, sample {keys.sample[c]}) in {parts.names[keys.part[o]]} "
-            f"and {parts.names[keys.part[c]]}" for c, o in conflicts[:EXAMPLES])
-        more = f"; and {len(conflicts) - EXAMPLES} more" if len(conflicts) > EXAMPLES else ""
+            f"(prompt_index {accepted[keys.slot[c] // n]}, sample {keys.slot[c] % n}) in {name(o)} and {name(c)}"
+            for c, o in conflicts[:EXAMPLES])
         raise StepFailed(
             f"merge: generate output {generate_url} holds {len(conflicts)} (prompt, sample) rows twice with "
-            f"different content: {shown}{more}. Generation is deterministic, so one copy comes from another run "
-            f"or a changed engine: delete the parts you do not trust, then run "
+            f"different content: {shown}{_more(len(conflicts))}. Generation is deterministic, so one copy comes "
+            f"from another run or a changed engine: delete the parts you do not trust, then run "
             f"`pipeline run generate --config FILE --force` (it regenerates only the rows that are then missing) "
             f"and `pipeline run merge --config FILE`")
 
@@ -268,31 +279,25 @@ def _lists_equal(x: pa.ListArray, y: pa.ListArray) -> np.ndarray:
     return same
 
 
-def _list_keys(prompts: np.ndarray, samples: np.ndarray, count: int) -> str:
-    shown = ", ".join(f"(prompt_index {p}, sample {s})" for p, s in zip(prompts[:EXAMPLES], samples[:EXAMPLES]))
-    return shown + (f" and {count - EXAMPLES} more" if count > EXAMPLES else "")
-
-
-def _list_rows(keys: _Keys, rows: np.ndarray, parts: _Parts) -> str:
-    shown = ", ".join(f"(prompt_index {keys.prompt[r]}, sample {keys.sample[r]}) in {parts.names[keys.part[r]]}"
-                      for r in rows[:EXAMPLES])
-    return shown + (f" and {len(rows) - EXAMPLES} more" if len(rows) > EXAMPLES else "")
+def _more(count: int) -> str:
+    return f" and {count - EXAMPLES} more" if count > EXAMPLES else ""
 
 
 # --- writing -----------------------------------------------------------------------------------
 
 
-def _write_merged(out: StepOutput, parts: _Parts, part: np.ndarray, row: np.ndarray,
-                  encoded_bytes_per_row: np.ndarray, file_rows: int,
+def _write_merged(out: StepOutput, parts: _Parts, keys: _Keys, first: np.ndarray, file_rows: int,
                   file_bytes: int) -> tuple[list[dict[str, Any]], Counter[str]]:
-    """Write the rows (given in output order as (part, row in part)) into files of bounded size.
+    """Write the rows `first` names (row numbers, in output order) into files of bounded size.
 
+    A part is read when the first file that needs it is planned and dropped after the last one.
     Returns the files' manifest entries and how many rows end for each finish_reason.
     """
-    total = len(part)
+    total = len(first)
     last_use = np.full(len(parts.paths), -1, np.int64)
-    np.maximum.at(last_use, part, np.arange(total))
-    sizes = _RowBytes(encoded_bytes_per_row)
+    for b in range(0, total, 1 << 20):
+        np.maximum.at(last_use, keys.locate(first[b:b + (1 << 20)])[0], np.arange(b, min(b + (1 << 20), total)))
+    sizes = _RowBytes(keys.encoded_bytes_per_row)
     loaded: dict[int, pa.Table] = {}
     files: list[dict[str, Any]] = []
     finish_reasons: Counter[str] = Counter()
@@ -300,22 +305,23 @@ def _write_merged(out: StepOutput, parts: _Parts, part: np.ndarray, row: np.ndar
     with Progress(total=total, desc="merge", unit="row") as bar:
         while start < total or not files:  # an empty result still gets one (empty) file
             preemption.check()
+            part, row = keys.locate(first[start:start + file_rows])
             while True:  # plan the file; read the parts it needs; replan with their measured sizes
-                end = _file_end(sizes.of(part[start:start + file_rows]), start, file_bytes)
-                unread = [p for p in np.unique(part[start:end]).tolist() if p not in loaded]
+                end = _file_end(sizes.of(part), file_bytes)
+                unread = [p for p in np.unique(part[:end]).tolist() if p not in loaded]
                 if not unread:
                     break
                 for p in unread if sizes.calibrated else unread[:1]:  # one part first: no wild estimate
                     loaded[p] = parts.read_rows(p)
                     sizes.measure(p, loaded[p])
-            table = _gather(loaded, part[start:end], row[start:end]) if end > start else SCHEMA.empty_table()
+            table = _gather(loaded, part[:end], row[:end]) if end else SCHEMA.empty_table()
             files.append(_write_file(out, len(files), table))
             for count in pc.value_counts(table["finish_reason"]).to_pylist():
                 finish_reasons[count["values"]] += count["counts"]
-            bar.update(end - start)
-            for p in [p for p in loaded if last_use[p] < end]:
+            bar.update(end)
+            start += end
+            for p in [p for p in loaded if last_use[p] < start]:
                 del loaded[p]
-            start = end
     return files, finish_reasons
 
 
@@ -347,10 +353,10 @@ class _RowBytes:
         return np.where(np.isnan(actual), self.encoded[parts] * scale, actual)
 
 
-def _file_end(row_bytes: np.ndarray, start: int, file_bytes: int) -> int:
-    """End of a file starting at `start`: as many of the rows as fit in file_bytes, at least one."""
+def _file_end(row_bytes: np.ndarray, file_bytes: int) -> int:
+    """How many of the next rows go in one file: as many as fit in file_bytes, at least one."""
     fit = int(np.searchsorted(np.cumsum(row_bytes), file_bytes, side="right"))
-    return start + min(max(fit, 1), len(row_bytes))
+    return min(max(fit, 1), len(row_bytes))
 
 
 def _gather(loaded: dict[int, pa.Table], part: np.ndarray, row: np.ndarray) -> pa.Table:
