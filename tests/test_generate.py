@@ -14,7 +14,6 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import write_prompts
 
 GREEDY = {"sampling": {"max_new_tokens": 12, "temperature": 0.0, "n": 2}, "engine": {"batch_size": 4, "part_rows": 4}}
 
@@ -40,7 +39,10 @@ def generated_rows(root) -> dict[tuple[int, int], tuple]:
 
 @pytest.fixture
 def many_prompts(tmp_path):
-    return str(write_prompts(tmp_path / "many.jsonl", [f"Prompt {i}: write about the number {i * 7}." for i in range(40)]))
+    path = tmp_path / "many.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Prompt {i}: write about the number {i * 7}."}) + "\n"
+                            for i in range(40)))
+    return str(path)
 
 
 @pytest.fixture
