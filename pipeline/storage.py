@@ -17,13 +17,14 @@ Atomicity per filesystem (see ../shared/docs/gcs-emulator.md):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import secrets
 import shutil
-from typing import Any
+from typing import Any, Iterator
 
 import fsspec
 import pyarrow as pa
@@ -86,21 +87,28 @@ def write_bytes(url: str, data: bytes) -> None:
     """Write a whole file atomically: readers see the old file, the new one, or nothing."""
     fs, path = filesystem(url)
     if isinstance(fs, LocalFileSystem):
-        folder, name = os.path.split(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
+        with _local_temp_for(path) as tmp:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
     else:
         fs.pipe_file(path, data)
+
+
+@contextlib.contextmanager
+def _local_temp_for(path: str) -> Iterator[str]:
+    """A temp name beside `path`; renamed onto `path` if the block succeeds, removed if not."""
+    folder, name = os.path.split(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def write_json(url: str, value: Any) -> None:
@@ -119,18 +127,10 @@ def put_file(local_path: str, url: str) -> None:
     """
     fs, path = filesystem(url)
     if isinstance(fs, LocalFileSystem):
-        folder, name = os.path.split(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
+        with _local_temp_for(path) as tmp:
             shutil.move(local_path, tmp)  # a rename on the same filesystem, else a copy
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
     else:
         fs.put_file(local_path, path)
         os.remove(local_path)
