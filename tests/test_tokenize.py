@@ -81,7 +81,7 @@ def all_rows(url: str, record) -> list[dict]:
 
 
 def jsonl(*rows) -> bytes:
-    return b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in rows)
+    return b"".join((r if isinstance(r, bytes) else json.dumps(r, ensure_ascii=False).encode()) + b"\n" for r in rows)
 
 
 def output_files(url: str) -> list[str]:
@@ -582,14 +582,17 @@ def test_rerun_skips_and_another_root_gives_the_same_hash_and_bytes(tmp_path, de
 
 
 def test_force_with_fewer_shards_leaves_no_stale_shards(tmp_path, demo_model):
+    """num_shards is no part of the hash: a forced rerun with fewer shards reuses the folder."""
     (tmp_path / "p.jsonl").write_bytes(jsonl(*({"prompt": f"prompt {i}"} for i in range(10))) + b"{bad\n")
     config = write_config(tmp_path, demo_model, path=str(tmp_path / "p.jsonl"), num_shards=4, on_invalid="skip")
     url, _ = run_tokenize(config)
-    assert "shard-00003.parquet" in output_files(url) and "rejected.parquet" in output_files(url)
-    (tmp_path / "p.jsonl").write_bytes(jsonl(*({"prompt": f"prompt {i}"} for i in range(10))))
-    Path(config).write_text(Path(config).read_text())  # same config; the input changed: a new hash
+    assert output_files(url) == [status.MARKER, status.CONFIG_FILE, "rejected.parquet"] + \
+        [f"shard-0000{i}.parquet" for i in range(4)]
     url2, record = run_tokenize(config, "--force", "--set", "prompts.num_shards=2")
-    assert output_files(url2) == [status.MARKER, status.CONFIG_FILE, "shard-00000.parquet", "shard-00001.parquet"]
+    assert url2 == url and [f["path"] for f in record.files] == ["shard-00000.parquet", "shard-00001.parquet",
+                                                                  "rejected.parquet"]
+    assert output_files(url) == [status.MARKER, status.CONFIG_FILE, "rejected.parquet", "shard-00000.parquet",
+                                 "shard-00001.parquet"]
 
 
 # --- stops and kills ------------------------------------------------------------------------
