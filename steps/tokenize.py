@@ -1,9 +1,8 @@
 """tokenize: prompt files in, token-balanced Parquet shards out (runs on the leader).
 
-Owns reading prompts (JSONL, Parquet or .txt; the text formats may be compressed, e.g.
-.jsonl.gz; one URL, folder or glob on any fsspec filesystem), checking every row, chat
-formatting with the tokenizer's own template, tokenizing with the checkpoint's fast
-tokenizer, and writing `shard-00000.parquet`, ... (+ `rejected.parquet`). Refuses to
+Owns numbering and checking the rows that `steps/prompt_files.py` reads (JSONL, Parquet or
+.txt, local or remote, maybe compressed), chat formatting with the tokenizer's own template,
+tokenizing with the checkpoint's fast tokenizer, and writing `shard-00000.parquet`, ... (+ `rejected.parquet`). Refuses to
 truncate a prompt, to drop a row without a record, and to write any shard once
 `on_invalid: fail` has met a bad row.
 
@@ -31,9 +30,8 @@ Rules:
   in both modes.
 
 Design: one pass; memory holds one batch and at most BUFFER_BYTES of shard rows. Read rows
-(text formats in 4 MiB blocks; JSONL blocks parsed by Arrow's C++ reader, falling back to
-per-line `json` for any block with a problem; Parquet by record batches), check them, and
-tokenize 8192 at a time (batched calls into the Rust tokenizer, which uses every core).
+(prompt_files.py: blocks of text, Arrow's JSONL parser where clean, Parquet record batches),
+check them, and tokenize a batch (BATCH_ROWS) at a time (batched calls into the Rust tokenizer, which uses every core).
 Each accepted row goes to the shard with the fewest tokens so far (ties: the lowest shard
 number) and is appended to that shard's local Parquet file. This online greedy keeps every
 shard's token total within one prompt's length (<= max_prompt_tokens) of every other
@@ -54,22 +52,15 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import io
 import itertools
-import json
-import lzma
 import os
 import tempfile
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-import fsspec
-import fsspec.utils
 import numpy as np
 import pyarrow as pa
-import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from pipeline import hosts, preemption, storage
@@ -77,6 +68,7 @@ from pipeline.config import Config, PromptsConfig
 from pipeline.errors import ConfigError, StepFailed
 from pipeline.progress import Progress
 from pipeline.runner import StepOutput, StepResult
+from steps.prompt_files import BATCH_ROWS, BLANK, Row, format_of, input_files, read_rows
 
 SHARD_SCHEMA = pa.schema([
     ("prompt_index", pa.int64()),
@@ -96,29 +88,21 @@ REJECTED_SCHEMA = pa.schema([
 REJECTED_FILE = "rejected.parquet"
 SHARDS_PER_HOST = 8
 """num_shards: auto gives this many shards per host, so a slow shard does not hold up a host."""
-BATCH_ROWS = 8192
-"""Prompts per tokenizer call: enough for the Rust tokenizer's threads, small in memory."""
-READ_BYTES = 4 << 20
-"""Block size for reading JSONL and .txt files."""
 FLUSH_ROWS = 65536
 """A shard's buffered rows become one Parquet row group at this many rows."""
 BUFFER_BYTES = 128 << 20
 """All shards' buffers are flushed once together they hold this many bytes."""
 RAW_CHARS = 1000
 """Characters of a rejected row's raw text kept in rejected.parquet."""
-TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt"}
-
-_MISSING = object()
-_BLANK = ("blank", "")
 
 
 def tokenize(cfg: Config, out: StepOutput) -> StepResult:
     """Read, check and tokenize every prompt; write balanced shards (+ rejected rows)."""
     options = cfg.prompts
     _check_options(options)
-    urls = _input_files(options.path)
+    urls = input_files(options.path)
     for url in urls:
-        _format_of(url, options)
+        format_of(url, options)
     encode = _Encoder(cfg)
     num_shards = options.num_shards if options.num_shards != "auto" else SHARDS_PER_HOST * hosts.process_count()
     with tempfile.TemporaryDirectory(prefix="pipeline-tokenize-") as tmp:
@@ -129,7 +113,7 @@ def tokenize(cfg: Config, out: StepOutput) -> StepResult:
         with Progress(total=None, desc="tokenize", unit="prompt") as progress:
             for url in urls:
                 rows_before = reader.rows_in
-                for rows in _read(url, options):
+                for rows in read_rows(url, options):
                     preemption.check()
                     batch = reader.take(url, rows)
                     progress.update(batch.taken, tokens=reader.finish(batch))
@@ -167,237 +151,6 @@ def _check_options(options: PromptsConfig) -> None:
     if options.system_prompt is not None and not options.chat_template:
         raise ConfigError("prompts.system_prompt is set but prompts.chat_template is false "
                           "(a system prompt needs the chat template; set prompts.chat_template=true)")
-
-
-# --- input files ------------------------------------------------------------------------
-
-
-def _input_files(pattern: str) -> list[str]:
-    try:
-        urls = storage.expand(pattern)
-    except Exception as err:  # noqa: BLE001 - any filesystem's error: add which setting it was
-        raise StepFailed(f"prompts.path {pattern} could not be listed: {type(err).__name__}: {err}") from err
-    if not urls:
-        hint = "check the bucket and glob" if any(ch in pattern for ch in "*?[") else \
-            "no such file, or an empty folder"
-        raise StepFailed(f"prompts.path {pattern} matched no files ({hint})")
-    return urls
-
-
-def _format_of(url: str, options: PromptsConfig) -> str:
-    """'jsonl', 'txt' or 'parquet' from the file name; unknown types fail the step."""
-    name = url.rsplit("/", 1)[-1].lower()
-    compression = fsspec.utils.infer_compression(name)
-    if compression:
-        name = name.rsplit(".", 1)[0]
-    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
-    if suffix == ".parquet" and not compression:
-        return "parquet"
-    if suffix in TEXT_SUFFIXES:
-        if TEXT_SUFFIXES[suffix] == "txt" and options.id_field:
-            raise ConfigError(f"prompts.id_field is {options.id_field!r} but {url} is a .txt file (one prompt "
-                              f"per line, no fields): set prompts.id_field=null or use JSONL/Parquet")
-        return TEXT_SUFFIXES[suffix]
-    raise StepFailed(f"prompts file {url}: unsupported file type (expected .jsonl, .ndjson, .txt or .parquet; "
-                     f"text files may be compressed: {', '.join(sorted(fsspec.utils.compressions))})")
-
-
-Row = tuple[int, Any, Any, str, "tuple[str, str] | None"]
-"""(line, text, prompt_id, raw, problem): what readers yield; problem is (kind, detail) or None."""
-
-
-def _read(url: str, options: PromptsConfig) -> Iterator[list[Row]]:
-    """The file's rows in batches of at most BATCH_ROWS; read errors fail the step."""
-    kind = _format_of(url, options)
-    try:
-        if kind == "parquet":
-            fs, path = storage.filesystem(url)
-            with fs.open(path, "rb") as f:
-                yield from _parquet_rows(f, options)
-        else:
-            with fsspec.open(storage.normalize(url), "rb", compression="infer") as f:
-                yield from _text_rows(f, options, is_jsonl=kind == "jsonl")
-    except (OSError, EOFError, zlib.error, lzma.LZMAError, pa.ArrowException) as err:
-        raise StepFailed(f"prompts file {url} could not be read: {type(err).__name__}: {err}") from err
-
-
-def _blocks(f: Any) -> Iterator[tuple[int, bytes, list[bytes]]]:
-    """(number of its first line, bytes, lines) for blocks of whole lines of a binary file."""
-    number, pending, first = 1, [], True
-    while block := f.read(READ_BYTES):
-        if first and block.startswith(b"\xef\xbb\xbf"):
-            block = block[3:]  # a UTF-8 byte order mark is not part of the first prompt
-        first = False
-        cut = block.rfind(b"\n") + 1
-        if not cut:  # no line ends in this block: keep it for the next (no quadratic copying)
-            pending.append(block)
-            continue
-        data = b"".join(pending + [block[:cut]])
-        pending = [block[cut:]]
-        lines = data.split(b"\n")
-        lines.pop()
-        yield number, data, lines
-        number += len(lines)
-    if last := b"".join(pending):
-        yield number, last, [last]
-
-
-def _text_rows(f: Any, options: PromptsConfig, is_jsonl: bool) -> Iterator[list[Row]]:
-    id_types = [pa.string(), pa.int64()]
-    for number, data, lines in _blocks(f):
-        rows = _arrow_rows(data, lines, number, options, id_types) if is_jsonl else None
-        if rows is None:
-            rows = [_line_row(n, line, options, is_jsonl) for n, line in enumerate(lines, number)]
-        for start in range(0, len(rows), BATCH_ROWS):
-            yield rows[start:start + BATCH_ROWS]
-
-
-def _line_row(number: int, line: bytes, options: PromptsConfig, is_jsonl: bool) -> Row:
-    if line.endswith(b"\r"):
-        line = line[:-1]
-    if not line.strip():
-        return number, None, None, "", _BLANK
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as err:
-        return (number, None, None, line.decode("utf-8", "backslashreplace"),
-                ("invalid UTF-8", f"bad byte at offset {err.start}"))
-    if is_jsonl:
-        return _json_row(number, text, options.text_field, options.id_field)
-    return number, text, None, text, None
-
-
-def _arrow_rows(data: bytes, lines: list[bytes], first: int, options: PromptsConfig,
-                id_types: list[pa.DataType]) -> list[Row] | None:
-    """A JSONL block's rows read by Arrow's C++ parser (~3x faster than `json` here), or None.
-
-    None sends the block to the per-line parser, which names each problem: Arrow is used
-    only when every non-blank line is an object with a non-empty string text and (with
-    id_field) a non-empty string or int64 id. Arrow is at least as strict as `json` (see
-    the tests), and nulls or a row count that differs from the number of lines (two objects
-    on one line) also fall back. id_types: the id type to try first is remembered per file.
-    """
-    is_row = [bool(line.strip()) for line in lines]
-    if not any(is_row):
-        return None
-    table = None
-    for _ in range(2 if options.id_field else 1):
-        fields = [(options.text_field, pa.string())] + ([(options.id_field, id_types[0])] if options.id_field else [])
-        try:
-            table = pa_json.read_json(
-                io.BytesIO(data), read_options=pa_json.ReadOptions(block_size=1 << 20),
-                parse_options=pa_json.ParseOptions(explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore"))
-            break
-        except Exception:  # noqa: BLE001 - any parse error: the per-line parser finds and names it
-            id_types.reverse()
-    if table is None or table.num_rows != sum(is_row) or any(c.null_count for c in table.columns):
-        return None
-    try:
-        table.validate(full=True)  # Arrow passes invalid UTF-8 through instead of failing
-    except pa.ArrowInvalid:
-        return None
-    texts = table.column(0).to_pylist()
-    ids = [None] * len(texts)
-    if options.id_field:
-        ids = table.column(1).to_pylist()
-        if pa.types.is_integer(table.schema.field(1).type):
-            ids = [str(i) for i in ids]
-        elif not all(ids):
-            return None
-    if not all(t.strip() for t in texts):
-        return None
-    values = zip(texts, ids)
-    return [(n, *next(values), "", None) if row else (n, None, None, "", _BLANK)
-            for n, row in enumerate(is_row, first)]
-
-
-def _json_row(number: int, line: str, text_field: str, id_field: str | None) -> Row:
-    try:
-        obj = json.loads(line)
-    except ValueError as err:
-        return number, None, None, line, ("invalid JSON", str(err))
-    if not isinstance(obj, dict):
-        return number, None, None, line, ("not a JSON object", f"got {_type_name(obj)}")
-    return _fields(number, obj.get(text_field, _MISSING), obj.get(id_field, _MISSING) if id_field else None,
-                   line, text_field, id_field)
-
-
-def _fields(number: int, text: Any, raw_id: Any, raw: str, text_field: str, id_field: str | None) -> Row:
-    """A row from its text and id values, checked: missing/null/non-string, empty, bad id."""
-    prompt_id, id_problem = None, None
-    if id_field is not None:
-        if raw_id is _MISSING or raw_id is None:
-            id_problem = ("missing id", f"no {id_field!r} field" if raw_id is _MISSING else f"{id_field!r} is null")
-        elif isinstance(raw_id, str) and raw_id:
-            prompt_id = raw_id
-        elif isinstance(raw_id, int) and not isinstance(raw_id, bool):
-            prompt_id = str(raw_id)
-        else:
-            id_problem = ("bad id", f"{id_field!r} is {_type_name(raw_id)}, expected a non-empty string or an integer")
-    if text is _MISSING or text is None:
-        detail = f"no {text_field!r} field" if text is _MISSING else f"{text_field!r} is null"
-        return number, None, prompt_id, raw, ("missing text", detail)
-    if not isinstance(text, str):
-        return number, None, prompt_id, raw, ("text not a string", f"{text_field!r} is {_type_name(text)}")
-    if not text.strip():
-        return number, None, prompt_id, raw, ("empty prompt", f"{text_field!r} is {text!r}")
-    return number, text, prompt_id, raw, id_problem
-
-
-def _parquet_rows(f: Any, options: PromptsConfig) -> Iterator[list[Row]]:
-    pf = pq.ParquetFile(f)
-    wanted = [c for c in (options.text_field, options.id_field) if c and c in pf.schema_arrow.names]
-    number = 0
-    for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=wanted):
-        texts = _column(batch, options.text_field)
-        ids = _column(batch, options.id_field) if options.id_field else [None] * batch.num_rows
-        rows: list[Row] = []
-        for text, raw_id in zip(texts, ids):
-            number += 1
-            if isinstance(text, _BadUtf8):
-                rows.append((number, None, None, text.raw, ("invalid UTF-8", f"in {options.text_field!r}")))
-                continue
-            if isinstance(raw_id, _BadUtf8):
-                raw_id = raw_id.raw.encode()  # a bytes id is reported as a bad id
-            raw = text if isinstance(text, str) else "" if text is _MISSING else \
-                json.dumps(text, default=repr, ensure_ascii=False)
-            rows.append(_fields(number, text, raw_id, raw, options.text_field, options.id_field))
-        yield rows
-
-
-@dataclass(frozen=True)
-class _BadUtf8:
-    raw: str
-
-
-def _column(batch: pa.RecordBatch, name: str) -> list[Any]:
-    """A column's Python values; _MISSING for an absent column, _BadUtf8 for invalid strings."""
-    if name not in batch.schema.names:
-        return [_MISSING] * batch.num_rows
-    column = batch.column(name)
-    if pa.types.is_dictionary(column.type):
-        column = column.dictionary_decode()
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        try:
-            column.validate(full=True)
-        except pa.ArrowInvalid:
-            return [_decode_or_bad(v) for v in column.cast(pa.large_binary()).to_pylist()]
-    return column.to_pylist()
-
-
-def _decode_or_bad(value: bytes | None) -> Any:
-    if value is None:
-        return None
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
-        return _BadUtf8(value.decode("utf-8", "backslashreplace"))
-
-
-def _type_name(value: Any) -> str:
-    names = {dict: "an object", list: "an array", bool: "a boolean", int: "a number", float: "a number",
-             bytes: "binary", str: "a string"}
-    return names.get(type(value), type(value).__name__)
 
 
 # --- tokenizer --------------------------------------------------------------------------
@@ -504,7 +257,7 @@ class _Reader:
         """Give each row its prompt_index; set aside the rows bad before tokenizing."""
         batch = _Batch(url)
         for number, text, prompt_id, raw, problem in rows:
-            if problem is _BLANK:
+            if problem is BLANK:
                 self.blank_lines += 1
                 continue
             index = self.rows_in

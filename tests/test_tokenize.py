@@ -29,6 +29,7 @@ from pipeline import preemption, status, storage
 from pipeline.cli import app
 from pipeline.config import build_config, load_config
 from pipeline.runner import make_plan
+from steps import prompt_files as pf
 from steps import tokenize as tk
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,7 +135,7 @@ def test_shards_keep_every_prompt_its_id_and_the_tokenizers_ids(tmp_path, demo_m
 
 def test_shards_are_balanced_by_tokens_and_sorted(tmp_path, demo_model, monkeypatch):
     """Online greedy: every shard's token total is within the longest prompt of every other's."""
-    monkeypatch.setattr(tk, "BATCH_ROWS", 50)
+    monkeypatch.setattr(pf, "BATCH_ROWS", 50)
     monkeypatch.setattr(tk, "BUFFER_BYTES", 1)  # every batch flushes every shard's buffer
     rng = random.Random(1)
     texts = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "x"]) for _ in range(rng.randint(1, 40)))
@@ -181,12 +182,12 @@ def test_reading_streams_in_blocks(monkeypatch):
     """Memory stays bounded: the first rows come out after reading one block, not the file."""
     import io
 
-    monkeypatch.setattr(tk, "READ_BYTES", 1000)
-    monkeypatch.setattr(tk, "BATCH_ROWS", 10)
+    monkeypatch.setattr(pf, "READ_BYTES", 1000)
+    monkeypatch.setattr(pf, "BATCH_ROWS", 10)
     data = jsonl(*({"prompt": f"prompt number {i}"} for i in range(20_000)))
     f = io.BytesIO(data)
     options = build_config({"run": {"root": "r", "name": "t"}, "model": {"path": "m"}, "prompts": {"path": "p"}}).prompts
-    rows = tk._text_rows(f, options, is_jsonl=True)
+    rows = pf._text_rows(f, options, is_jsonl=True)
     first = next(rows)
     assert len(first) == 10 and f.tell() <= 2 * 1000 < len(data)
     assert sum(len(b) for b in rows) + len(first) == 20_000
@@ -480,9 +481,9 @@ def test_arrow_fast_path_reads_exactly_what_the_json_parser_reads(lines, id_fiel
     options = build_config({"run": {"root": "memory://x", "name": "t"}, "model": {"path": "m"},
                             "prompts": {"path": "p", "id_field": id_field}}).prompts
     split = data.split(b"\n")[:-1]
-    fast = tk._arrow_rows(data, split, 1, options, [pa.string(), pa.int64()])
+    fast = pf._arrow_rows(data, split, 1, options, [pa.string(), pa.int64()])
     if fast is not None:
-        careful = [tk._line_row(n, line, options, is_jsonl=True) for n, line in enumerate(split, 1)]
+        careful = [pf._line_row(n, line, options, is_jsonl=True) for n, line in enumerate(split, 1)]
         assert [r[:3] + r[4:] for r in fast] == [r[:3] + r[4:] for r in careful]
 
 
@@ -493,9 +494,9 @@ def test_arrow_fast_path_is_taken_for_clean_input(monkeypatch):
                             "prompts": {"path": "p", "id_field": "id"}}).prompts
     data = jsonl({"prompt": "a", "id": 1}, {"prompt": "b", "id": 2}) + b"\n" + jsonl({"prompt": "c", "id": 3})
     calls = []
-    original = tk._arrow_rows
-    monkeypatch.setattr(tk, "_arrow_rows", lambda *a: calls.append(r := original(*a)) or r)
-    rows = [r for b in tk._text_rows(io.BytesIO(data), options, is_jsonl=True) for r in b]
+    original = pf._arrow_rows
+    monkeypatch.setattr(pf, "_arrow_rows", lambda *a: calls.append(r := original(*a)) or r)
+    rows = [r for b in pf._text_rows(io.BytesIO(data), options, is_jsonl=True) for r in b]
     assert calls and all(c is not None for c in calls)
     assert [(n, t, i) for n, t, i, _, p in rows if p is None] == [(1, "a", "1"), (2, "b", "2"), (4, "c", "3")]
 
@@ -506,8 +507,8 @@ def test_lines_across_read_blocks(tmp_path, demo_model, monkeypatch):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "p.jsonl").write_bytes(jsonl(*({"prompt": t} for t in texts)))
     (tmp_path / "in" / "q.txt").write_text("\n".join(texts))
-    monkeypatch.setattr(tk, "READ_BYTES", 7)
-    monkeypatch.setattr(tk, "BATCH_ROWS", 3)
+    monkeypatch.setattr(pf, "READ_BYTES", 7)
+    monkeypatch.setattr(pf, "BATCH_ROWS", 3)
     monkeypatch.setattr(tk, "FLUSH_ROWS", 2)  # many row groups per shard, flushed one by one
     url, record = run_tokenize(write_config(tmp_path, demo_model, path=str(tmp_path / "in" / "*"), num_shards=2))
     assert [r["prompt"] for r in all_rows(url, record)] == texts + texts
@@ -617,7 +618,7 @@ def test_kill_between_shards_and_marker_leaves_the_step_partial(tmp_path, demo_m
 def test_stop_signal_between_batches_exits_75_and_writes_no_shard(tmp_path, demo_model, monkeypatch):
     (tmp_path / "p.jsonl").write_bytes(jsonl(*({"prompt": f"prompt {i}"} for i in range(10))))
     config = write_config(tmp_path, demo_model, path=str(tmp_path / "p.jsonl"))
-    monkeypatch.setattr(tk, "BATCH_ROWS", 2)
+    monkeypatch.setattr(pf, "BATCH_ROWS", 2)
     take = tk._Reader.take
     calls = []
 
