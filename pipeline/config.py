@@ -12,6 +12,7 @@ hash: that list lives in `identity.py`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -43,6 +44,9 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Weights' dtype on device; activations of the KV cache stay float32."""
 
+    def __post_init__(self):
+        _require(bool(self.path.strip()), "model.path", self.path, "a checkpoint folder (path or URL)")
+
 
 @dataclass(frozen=True)
 class PromptsConfig:
@@ -66,7 +70,11 @@ class PromptsConfig:
     def __post_init__(self):
         _require(self.max_prompt_tokens > 0, "prompts.max_prompt_tokens", self.max_prompt_tokens, "an integer > 0")
         _require(self.num_shards == "auto" or self.num_shards > 0, "prompts.num_shards", self.num_shards, "an integer > 0 or auto")
+        _require(bool(self.path.strip()), "prompts.path", self.path, "a file, folder or glob")
         _require(bool(self.text_field), "prompts.text_field", self.text_field, "a field name")
+        _require(self.id_field is None or bool(self.id_field), "prompts.id_field", self.id_field, "a field name or null")
+        _require(self.id_field is None or self.id_field != self.text_field, "prompts.id_field", self.id_field,
+                 f"a field other than prompts.text_field ({self.text_field!r}) or null")
 
 
 @dataclass(frozen=True)
@@ -88,10 +96,13 @@ class SamplingConfig:
 
     def __post_init__(self):
         _require(self.max_new_tokens > 0, "sampling.max_new_tokens", self.max_new_tokens, "an integer > 0")
-        _require(self.temperature >= 0, "sampling.temperature", self.temperature, "a number >= 0 (0 = greedy)")
+        _require(math.isfinite(self.temperature) and self.temperature >= 0, "sampling.temperature", self.temperature,
+                 "a number >= 0 (0 = greedy), not inf")
         _require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "a number in (0, 1]")
         _require(self.top_k >= 0, "sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
         _require(self.n > 0, "sampling.n", self.n, "an integer > 0")
+        # jax.random.key keeps 32 bits: seeds outside [0, 2**32) would silently share keys.
+        _require(0 <= self.seed < 2**32, "sampling.seed", self.seed, "an integer in [0, 2**32)")
         _require(all(self.stop), "sampling.stop", list(self.stop), "non-empty strings")
 
 
@@ -124,6 +135,7 @@ class WandbConfig:
     """Rows put in the browsable wandb.Table; the Parquet files in the artifact hold every row."""
 
     def __post_init__(self):
+        _require(bool(self.project.strip()), "wandb.project", self.project, "a non-empty project name")
         _require(self.table_max_rows >= 0, "wandb.table_max_rows", self.table_max_rows, "an integer >= 0")
 
 
@@ -160,7 +172,7 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {_one_line(err)}") from err
+        raise ConfigError(f"config file {_yaml_where(path, err)} is not valid YAML: {_yaml_problem(err)}") from err
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -208,7 +220,7 @@ def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
         raise ConfigError(f"{source}: {where} must be a mapping, got {_describe(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted((str(k) for k in data if k not in fields))  # YAML keys may be numbers, null, ...
     if unknown:
         raise ConfigError(
             f"{source}: unknown key {prefix}{unknown[0]} (valid keys in {where}: {', '.join(fields)})"
@@ -261,7 +273,17 @@ def _convert(tp: Any, value: Any, key: str, source: str) -> Any:
     }[tp]
     if not ok(value):
         raise ConfigError(f"{source}: {key} must be {_expected(tp)}, got {_describe(value)}")
-    return float(value) if tp is float else value
+    if tp is int and not -2**63 <= value < 2**63:  # numpy, Arrow and JAX hold 64 bits at most
+        raise ConfigError(f"{source}: {key} must be an integer between -2**63 and 2**63, got {_describe(value)}")
+    if tp is float:
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float's range
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"{source}: {key} must be a finite number, got {_describe(value)}")
+        return number
+    return value
 
 
 def _expected(tp: Any) -> str:
@@ -298,3 +320,17 @@ def _plain(value: Any) -> Any:
 
 def _one_line(err: Exception) -> str:
     return " ".join(str(err).split())
+
+
+def _yaml_where(path: str, err: yaml.YAMLError) -> str:
+    """`path:line:col` (1-based) of a YAML syntax error, or just `path` when PyYAML gives no mark."""
+    mark = getattr(err, "problem_mark", None)
+    return f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """What PyYAML found wrong, without its multi-line excerpt of the file."""
+    problem, context = getattr(err, "problem", None), getattr(err, "context", None)
+    if not problem:
+        return _one_line(err)
+    return f"{problem} ({context})" if context else problem

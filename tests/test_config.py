@@ -52,6 +52,25 @@ def test_defaults_fill_optional_sections():
     (with_section("run", name=None), "run.name must be a string, got null"),
     ({**MINIMAL, "extra": {}}, "unknown key extra"),
     (with_section("sampling", **{"seed": 1.5}), "sampling.seed must be an integer, got 1.5"),
+    (with_section("sampling", seed=-1), "sampling.seed must be an integer in [0, 2**32), got -1"),
+    (with_section("sampling", seed=2**32), "sampling.seed must be an integer in [0, 2**32)"),
+    (with_section("sampling", temperature=float("inf")), "sampling.temperature must be a finite number, got inf"),
+    (with_section("sampling", top_p=0), "sampling.top_p must be a number in (0, 1], got 0.0"),
+    (with_section("sampling", top_k=-1), "sampling.top_k must be an integer >= 0"),
+    (with_section("sampling", max_new_tokens=0), "sampling.max_new_tokens must be an integer > 0, got 0"),
+    (with_section("sampling", max_new_tokens=2**70), "sampling.max_new_tokens must be an integer between"),
+    (with_section("prompts", num_shards=0), "prompts.num_shards must be an integer > 0 or auto, got 0"),
+    (with_section("prompts", max_prompt_tokens=0), "prompts.max_prompt_tokens must be an integer > 0, got 0"),
+    (with_section("prompts", id_field=""), "prompts.id_field must be a field name or null"),
+    (with_section("prompts", id_field="prompt"), "prompts.id_field must be a field other than prompts.text_field"),
+    (with_section("prompts", path=""), "prompts.path must be a file, folder or glob"),
+    (with_section("model", path=" "), "model.path must be a checkpoint folder"),
+    (with_section("engine", part_rows=0), "engine.part_rows must be an integer > 0, got 0"),
+    (with_section("engine", memory_fraction=0), "engine.memory_fraction must be a number in (0, 1], got 0.0"),
+    (with_section("wandb", table_max_rows=-1), "wandb.table_max_rows must be an integer >= 0, got -1"),
+    (with_section("wandb", project=""), "wandb.project must be a non-empty project name"),
+    (with_section("wandb", api_key="sentinel"), "unknown key wandb.api_key"),
+    ({**MINIMAL, 1: {}}, "unknown key 1 (valid keys in the top level"),
 ])
 def test_bad_values_name_the_key_path(data, message):
     with pytest.raises(ConfigError) as err:
@@ -76,10 +95,15 @@ def test_bad_set_syntax(override, message):
         apply_override(MINIMAL, override)
 
 
-def test_yaml_syntax_error_names_the_file(tmp_path):
+def test_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("run: {root: /tmp\n  name: [\n")
-    with pytest.raises(ConfigError, match=f"config file {path} is not valid YAML"):
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value).startswith(f"config file {path}:2:7 is not valid YAML: expected ',' or '}}'")
+    assert "\n" not in str(err.value)
+    path.write_text("run:\n\troot: /tmp\n")
+    with pytest.raises(ConfigError, match=f"config file {path}:2:1 is not valid YAML: found character"):
         load_config(str(path))
 
 
