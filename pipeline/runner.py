@@ -144,6 +144,9 @@ def preflight(cfg: Config) -> str:
     """Join the pod, check every host agrees on code version and plan, meet at a barrier."""
     hosts.initialize()
     plan = make_plan(cfg)
+    from engine.checkpoint import check_checkpoint
+
+    check_checkpoint(cfg.model.path)
     hosts.agree("preflight", {"versions": status.package_versions(), "plan": [[p.spec.name, p.hash] for p in plan]},
                 "code version and plan")
     hosts.barrier("preflight")
@@ -164,6 +167,10 @@ def run_steps(cfg: Config, targets: tuple[str, ...], force: bool = False, dry_ru
     blocked = [p for p in plan if p.action == "blocked"]
     if blocked:
         raise StepFailed(f"cannot run {blocked[0].spec.name}: {blocked[0].reason}")
+    if any(p.action == "run" and p.spec.name in ("tokenize", "generate") for p in plan):
+        from engine.checkpoint import check_checkpoint  # config.json and headers only: seconds
+
+        check_checkpoint(cfg.model.path)  # a bad model.path fails now, not after tokenize
     if dry_run:
         return plan
     by_name = {p.spec.name: p for p in plan}
