@@ -153,18 +153,23 @@ def status_command(
 
 
 @app.command("preflight")
-def preflight_command(config: ConfigOpt, set_: SetOpt = None) -> None:
+def preflight_command(
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    expect_hosts: Annotated[Optional[int], typer.Option(
+        "--expect-hosts", min=1, help="Fail (exit 2) unless the pod has exactly this many hosts.")] = None,
+) -> None:
     """Check the pod before any real work: every host joined, same code and same plan (step hashes).
 
     Run it with the same launcher as the real job; it fails fast naming the odd host.
-    Example: pipeline launch --hosts 2 -- preflight --config configs/demo.yaml
+    Example: pipeline launch --hosts 2 -- preflight --config configs/demo.yaml --expect-hosts 2
     """
 
     def body() -> None:
         from pipeline.config import load_config
         from pipeline.runner import preflight
 
-        typer.echo(preflight(load_config(config, set_ or [])))
+        typer.echo(preflight(load_config(config, set_ or []), expect_hosts=expect_hosts))
 
     _guard(body)
 

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import importlib
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 import yaml
 
 from pipeline import hosts, identity, preemption, status, storage
 from pipeline.config import Config
-from pipeline.errors import StepFailed
+from pipeline.errors import ConfigError, StepFailed
 
 
 @dataclass(frozen=True)
@@ -140,17 +142,34 @@ def format_plan(plan: list[PlannedStep]) -> str:
     return "\n".join(lines)
 
 
-def preflight(cfg: Config) -> str:
-    """Join the pod, check every host agrees on code version and plan, meet at a barrier."""
+def preflight(cfg: Config, expect_hosts: int | None = None) -> str:
+    """Join the pod, check its size and that every host agrees on code and plan, meet at a barrier."""
     hosts.initialize()
+    count = hosts.process_count()
+    if expect_hosts is not None and count != expect_hosts:
+        missing = ("too many joined" if count > expect_hosts else f"host {count} did not join"
+                   if count == expect_hosts - 1 else f"hosts {count}-{expect_hosts - 1} did not join")
+        raise ConfigError(f"{hosts.describe()}: the pod has {count} host(s), expected {expect_hosts} "
+                          f"(--expect-hosts): {missing}; start the same command on every worker "
+                          f"(gcloud ... ssh --worker=all), not on worker 0 only")
     plan = make_plan(cfg)
     from engine.checkpoint import check_checkpoint
 
     check_checkpoint(cfg.model.path)
-    hosts.agree("preflight", {"versions": status.package_versions(), "plan": [[p.spec.name, p.hash] for p in plan]},
-                "code version and plan")
+    hosts.agree("preflight", {"versions": status.package_versions(), "code": code_digest(),
+                              "plan": [[p.spec.name, p.hash] for p in plan]}, "code version and plan")
     hosts.barrier("preflight")
     return f"{hosts.describe()}: joined, same code and plan as the leader ({', '.join(p.hash[:12] for p in plan)})"
+
+
+def code_digest() -> str:
+    """sha256 of the pipeline's own source (pipeline/, steps/, engine/): hosts on different checkouts differ."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for package in ("pipeline", "steps", "engine"):
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(f"{path.relative_to(root)}\n".encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def run_steps(cfg: Config, targets: tuple[str, ...], force: bool = False, dry_run: bool = False,
