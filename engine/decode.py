@@ -5,20 +5,25 @@ cache ([batch, kv_heads, seq, head_dim] per layer, written in place, never conca
 the on-device stop rule (EOS / stop token ids / max_new_tokens). The host (engine.py) decides
 which rows go to which slots and when; it does not own stop strings or scheduling.
 
-    caches, state = init_caches(config, slots, seq_len, cache_dtype, sharding), init_state(slots, sharding)
-    caches, state, first = prefill_into_slots(model, caches, state, tokens, lengths, src,
-                                              prompt_index, sample_index, spec=spec)
-    caches, state, out = decode_chunk(model, caches, state, kill, spec=spec, window=256, steps=16)
+    caches = init_caches(config, slots, seq_len, cache_dtype, spec.cache_sharding)
+    state = init_state(slots, spec.batch_sharding)
+    caches, state, (first, done) = prefill_into_slots(model, caches, state, tokens, lengths, src,
+                                                      prompt_index, sample_index, spec=spec)
+    caches, state, (out, done) = decode_chunk(model, caches, state, kill, spec=spec, window=256, steps=16)
 
 A decode chunk runs up to `steps` tokens in one `lax.while_loop` (no Python per token), stopping
 early when every slot is done. It attends only to the first `window` cache positions (the host
 picks the smallest window bucket covering every live slot, so short rows do not read the whole
 preallocated cache each step) plus the chunk's own new positions.
+
+Both return what the host reads back (new tokens and done flags) as separate arrays laid out
+by `spec.host_sharding`: on a global mesh they are replicated, so every host holds a copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import haliax as hax
@@ -38,7 +43,11 @@ class DecodeSpec:
     stop_ids: tuple[int, ...]
     """EOS ids of the checkpoint plus sampling.stop_token_ids: a row is done after emitting one."""
     batch_sharding: jax.sharding.Sharding
-    """How arrays with a leading slot axis are spread over the local devices."""
+    """How arrays with a leading slot axis (the decode state) are spread over the devices."""
+    cache_sharding: jax.sharding.Sharding
+    """How the KV cache [batch, kv_heads, seq, head_dim] is spread (engine/mesh.py)."""
+    host_sharding: jax.sharding.Sharding
+    """Layout of the tokens and done flags the host reads back after each call."""
 
 
 class DecodeState(NamedTuple):
@@ -56,19 +65,21 @@ def init_caches(config: LlamaConfig, slots: int, seq_len: int, cache_dtype, shar
     axes = (Axis("batch", slots), config.KVHeads, Axis("key_position", seq_len), config.HeadDim)
     shape = tuple(a.size for a in axes)
 
-    def zeros():
-        return hax.named(jax.device_put(jnp.zeros(shape, cache_dtype), sharding), axes)
-
-    return tuple((zeros(), zeros()) for _ in range(config.num_hidden_layers))
+    # Made by a compiled program with its output sharding, so each device (of every host on a
+    # global mesh) allocates only its own block.
+    zeros = jax.jit(functools.partial(jnp.zeros, shape, cache_dtype), out_shardings=sharding)
+    return tuple((hax.named(zeros(), axes), hax.named(zeros(), axes)) for _ in range(config.num_hidden_layers))
 
 
 def init_state(slots: int, sharding) -> DecodeState:
     # Separate buffers: the state is donated, and one buffer cannot be donated twice.
-    def zeros():
-        return jnp.zeros(slots, jnp.int32)
+    def make():
+        def zeros():
+            return jnp.zeros(slots, jnp.int32)
 
-    state = DecodeState(zeros(), zeros(), zeros(), jnp.ones(slots, bool), row_keys(0, zeros(), zeros()))
-    return jax.device_put(state, sharding)
+        return DecodeState(zeros(), zeros(), zeros(), jnp.ones(slots, bool), row_keys(0, zeros(), zeros()))
+
+    return jax.jit(make, out_shardings=sharding)()
 
 
 def _constrain(tree, sharding):
@@ -96,7 +107,7 @@ def prefill_into_slots(
     """Runs the prompts tokens [P, L] (right-padded; lengths [P]) once, copies each prompt's
     keys/values into every slot s with src[s] = its row (src -1: slot untouched, so n samples
     share one prefill), and samples each new slot's first token. Returns (caches, state, first
-    token per slot)."""
+    token per slot, done per slot), the last two laid out for the host."""
     P, L = tokens.shape
     slots = src.shape[0]
     Batch, Pos = Axis("batch", P), Axis("position", L)
@@ -130,12 +141,13 @@ def prefill_into_slots(
         done=jnp.where(is_new, done, state.done),
         keys=jnp.where(is_new, keys, state.keys),
     )
-    return _constrain(tuple(new_caches), spec.batch_sharding), _constrain(state, spec.batch_sharding), first
+    return _finish(tuple(new_caches), state, first, spec)
 
 
 def decode_chunk(model: LlamaLM, caches: Caches, state: DecodeState, kill: jax.Array, *, spec: DecodeSpec, window: int, steps: int):
     """Up to `steps` decode steps for every live slot. kill [slots] marks rows the host finished
-    (stop strings). Returns (caches, state, tokens [slots, steps], -1 where a slot produced nothing).
+    (stop strings). Returns (caches, state, (tokens [slots, steps], -1 where a slot produced
+    nothing, done [slots])), the last two laid out for the host.
 
     Inside the loop the cache is read-only, cut to its first `window` positions (the host picks
     a window covering every live slot's position); each step's keys/values go to a small chunk
@@ -196,4 +208,9 @@ def decode_chunk(model: LlamaLM, caches: Caches, state: DecodeState, kill: jax.A
         )
         for kv, ukv in zip(caches, chunks)
     )
-    return _constrain(caches, spec.batch_sharding), _constrain(state, spec.batch_sharding), out
+    return _finish(caches, state, out, spec)
+
+
+def _finish(caches: Caches, state: DecodeState, tokens: jax.Array, spec: DecodeSpec):
+    host = (tokens, state.done.copy())  # a copy: the state is donated to the next call
+    return _constrain(caches, spec.cache_sharding), _constrain(state, spec.batch_sharding), _constrain(host, spec.host_sharding)

@@ -3,7 +3,10 @@
 Owns: `Engine.load` (config checks, memory plan, weights), the host-side scheduler (sort rows
 by prompt length, bucket prompt and window lengths so few programs compile, refill finished
 slots from the queue), stop strings and detokenisation, and the run's statistics. It does not
-read prompt files or write results: the generate step does.
+read prompt files or write results: the generate step does. Where arrays live is engine/mesh.py's:
+`mode="host_dp"` uses this host's devices only; `mode="global_mesh"` shards the weights over
+every device of the pod, and then every host must call `generate` with the same requests: the
+scheduler is deterministic, so all hosts run the same compiled calls in the same order.
 
     engine = Engine.load("gs://bucket/llama", dtype="bfloat16", sampling=SamplingParams(n=4),
                          batch_size="auto", max_prompt_tokens=512, tokenizer=tok)
@@ -25,17 +28,17 @@ import dataclasses
 import functools
 import json
 import time
-from typing import Any, Iterable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
 import fsspec
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engine.decode import DecodeSpec, decode_chunk, init_caches, init_state, prefill_into_slots
 from engine.llama import LlamaConfig, UnsupportedModelError, load_checkpoint
 from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch
+from engine.mesh import Layout, mesh_shape
 from engine.sampler import SamplingParams
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -142,7 +145,7 @@ class _Row:
 
 class Engine:
     def __init__(self, model, config: LlamaConfig, engine_config: EngineConfig, sampling: SamplingParams,
-                 plan: BatchPlan, eos_token_ids: tuple[int, ...], tokenizer, devices: list[jax.Device], source: str):
+                 plan: BatchPlan, eos_token_ids: tuple[int, ...], tokenizer, layout: Layout, source: str):
         self.model = model
         self.config = config
         self.engine_config = engine_config
@@ -150,18 +153,20 @@ class Engine:
         self.plan = plan
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
-        self.devices = devices
+        self.layout = layout
+        self.devices = layout.local_devices
         self.source = source
         self.vocab_size = config.vocab_size
         self.stats = EngineStats(batch_size=plan.batch_size)
-        self._mesh = Mesh(np.array(devices), ("data",))
-        self._batch_sharding = NamedSharding(self._mesh, PartitionSpec("data"))
+        self.stopped = False
+        """The last `generate` ended early because its `stop` callback asked (on any host)."""
+        self._batch_sharding = layout.batch_sharding
         # Only what the programs compute with: engines differing in n or stop strings share them.
         compiled_sampling = dataclasses.replace(sampling, n=1, stop_strings=(), stop_token_ids=())
         stop_ids = tuple(sorted(set(eos_token_ids) | set(sampling.stop_token_ids)))
-        self._spec = DecodeSpec(compiled_sampling, stop_ids, self._batch_sharding)
+        self._spec = DecodeSpec(compiled_sampling, stop_ids, layout.batch_sharding, layout.cache_sharding, layout.host_sharding)
         self._seq_len = engine_config.max_prompt_tokens + sampling.max_new_tokens
-        self._cache_dtype = jnp.float32 if devices[0].platform == "cpu" else DTYPES[engine_config.dtype]
+        self._cache_dtype = jnp.float32 if self.devices[0].platform == "cpu" else DTYPES[engine_config.dtype]
         self._prompt_buckets = length_buckets(engine_config.max_prompt_tokens, fine=True)
         self._window_buckets = length_buckets(self._seq_len, fine=False)
 
@@ -176,8 +181,14 @@ class Engine:
         tokenizer=None,
         memory_fraction: float = 0.9,
         decode_chunk_steps: int = 16,
+        mode: Literal["host_dp", "global_mesh"] = "host_dp",
+        mesh: Any = "auto",
     ) -> "Engine":
-        """Checks the checkpoint's config and the batch plan, then reads the weights."""
+        """Checks the checkpoint's config and the batch plan, then reads the weights.
+
+        mode host_dp: this host's devices, weights replicated on each. global_mesh: every device
+        of the pod, weights sharded by `mesh` ('auto' or {data, model}, see engine/mesh.py); every
+        host must make the same calls, and batch_size counts rows of the whole pod."""
         engine_config = EngineConfig(dtype, batch_size, max_prompt_tokens, memory_fraction, decode_chunk_steps)
         fs, root = fsspec.core.url_to_fs(model_path)
         root = root.rstrip("/")
@@ -203,7 +214,13 @@ class Engine:
         if sampling.stop_strings and tokenizer is None:
             raise ValueError("sampling.stop needs a tokenizer: pass Engine.load(..., tokenizer=...)")
 
-        devices = jax.local_devices()
+        if mode == "global_mesh":
+            layout = Layout.pod(mesh_shape(mesh, num_devices=jax.device_count(), kv_heads=config.num_key_value_heads))
+        elif mode == "host_dp":
+            layout = Layout.local(jax.local_devices())
+        else:
+            raise ValueError(f"engine.mode must be host_dp or global_mesh, got {mode!r}")
+        devices = layout.local_devices
         plan = plan_batch(
             config,
             dtype=DTYPES[dtype],
@@ -213,18 +230,21 @@ class Engine:
             max_new_tokens=sampling.max_new_tokens,
             devices=devices,
             memory_fraction=memory_fraction,
+            batch_shards=layout.data_size,
+            weight_shards=layout.mesh.size if layout.is_global else 1,
+            row_shards=layout.model_size,
         )
-        replicated = NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec())
-        model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=replicated)
-        return Engine(model, config, engine_config, sampling, plan, tuple(eos), tokenizer, devices, model_path)
+        model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding)
+        return Engine(model, config, engine_config, sampling, plan, tuple(eos), tokenizer, layout, model_path)
 
     def describe(self) -> str:
-        c, p = self.config, self.plan
-        n = len(self.devices)
-        need = p.need_bytes(p.batch_size, n)
+        c, p, layout = self.config, self.plan, self.layout
+        need = p.need_bytes(p.batch_size, layout.data_size)
+        where = (f"a global mesh data {layout.data_size} x model {layout.model_size} over {layout.mesh.size} devices"
+                 f" of {jax.process_count()} host(s)" if layout.is_global else f"{len(self.devices)} device(s)")
         return (
             f"{c.model_type} {c.num_hidden_layers}x{c.hidden_size} (vocab {c.vocab_size}) from {self.source},"
-            f" {self.engine_config.dtype} on {n} {self.devices[0].platform} device(s);"
+            f" {self.engine_config.dtype} on {where} ({self.devices[0].platform});"
             f" batch_size {p.batch_size} ({p.reason}); memory ~{need / GiB:.2f} GiB per device"
             f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row) of {p.limit_bytes / GiB:.2f} GiB allowed;"
             f" prompts <= {self.engine_config.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new"
@@ -236,11 +256,12 @@ class Engine:
         """Compiles once per program and input shapes (shared by engines in this process: a
         reload with the same shapes compiles nothing) and runs; compile time is counted apart."""
         leaves, treedef = jax.tree.flatten(args)
-        key = (kind, static, self._spec, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+        key = (kind, static, self._spec, self.layout.is_global, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
         compiled = _COMPILED.get(key)
         if compiled is None:
             start = time.perf_counter()
-            compiled = jax.jit(fn, donate_argnums=(1, 2)).lower(*args).compile()
+            with self.layout.tracing():
+                compiled = jax.jit(fn, donate_argnums=(1, 2)).lower(*args).compile()
             self.stats.compile_time_s += time.perf_counter() - start
             self.stats.compilations += 1
             _COMPILED[key] = compiled
@@ -267,28 +288,36 @@ class Engine:
         rows.sort(key=lambda row: (len(row.prompt), row.prompt_index, row.sample_index))
         return rows
 
-    def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[Completion]:
+    def generate(self, requests: Iterable[GenerationRequest], stop: Callable[[], bool] | None = None) -> Iterator[Completion]:
         """Yields one Completion per (prompt, sample) requested, in the order rows finish.
-        Safe to abandon part way: nothing is left running on the device between yields."""
+        Safe to abandon part way: nothing is left running on the device between yields (on a
+        global mesh every host must abandon at the same point: use `stop`).
+
+        stop: asked before every compiled call; once it returns True on any host, every host's
+        generate returns there, together, and sets `self.stopped`."""
+        self.stopped = False
         pending = collections.deque(self._rows(requests))
         if not pending:
             return
-        n_dev = len(self.devices)
+        n_dev = self.layout.data_size
         batch = self.plan.batch_size
         # A small job gets fewer slots (power of two) instead of decoding empty ones.
         slots = min(batch, -(-(1 << (len(pending) - 1).bit_length()) // n_dev) * n_dev)
         steps = self.engine_config.decode_chunk_steps
         refill_min = max(1, slots // 8)
-        caches = init_caches(self.config, slots, self._seq_len, self._cache_dtype, self._batch_sharding)
+        caches = init_caches(self.config, slots, self._seq_len, self._cache_dtype, self.layout.cache_sharding)
         state = init_state(slots, self._batch_sharding)
         live: list[_Row | None] = [None] * slots
         kill = np.zeros(slots, bool)
         try:
             while pending or any(live):
+                if stop is not None and self.layout.any_host(stop()):
+                    self.stopped = True
+                    return
                 free = [s for s in range(slots) if live[s] is None]
                 if pending and free and (len(free) >= refill_min or len(free) == slots):
-                    caches, state, first, filled = self._refill(caches, state, pending, free, live, slots)
-                    first, done = np.asarray(first), np.asarray(state.done)
+                    caches, state, (first, done), filled = self._refill(caches, state, pending, free, live, slots)
+                    first, done = np.asarray(first), np.asarray(done)
                     for s in filled:
                         kill[s] = False
                         live[s].tokens.append(int(first[s]))
@@ -300,14 +329,14 @@ class Engine:
                 busy = [s for s in range(slots) if live[s] is not None]
                 reach = max(len(live[s].prompt) + len(live[s].tokens) - 1 for s in busy)
                 window = self._window_buckets[bisect.bisect_left(self._window_buckets, reach)]
-                caches, state, out = self._run(
+                caches, state, (out, done) = self._run(
                     "decode",
                     functools.partial(decode_chunk, spec=self._spec, window=window, steps=steps),
                     (window, steps),
                     self.model, caches, state, jax.device_put(kill, self._batch_sharding),
                 )
                 kill[:] = False
-                out, done = np.asarray(out), np.asarray(state.done)
+                out, done = np.asarray(out), np.asarray(done)
                 for s in busy:
                     row = live[s]
                     row.tokens += [int(t) for t in out[s] if t >= 0]
@@ -324,7 +353,7 @@ class Engine:
         prompts: dict[int, int] = {}
         for row in taken:
             prompts.setdefault(row.prompt_index, len(prompts))
-        n_dev = len(self.devices)
+        n_dev = self.layout.data_size
         sizes = sorted({-(-max(1, slots // d) // n_dev) * n_dev for d in (8, 4, 2, 1)})
         rows_p = sizes[bisect.bisect_left(sizes, len(prompts))] if len(prompts) <= sizes[-1] else len(prompts)
         longest = max(len(row.prompt) for row in taken)
@@ -346,8 +375,8 @@ class Engine:
             live[s] = row
         self.stats.padded_prompt_tokens += rows_p * length
         put = functools.partial(jax.device_put, device=self._batch_sharding)
-        replicated = NamedSharding(self._mesh, PartitionSpec())
-        caches, state, first = self._run(
+        replicated = self.layout.replicated
+        caches, state, host = self._run(
             "prefill",
             functools.partial(prefill_into_slots, spec=self._spec),
             (),
@@ -356,7 +385,7 @@ class Engine:
             jax.device_put(lengths, replicated),
             put(src), put(prompt_index), put(sample_index),
         )
-        return caches, state, first, free[: len(taken)]
+        return caches, state, host, free[: len(taken)]
 
     # ------------------------------------------------------------------------- finishing
 

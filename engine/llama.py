@@ -19,6 +19,7 @@ stacked weights copied every layer's slice on each decode step (docs/performance
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import struct
@@ -380,12 +381,15 @@ class LlamaLM(eqx.Module):
     def forward(self, tokens: NamedArray, positions: NamedArray, mask, caches=None):
         """Hidden states after the final norm, and per layer what Attention returns: the fresh
         (k, v) when caches is None (prefill), else the updated chunk (k, v) (decode)."""
-        x = self.embed_tokens.take("vocab", tokens)
+        # auto_sharded: on a global mesh (engine/mesh.py) keeps rows on the data axis between
+        # layers, so FSDP gathers weights instead of splitting activations; a no-op otherwise.
+        x = hax.auto_sharded(self.embed_tokens.take("vocab", tokens))
         cos, sin = rotary_tables(self.config, positions, x.dtype)
         new_kvs = []
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
             x, kv = layer(x, cos, sin, mask, cache)
+            x = hax.auto_sharded(x)
             new_kvs.append(kv)
         return self.norm(x), tuple(new_kvs)
 
@@ -466,9 +470,13 @@ def checkpoint_files(fs, root: str) -> dict[str, str]:
     return names
 
 
-def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding: jax.sharding.Sharding | None = None) -> LlamaLM:
-    """Reads every weight into `dtype` one tensor at a time (bytes -> host array -> device), so
-    the host never holds more than one tensor beyond what is already on the device."""
+def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> LlamaLM:
+    """Reads every weight into `dtype`, tensor by tensor, straight into its sharding.
+
+    sharding: one `jax.sharding.Sharding` for every weight, a function (weight's axes) ->
+    Sharding, or None (the first local device). Each device's block is read on its own, and only
+    the rows of the tensor's first axis that block spans, so a host reads about its own share of
+    a sharded model (all of it when replicated) and never holds more than one tensor's block."""
     fs, root = fsspec.core.url_to_fs(path)
     root = root.rstrip("/")
     files = checkpoint_files(fs, root)
@@ -477,29 +485,46 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding: jax.shar
     missing = [name for name, _ in mapping if name not in files]
     if missing:
         raise UnsupportedModelError(f"model.path {path}: checkpoint lacks {missing[:3]} ({len(missing)} missing tensors)")
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    sharding_for = sharding if callable(sharding) else lambda axes: sharding
 
-    by_file: dict[str, list] = {}
-    for name, where in mapping:
-        by_file.setdefault(files[name], []).append((name, where))
+    headers = {}
     wheres, values = [], []
-    for file, entries in by_file.items():
-        with fs.open(file, "rb") as f:
-            header, data_start = _safetensors_header(f)
-            for name, where in sorted(entries, key=lambda e: header[e[0]]["data_offsets"][0]):
-                info = header[name]
-                target = where(skeleton)
-                if info["dtype"] not in _SAFETENSORS_DTYPES:
-                    raise UnsupportedModelError(f"model.path {file}: tensor {name} has dtype {info['dtype']} (only float tensors are read)")
-                start, end = info["data_offsets"]
-                f.seek(data_start + start)
-                host = np.frombuffer(f.read(end - start), dtype=_SAFETENSORS_DTYPES[info["dtype"]])
-                if host.size != math.prod(target.array.shape):
-                    raise UnsupportedModelError(
-                        f"model.path {file}: tensor {name} has shape {info['shape']}, config.json implies {target.array.shape}"
-                    )
-                host = host.reshape(target.array.shape).astype(dtype)
-                device = jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host)
-                wheres.append(where)
-                values.append(hax.named(device, target.axes))
-                del host
+    for name, where in mapping:
+        file = files[name]
+        if file not in headers:
+            with fs.open(file, "rb") as f:
+                headers[file] = _safetensors_header(f)
+        header, data_start = headers[file]
+        info = header[name]
+        target = where(skeleton)
+        shape = tuple(target.array.shape)
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise UnsupportedModelError(f"model.path {file}: tensor {name} has dtype {info['dtype']} (only float tensors are read)")
+        if math.prod(info["shape"]) != math.prod(shape):
+            raise UnsupportedModelError(
+                f"model.path {file}: tensor {name} has shape {info['shape']}, config.json implies {shape}"
+            )
+        read = functools.lru_cache(maxsize=None)(
+            functools.partial(_read_block, fs, file, data_start + info["data_offsets"][0],
+                              np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]), shape, dtype))
+        array = jax.make_array_from_callback(
+            shape, sharding_for(target.axes), lambda index, read=read: read(tuple((s.start, s.stop) for s in index)))
+        read.cache_clear()
+        wheres.append(where)
+        values.append(hax.named(array, target.axes))
     return eqx.tree_at(lambda m: [w(m) for w in wheres], skeleton, values)
+
+
+def _read_block(fs, file: str, offset: int, source_dtype: np.dtype, shape: tuple[int, ...], dtype,
+                bounds: tuple[tuple[int | None, int | None], ...]) -> np.ndarray:
+    """The block `bounds` ((start, stop) per axis) of the row-major tensor at byte `offset` of
+    `file`, in `dtype`; reads only the rows of the first axis the block spans."""
+    index = tuple(slice(start, stop) for start, stop in bounds)
+    rows = range(shape[0])[index[0]]
+    row_bytes = math.prod(shape[1:]) * source_dtype.itemsize
+    with fs.open(file, "rb") as f:
+        f.seek(offset + rows.start * row_bytes)
+        block = np.frombuffer(f.read(len(rows) * row_bytes), dtype=source_dtype)
+    return block.reshape((len(rows),) + shape[1:])[(slice(None),) + index[1:]].astype(dtype)

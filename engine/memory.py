@@ -10,7 +10,9 @@ compiled), and reading peak memory back. It allocates nothing.
 
 The estimate is linear in the batch: per row, its KV cache for prompt + new tokens plus the
 prefill's activations (attention scores [heads, L, L] in float32 dominate for long prompts)
-and a few float32 logit rows; plus the weights, replicated on every local device.
+and a few float32 logit rows; plus the weights, replicated on every local device (host data
+parallel) or split over the whole mesh (global mesh: `weight_shards` devices share each weight,
+`row_shards` share each row's KV heads, rows are split `batch_shards` ways).
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ class BatchPlan:
     reason: str
     """One phrase saying why this batch size: 'explicit', or what bounded the auto choice."""
     weights_bytes: int
-    """Per device (weights are replicated for data parallelism)."""
+    """Per device (replicated for host data parallelism, split on a global mesh)."""
     row_bytes: int
-    """KV cache + prefill working memory of one row."""
+    """KV cache + prefill working memory of one row, per device holding part of it."""
     limit_bytes: int
     """The stated fraction of one device's memory."""
 
@@ -80,18 +82,25 @@ def plan_batch(
     max_new_tokens: int,
     devices: list[jax.Device],
     memory_fraction: float,
+    batch_shards: int | None = None,
+    weight_shards: int = 1,
+    row_shards: int = 1,
 ) -> BatchPlan:
-    n = len(devices)
-    weights = parameter_bytes(config, dtype)
+    """devices: this host's devices (their memory is planned); batch_shards: ways rows are split
+    (default: one per device); weight_shards / row_shards: devices sharing each weight / each row."""
+    n = batch_shards or len(devices)
+    weights = -(-parameter_bytes(config, dtype) // weight_shards)
     row = kv_row_bytes(config, max_prompt_tokens + max_new_tokens, cache_dtype) + working_row_bytes(config, max_prompt_tokens, dtype)
-    device_bytes = device_memory_bytes(devices[0], n)
+    row = -(-row // row_shards)
+    device_bytes = device_memory_bytes(devices[0], len(devices))
     limit = int(device_bytes * memory_fraction)
     plan = BatchPlan(0, "", weights, row, limit)
     where = f"{memory_fraction:.0%} of {devices[0].platform} device memory ({device_bytes / GiB:.1f} GiB) is {limit / GiB:.2f} GiB"
     if weights + row > limit:
         raise ValueError(
             f"the weights alone need {weights / GiB:.2f} GiB per device and one row {row / GiB:.3f} GiB, but {where} "
-            "(tensor parallelism is not implemented; use a smaller model, bfloat16, or shorter prompts)"
+            + ("(use more devices, bfloat16, or shorter prompts)" if weight_shards > 1 else
+               "(shard the model over the pod with engine.mode: global_mesh, or use bfloat16 or shorter prompts)")
         )
     rows_per_device = (limit - weights) // row
     if batch_size == "auto":
@@ -103,7 +112,8 @@ def plan_batch(
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"engine.batch_size must be a positive integer or 'auto', got {batch_size!r}")
     if batch_size % n:
-        raise ValueError(f"engine.batch_size={batch_size} must be a multiple of the {n} local devices (data parallel)")
+        raise ValueError(f"engine.batch_size={batch_size} must be a multiple of the {n} data-parallel devices"
+                         f" ({'engine.mesh.data' if batch_shards else 'local devices'})")
     need = plan.need_bytes(batch_size, n)
     if need > limit:
         kv = kv_row_bytes(config, max_prompt_tokens + max_new_tokens, cache_dtype) * -(-batch_size // n)
