@@ -147,6 +147,8 @@ def _line_row(number: int, line: bytes, options: PromptsConfig, is_jsonl: bool) 
     except UnicodeDecodeError as err:
         return (number, None, None, line.decode("utf-8", "backslashreplace"),
                 ("invalid UTF-8", f"bad byte at offset {err.start}"))
+    if not text.strip():  # Unicode whitespace only (e.g. U+3000): blank, as `empty prompt` judges JSON text
+        return number, None, None, "", BLANK
     if is_jsonl:
         return _json_row(number, text, options.text_field, options.id_field)
     return number, text, None, text, None
