@@ -1,0 +1,238 @@
+"""Bad input everywhere a user can type something, through `pipeline run all` as users run it.
+
+The reliability issue's rule: each case gets one `error:` line naming the input and what is
+wrong, exit 2 for config (config files, `--set`, a model.path that is not a checkpoint we
+run) or 1 for data (a broken file inside the checkpoint, prompt files), and no step is
+marked complete. Model folders are checked by engine/checkpoint.py before tokenize starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from pipeline import preemption
+from pipeline.cli import app
+
+
+def run_all(config: str, *extra: str):
+    preemption.reset()
+    return CliRunner().invoke(app, ["run", "all", "--config", config, *extra])
+
+
+def error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def markers(root: Path) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f == "_SUCCESS.json"]
+
+
+@pytest.fixture
+def config_for(tmp_path, demo_model):
+    """config_for(model=None, prompts_text=None, **sections) -> a config path; the model defaults to the demo's."""
+
+    def make(model: str | None = None, prompts_text: str | None = None, **sections) -> str:
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(prompts_text if prompts_text is not None else
+                           "".join(json.dumps({"id": f"p{i}", "prompt": f"Say {i}."}) + "\n" for i in range(4)))
+        data = {"run": {"root": str(tmp_path / "runs"), "name": "bad"},
+                "model": {"path": model or demo_model, "dtype": "float32"},
+                "prompts": {"path": str(prompts), "id_field": "id", "max_prompt_tokens": 64},
+                "sampling": {"max_new_tokens": 4}, "engine": {"batch_size": 4}, "wandb": {"mode": "disabled"}}
+        for section, values in sections.items():
+            data.setdefault(section, {}).update(values)
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return str(path)
+
+    return make
+
+
+# --- config files and --set: exit 2 naming the key path ----------------------------------------
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--set", "sampling.temperature=-0.5"], "sampling.temperature must be a number >= 0"),
+    (["--set", "sampling.top_p=0"], "sampling.top_p must be a number in (0, 1], got 0"),
+    (["--set", "sampling.top_p=1.5"], "sampling.top_p must be a number in (0, 1], got 1.5"),
+    (["--set", "sampling.n=two"], "sampling.n must be an integer, got 'two'"),
+    (["--set", "sampling.max_new_tokens=0"], "sampling.max_new_tokens must be an integer > 0, got 0"),
+    (["--set", "engine.batch_size=-4"], "engine.batch_size must be an integer > 0 or auto, got -4"),
+    (["--set", "engine.part_rows=0"], "engine.part_rows must be an integer > 0, got 0"),
+    (["--set", "prompts.num_shards=0"], "prompts.num_shards must be an integer > 0 or auto, got 0"),
+    (["--set", "prompts.max_prompt_tokens=-1"], "prompts.max_prompt_tokens must be an integer > 0, got -1"),
+    (["--set", "sampling.temperature=.nan"], "sampling.temperature must be a finite number"),
+    (["--set", "sampling.tempreature=0.7"], "unknown key sampling.tempreature"),
+    (["--set", "sampling.n"], "expected KEY=VALUE"),
+    (["--set", "sampling.stop=[unclosed"], "value is not valid YAML"),
+])
+def test_bad_config_values_exit_2_naming_the_key(config_for, tmp_path, extra, expected):
+    result = run_all(config_for(), *extra)
+    assert result.exit_code == 2, result.output
+    assert expected in error_line(result)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_yaml_syntax_error_exits_2_naming_file_line_and_column(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("run:\n  root: /tmp/x\n  name: [oops\nmodel: {path: /m}\n")
+    result = run_all(str(path))
+    assert result.exit_code == 2
+    assert error_line(result).startswith(f"error: config file {path}:4:")
+
+
+def test_unknown_key_and_wrong_type_in_the_file_exit_2(config_for, tmp_path):
+    result = run_all(config_for(sampling={"max_new_tokens": "lots"}))
+    assert result.exit_code == 2 and "sampling.max_new_tokens must be an integer, got 'lots'" in error_line(result)
+    result = run_all(config_for(wandb={"mode": "disabled", "api_key": "x"}))
+    assert result.exit_code == 2 and "unknown key wandb.api_key" in error_line(result)
+    assert markers(tmp_path) == []
+
+
+# --- model folders: not a checkpoint we run -> 2; a broken file -> 1 ----------------------------
+
+
+def copy_model(demo_model: str, tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(demo_model, folder)
+    return folder
+
+
+def edit_config(folder: Path, **changes) -> None:
+    data = json.loads((folder / "config.json").read_text())
+    data.update(changes)
+    (folder / "config.json").write_text(json.dumps(data))
+
+
+def rewrite_header(path: Path, edit) -> None:
+    """Apply `edit` to a safetensors file's parsed header, keeping the data bytes."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    edit(header)
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + length:])
+
+
+def break_model(case: str, folder: Path) -> str:
+    """Break the copy as `case` says; return the file (or model.path) the message must name."""
+    weights = folder / "model.safetensors"
+    if case == "no config.json":
+        (folder / "config.json").unlink()
+        return f"model.path {folder} has no config.json"
+    if case == "wrong architecture":
+        edit_config(folder, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+        return f"model.path {folder}: architectures ['GPT2LMHeadModel']"
+    if case == "unsupported model_type":
+        edit_config(folder, model_type="gemma", architectures=["GemmaForCausalLM"])
+        return f"model.path {folder}/config.json: model_type 'gemma' is not supported"
+    if case == "pickle weights only":
+        weights.rename(folder / "pytorch_model.bin")
+        return f"model.path {folder} holds only pickle weights (pytorch_model.bin)"
+    if case == "no weights":
+        weights.unlink()
+        return f"model.path {folder} has no *.safetensors files"
+    if case == "no tokenizer":
+        (folder / "tokenizer.json").unlink()
+        (folder / "tokenizer_config.json").unlink()
+        return f"model.path {folder} has no tokenizer"
+    if case == "config.json not JSON":
+        (folder / "config.json").write_text('{"model_type": "llama",')
+        return f"{folder}/config.json is not valid JSON"
+    if case == "corrupt header length":
+        weights.write_bytes(struct.pack("<Q", 1 << 40) + weights.read_bytes()[8:])
+        return f"{weights} is not a valid safetensors file: the header length field says {1 << 40} bytes"
+    if case == "corrupt header JSON":
+        data = weights.read_bytes()
+        weights.write_bytes(data[:8] + b"\xff" * 16 + data[24:])
+        return f"{weights} is not a valid safetensors file: its header is not valid JSON"
+    if case == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+        return f"{weights} is not a valid safetensors file: tensor"
+    if case == "too short":
+        weights.write_bytes(b"\x00\x01")
+        return f"{weights} is not a valid safetensors file: 2 bytes"
+    if case == "missing tensor":
+        rewrite_header(weights, lambda h: h.pop("model.norm.weight"))
+        return f"model.path {folder}: the checkpoint lacks 1 tensor(s) a llama with this config.json needs, e.g. model.norm.weight"
+    if case == "shape disagrees with config.json":
+        edit_config(folder, intermediate_size=128)
+        return f"{weights}: tensor model.layers.0.mlp.gate_proj.weight has shape [256, 64], config.json implies [128, 64]"
+    if case == "index names a missing shard":
+        index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        return f"{folder}/model.safetensors.index.json: tensor model.embed_tokens.weight is in model-00002-of-00002.safetensors, which is not in"
+    if case == "index escapes the folder":
+        index = {"weight_map": {"model.embed_tokens.weight": "../model/model.safetensors"}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        return f"{folder}/model.safetensors.index.json: tensor model.embed_tokens.weight maps to '../model/model.safetensors'"
+    raise AssertionError(case)
+
+
+CONFIG_CASES = ["no config.json", "wrong architecture", "unsupported model_type", "pickle weights only", "no weights",
+                "no tokenizer"]
+DATA_CASES = ["config.json not JSON", "corrupt header length", "corrupt header JSON", "truncated", "too short",
+              "missing tensor", "shape disagrees with config.json", "index names a missing shard",
+              "index escapes the folder"]
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES + DATA_CASES)
+def test_a_bad_model_folder_fails_before_tokenize(config_for, demo_model, tmp_path, case):
+    folder = copy_model(demo_model, tmp_path)
+    expected = break_model(case, folder)
+    result = run_all(config_for(model=str(folder)))
+    assert result.exit_code == (2 if case in CONFIG_CASES else 1), result.output
+    assert error_line(result).startswith(f"error: {expected}"), error_line(result)
+    assert not (tmp_path / "runs").exists()  # nothing started: no step folder, no marker
+
+
+def test_a_missing_model_path_is_a_config_error(config_for, tmp_path):
+    result = run_all(config_for(model=str(tmp_path / "no-such-model")))
+    assert result.exit_code == 2
+    assert error_line(result) == (f"error: model.path {tmp_path / 'no-such-model'} does not exist (expected a Hugging "
+                                  f"Face checkpoint folder: config.json, *.safetensors, tokenizer files)")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_demo_checkpoint_passes_and_a_sharded_one_too(demo_model, tmp_path):
+    from engine.checkpoint import check_checkpoint
+    from safetensors.numpy import load_file, save_file
+
+    assert check_checkpoint(demo_model)["tensors"] == 21
+    folder = copy_model(demo_model, tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    names = sorted(tensors)
+    (folder / "model.safetensors").unlink()
+    weight_map = {}
+    for part, chunk in enumerate((names[:10], names[10:]), 1):
+        file = f"model-{part:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in chunk}, str(folder / file))
+        weight_map.update({n: file for n in chunk})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert check_checkpoint(str(folder))["files"] == ["model-00001-of-00002.safetensors",
+                                                      "model-00002-of-00002.safetensors"]
+
+
+# --- prompt files: exit 1 naming file and line ----------------------------------------------
+
+
+def test_missing_prompt_file_and_bad_prompt_line_exit_1(config_for, tmp_path):
+    missing = config_for(prompts={"path": str(tmp_path / "nope.jsonl")})
+    result = run_all(missing)
+    assert result.exit_code == 1 and error_line(result).startswith(f"error: prompts.path {tmp_path / 'nope.jsonl'} matched no files")
+    assert markers(tmp_path) == []
+    bad = config_for(prompts_text='{"id": "a", "prompt": "fine"}\n{"id": "b", "prompt": \n')
+    result = run_all(bad)
+    assert result.exit_code == 1
+    assert error_line(result).startswith(f"error: prompts file {tmp_path / 'prompts.jsonl'} line 2: invalid JSON")
+    assert markers(tmp_path) == []
