@@ -44,6 +44,8 @@ SetOpt = Annotated[Optional[list[str]], typer.Option(
     "--set", help="Override a config value: dotted key=YAML value, e.g. --set sampling.n=4 (repeatable).")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Run the step(s) again even if complete.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan with reasons; change nothing.")]
+NoWaitOpt = Annotated[bool, typer.Option(
+    "--no-wait", help="If another runner is executing a step on this run root, exit 75 at once instead of waiting.")]
 
 
 def _guard(body: Callable[[], None]) -> None:
@@ -75,60 +77,66 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
-def _run(targets: tuple[str, ...], config: str, overrides: list[str] | None, force: bool, dry_run: bool) -> None:
+def _run(targets: tuple[str, ...], config: str, overrides: list[str] | None, force: bool, dry_run: bool,
+         no_wait: bool) -> None:
     def body() -> None:
         from pipeline.config import load_config
         from pipeline.runner import run_steps
 
         cfg = load_config(config, overrides or [])
-        run_steps(cfg, targets, force=force, dry_run=dry_run)
+        run_steps(cfg, targets, force=force, dry_run=dry_run, wait=not no_wait)
 
     _guard(body)
 
 
 @run_app.command("all")
-def run_all(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False) -> None:
+def run_all(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
+        no_wait: NoWaitOpt = False) -> None:
     """Run tokenize -> generate -> merge -> upload, skipping every complete step.
 
     Example: pipeline run all --config configs/demo.yaml
     """
-    _run(("tokenize", "generate", "merge", "upload"), config, set_, force, dry_run)
+    _run(("tokenize", "generate", "merge", "upload"), config, set_, force, dry_run, no_wait)
 
 
 @run_app.command("tokenize")
-def run_tokenize(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False) -> None:
+def run_tokenize(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
+        no_wait: NoWaitOpt = False) -> None:
     """Read prompts (JSONL/Parquet/.txt, local or gs://), tokenize, write balanced shards (leader).
 
     Example: pipeline run tokenize --config configs/demo.yaml --set prompts.on_invalid=skip
     """
-    _run(("tokenize",), config, set_, force, dry_run)
+    _run(("tokenize",), config, set_, force, dry_run, no_wait)
 
 
 @run_app.command("generate")
-def run_generate(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False) -> None:
+def run_generate(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
+        no_wait: NoWaitOpt = False) -> None:
     """Generate completions for every shard (all hosts; resumes what a preempted run left).
 
     Example: pipeline launch --hosts 2 -- run generate --config configs/demo.yaml
     """
-    _run(("generate",), config, set_, force, dry_run)
+    _run(("generate",), config, set_, force, dry_run, no_wait)
 
 
 @run_app.command("merge")
-def run_merge(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False) -> None:
+def run_merge(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
+        no_wait: NoWaitOpt = False) -> None:
     """Check every (prompt, sample) exists once, order them, write the result (leader).
 
     Example: pipeline run merge --config configs/demo.yaml
     """
-    _run(("merge",), config, set_, force, dry_run)
+    _run(("merge",), config, set_, force, dry_run, no_wait)
 
 
 @run_app.command("upload")
-def run_upload(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False) -> None:
+def run_upload(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
+        no_wait: NoWaitOpt = False) -> None:
     """Log the merged result to W&B as a `generations` artifact, resuming the same W&B run.
 
     Example: pipeline run upload --config configs/demo.yaml --force
     """
-    _run(("upload",), config, set_, force, dry_run)
+    _run(("upload",), config, set_, force, dry_run, no_wait)
 
 
 @app.command("status")
@@ -205,6 +213,70 @@ def launch_command(
     _guard(body)
     if codes and codes[0]:
         raise typer.Exit(codes[0])
+
+
+tpu_app = typer.Typer(
+    help="Run on a Cloud TPU VM or queued resource through gcloud, and babysit it through preemptions.\n\n"
+    "Example: pipeline tpu run --tpu my-tpu --zone us-east5-a --accelerator-type v5p-16 "
+    "--runtime-version v2-alpha-tpuv5 --spot -- run all --config configs/my-run.yaml",
+    no_args_is_help=True,
+)
+app.add_typer(tpu_app, name="tpu")
+
+
+@tpu_app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def tpu_run_command(
+    ctx: typer.Context,
+    tpu: Annotated[str, typer.Option("--tpu", help="TPU VM name (and queued resource name with --queued).")],
+    zone: Annotated[str, typer.Option("--zone", help="e.g. us-east5-a")],
+    project: Annotated[Optional[str], typer.Option("--project", help="GCP project (default: gcloud's).")] = None,
+    accelerator_type: Annotated[Optional[str], typer.Option(
+        "--accelerator-type", help="e.g. v5p-16; needed to create a missing TPU, else read from describe.")] = None,
+    runtime_version: Annotated[Optional[str], typer.Option(
+        "--runtime-version", help="TPU software version, e.g. v2-alpha-tpuv5; as --accelerator-type.")] = None,
+    spot: Annotated[bool, typer.Option("--spot", help="Spot TPU: recreated when preempted.")] = False,
+    queued: Annotated[bool, typer.Option("--queued", help="Create and recreate through a queued resource.")] = False,
+    retries: Annotated[int, typer.Option("--retries", min=0, help="Reruns after the first attempt.")] = 5,
+    workdir: Annotated[str, typer.Option("--workdir", help="The checkout on each worker (relative to home).")]
+    = "jax-batch-pipeline",
+    setup: Annotated[Optional[str], typer.Option(
+        "--setup", help="Shell run in --workdir before each attempt, e.g. 'git pull && bash scripts/setup.sh'.")] = None,
+    pipeline_bin: Annotated[str, typer.Option("--pipeline", help="The pipeline command on the workers.")]
+    = ".venv/bin/pipeline",
+    log: Annotated[Optional[str], typer.Option(
+        "--log", help="Attempt log, one JSON line per attempt (default: tpu-NAME-attempts.jsonl).")] = None,
+    backoff_s: Annotated[float, typer.Option("--backoff-s", min=0, help="Wait before the first rerun; doubles.")]
+    = 60.0,
+    poll_s: Annotated[float, typer.Option("--poll-s", min=0, help="Seconds between describes while waiting.")]
+    = 30.0,
+    ready_timeout_s: Annotated[float, typer.Option("--ready-timeout-s", min=0, help="Longest wait for READY.")]
+    = 86400.0,
+) -> None:
+    """Run `pipeline ARGS...` on every worker of a TPU; when preempted, recreate it and rerun (it resumes).
+
+    Each attempt: wait until the TPU is READY (create it; delete and recreate it if a spot/queued one is gone).
+
+    Then `pipeline preflight --expect-hosts N` on all N workers: fails fast naming the odd or unreachable worker.
+
+    Then the run on all workers. Exit 75, a lost worker or a preempted TPU: rerun, up to --retries.
+
+    Exit 1 or 2 on a READY TPU: stop at once with that code. The W&B run id stays the same across attempts.
+
+    One JSON line per attempt goes to --log. Example (creates the TPU if missing):
+
+    pipeline tpu run --tpu my-tpu --zone us-east5-a --accelerator-type v5p-16 --runtime-version v2-alpha-tpuv5 --spot -- run all --config configs/my-run.yaml
+    """  # noqa: E501 - the example must stay one line to copy
+
+    def body() -> None:
+        from pipeline import tpu as tpu_mod
+
+        args = ctx.args[1:] if ctx.args[:1] == ["--"] else list(ctx.args)
+        target = tpu_mod.Tpu(tpu, zone, project, accelerator_type, runtime_version, spot, queued)
+        remote = tpu_mod.Remote(args, workdir, setup, pipeline_bin)
+        policy = tpu_mod.Policy(retries, backoff_s, max(backoff_s, 900.0), poll_s, ready_timeout_s)
+        typer.echo(tpu_mod.babysit(target, remote, policy, log or f"tpu-{tpu}-attempts.jsonl"))
+
+    _guard(body)
 
 
 def main() -> None:

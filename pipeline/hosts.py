@@ -194,6 +194,21 @@ def on_leader(tag: str, fn: Callable[[], T], what: str) -> T | None:
     return None
 
 
+def from_leader(tag: str, fn: Callable[[], Any], what: str) -> Any:
+    """Run `fn` on the leader only and return its JSON value on every host.
+
+    Like `on_leader`, a leader failure makes the other hosts raise instead of waiting.
+    """
+    if _state["client"] is None:
+        return fn()
+    if is_leader():
+        value = on_leader(f"{tag}/run", fn, what)
+        publish(f"{tag}/value", value)
+        return value
+    on_leader(f"{tag}/run", fn, what)
+    return wait_for(f"{tag}/value", what)
+
+
 def agree(tag: str, value: Any, what: str) -> Any:
     """The leader's `value` on every host; a host whose own value differs raises.
 

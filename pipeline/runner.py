@@ -26,6 +26,7 @@ import yaml
 from pipeline import hosts, identity, preemption, status, storage
 from pipeline.config import Config
 from pipeline.errors import ConfigError, StepFailed
+from pipeline.lease import Lease
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,16 @@ class StepOutput:
     hash: str
     url: str
     upstream: dict[str, "PlannedStep"] = field(default_factory=dict)
+    lease: Lease | None = None
+    """This runner's lease on the output; None when nobody else can write there."""
 
     def path(self, *names: str) -> str:
         return storage.join(self.url, *names)
+
+    def check_lease(self) -> None:
+        """Raise LeaseLost if another runner took this step over: call before each commit."""
+        if self.lease is not None:
+            self.lease.check()
 
 
 @dataclass(frozen=True)
@@ -173,8 +181,12 @@ def code_digest() -> str:
 
 
 def run_steps(cfg: Config, targets: tuple[str, ...], force: bool = False, dry_run: bool = False,
-              echo: Callable[[str], None] | None = None) -> list[PlannedStep]:
-    """Run `targets` in order on this host (every host calls this); return the plan used."""
+              echo: Callable[[str], None] | None = None, wait: bool = True) -> list[PlannedStep]:
+    """Run `targets` in order on this host (every host calls this); return the plan used.
+
+    Each step runs under a lease on its output (pipeline/lease.py): while another runner
+    holds it, wait (or with wait=False raise LeaseBusy, exit 75).
+    """
     say = echo or _say
     hosts.initialize()
     plan = make_plan(cfg, targets, force)
@@ -202,7 +214,7 @@ def run_steps(cfg: Config, targets: tuple[str, ...], force: bool = False, dry_ru
         started = time.time()
         if hosts.is_leader():
             say(f"[{planned.spec.name}] {planned.reason} -> {planned.url}")
-        result = _execute(cfg, planned, out)
+        result = _execute(cfg, planned, out, wait, say)
         if hosts.is_leader() and result is not None:
             say(f"[{planned.spec.name}] complete: {result.rows} rows in {time.time() - started:.1f}s "
                 f"{_summary_line(result.summary)}")
@@ -212,18 +224,28 @@ def run_steps(cfg: Config, targets: tuple[str, ...], force: bool = False, dry_ru
     return plan
 
 
-def _execute(cfg: Config, planned: PlannedStep, out: StepOutput) -> StepResult | None:
+def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
+             say: Callable[[str], None]) -> StepResult | None:
+    """Run one step under its lease; the leader marks it complete. None on non-leaders."""
     spec = planned.spec
     tag = f"{spec.name}-{planned.hash[:12]}"
     started = _now()
+    lease = Lease.for_step(cfg.run.root, spec.name, planned.hash)
 
-    def prepare() -> None:
+    def start() -> dict[str, Any]:
+        """Leader: take the lease; skip if another runner completed the step meanwhile."""
+        lease.acquire(wait, say)
+        if planned.state != "complete" and status.output_state(out.url) == "complete":
+            lease.release()
+            return {"done_by_other": True, "token": None}
         if planned.state == "complete":
             status.remove_marker(out.url)  # --force: not complete until it finishes again
         storage.write_text(out.path(status.CONFIG_FILE), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return {"done_by_other": False, "token": lease.token}
 
     def mark(result: StepResult) -> StepResult:
         _check_result(spec, result)
+        out.check_lease()
         status.write_marker(out.url, status.StepRecord(
             step=spec.name, hash=planned.hash, version=spec.version, files=result.files,
             summary=result.summary, rows=result.rows, started_at=started, finished_at=_now(),
@@ -232,25 +254,41 @@ def _execute(cfg: Config, planned: PlannedStep, out: StepOutput) -> StepResult |
         ))
         return result
 
-    run = _load(spec.entry)
-    if spec.where == "leader":
-        return hosts.on_leader(tag, lambda: (prepare(), mark(run(cfg, out)))[1], f"step {spec.name}")
-    hosts.on_leader(f"{tag}/prepare", prepare, f"step {spec.name} to start")
+    try:
+        begun = hosts.from_leader(f"{tag}/start", start, f"the lease on step {spec.name}")
+        if begun["done_by_other"]:
+            if hosts.is_leader():
+                say(f"[{spec.name}] completed by another runner while this one waited: skipped")
+            return None
+        if not hosts.is_leader():
+            lease = Lease.follow(lease.url, lease.what, begun["token"])
+        out = dataclasses.replace(out, lease=lease)
+        run = _load(spec.entry)
+        if spec.where == "leader":
+            return hosts.on_leader(tag, lambda: mark(run(cfg, out)), f"step {spec.name}")
+        _run_on_every_host(tag, run, cfg, out)
+
+        def finish() -> StepResult:
+            for index in range(1, hosts.process_count()):
+                outcome = hosts.wait_for(f"{tag}/host-{index}", f"host {index} to finish {spec.name}")
+                if not outcome["ok"]:
+                    raise StepFailed(f"{spec.name} failed on host {index}: {outcome['error']}")
+            return mark(_load(spec.finish)(cfg, out))
+
+        return hosts.on_leader(f"{tag}/finish", finish, f"step {spec.name} to be checked")
+    finally:
+        if hosts.is_leader():
+            lease.release()
+
+
+def _run_on_every_host(tag: str, run: Callable[..., Any], cfg: Config, out: StepOutput) -> None:
+    """Every host runs the step and publishes how it ended (the leader's finish waits for it)."""
     try:
         run(cfg, out)
     except BaseException as err:
         hosts.publish(f"{tag}/host-{hosts.process_index()}", {"ok": False, "error": f"{type(err).__name__}: {err}"})
         raise
     hosts.publish(f"{tag}/host-{hosts.process_index()}", {"ok": True})
-
-    def finish() -> StepResult:
-        for index in range(1, hosts.process_count()):
-            outcome = hosts.wait_for(f"{tag}/host-{index}", f"host {index} to finish {spec.name}")
-            if not outcome["ok"]:
-                raise StepFailed(f"{spec.name} failed on host {index}: {outcome['error']}")
-        return mark(_load(spec.finish)(cfg, out))
-
-    return hosts.on_leader(f"{tag}/finish", finish, f"step {spec.name} to be checked")
 
 
 def _check_result(spec: StepSpec, result: Any) -> None:

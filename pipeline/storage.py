@@ -55,6 +55,11 @@ def step_url(root: str, step: str, step_hash: str) -> str:
     return join(root, f"{step}-{step_hash[:HASH_CHARS]}")
 
 
+def lease_url(root: str, step: str, step_hash: str) -> str:
+    """Where the lease on a step's output lives: `{root}/.leases/{step}-{hash12}.json`."""
+    return join(root, ".leases", f"{step}-{step_hash[:HASH_CHARS]}.json")
+
+
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem for a URL and the path inside it."""
     return fsspec.core.url_to_fs(normalize(url))

@@ -252,6 +252,7 @@ class _PartWriter:
         if rows:
             rows.sort(key=lambda r: (r["prompt_index"], r["sample_index"]))
             table = pa.Table.from_pylist(rows, schema=SCHEMA)
+            self.out.check_lease()  # a runner that lost its lease must not add parts
             storage.write_parquet(self.out.path(_shard_dir(shard), f"part-{_stamp()}.parquet"), table)
 
     def flush_all(self) -> None:

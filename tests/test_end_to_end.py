@@ -36,7 +36,9 @@ def invoke(*args: str):
 
 
 def snapshot(root) -> dict[str, int]:
-    return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(root) for f in fs}
+    """Every output file and its mtime; the runner's own `.leases` bookkeeping is left out."""
+    return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(root) for f in fs
+            if ".leases" not in d}
 
 
 def status(config: str) -> dict[str, dict]:
@@ -54,6 +56,7 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     steps = status(config)
     assert [s["state"] for s in steps.values()] == ["complete"] * 4
     assert steps["tokenize"]["rows"] == 12 and steps["merge"]["rows"] == 24
+    assert not list((runs / ".leases").glob("*.json")), "every lease is released at the end"
 
     merged = pq.read_table([p for p in snapshot(runs) if "/merge-" in p and p.endswith(".parquet")][0])
     assert merged.column_names == COLUMNS and merged.num_rows == 24

@@ -1,0 +1,298 @@
+"""One runner per step output at a time: leases kept beside the run's outputs.
+
+A second `pipeline run` on the same run root waits for a step another runner is executing
+(or, with `--no-wait`, exits 75 at once), naming the holder and since when. A lease whose
+holder died is taken over; a holder that lost its lease stops before its next commit.
+
+Each lease is a small JSON record, `{root}/.leases/{step}-{hash12}.json` (`storage.lease_url`),
+naming its holder (host, pid, a random token, since when):
+
+- local disk: an OS file lock (`filelock`) on the `.lock` file beside the record guards it.
+  The OS frees the lock the moment its holder dies, so takeover is immediate.
+- gs://: the record itself is the lock. It is created with `ifGenerationMatch=0`, and its
+  holder rewrites it every `timeout/4` seconds with `ifGenerationMatch=<its generation>`. A
+  waiter that sees the same generation for `timeout` seconds of its own clock (no clock sync
+  needed) takes it over with `ifGenerationMatch=<that generation>`: of several waiters
+  exactly one wins. The old holder's next renewal fails and it counts the lease as lost.
+- memory:// (one process): no lease.
+
+Before each commit (a generate part, a success marker) the writer calls `check()`, which
+re-reads the record and raises `LeaseLost` unless it still names this runner's token; the
+non-leader hosts of a pod check the leader's token the same way (`Lease.follow`).
+
+    lease = Lease.for_step(root, "generate", step_hash)
+    lease.acquire(wait=True, say=print)
+    try: ... lease.check(); commit(...)
+    finally: lease.release()
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from pipeline import preemption, storage
+from pipeline.errors import PipelineError, StepFailed
+
+ENV_TIMEOUT = "PIPELINE_LEASE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 120.0
+"""gs:// only: how long a lease may go unrenewed before a waiter takes it over."""
+
+REPORT_EVERY_S = 60.0
+"""How often a waiting runner repeats who it is waiting for."""
+
+
+class LeaseBusy(PipelineError):
+    """Another runner holds the lease and we were told not to wait (exit 75: try again later)."""
+
+    exit_code = 75
+
+
+class LeaseLost(StepFailed):
+    """Another runner took this runner's lease over: stop writing (exit 1)."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lease: written into the record, shown to waiting runners."""
+
+    token: str
+    host: str
+    pid: int
+    since: str
+
+    def describe(self) -> str:
+        return f"{self.host} pid {self.pid} (since {self.since})"
+
+    @classmethod
+    def new(cls) -> "Holder":
+        now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        return cls(secrets.token_hex(8), socket.gethostname(), os.getpid(), now)
+
+
+def timeout_s() -> float:
+    return float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
+
+
+class Lease:
+    """The lease on one step output; `acquire` on the runner's leader, `follow` on the others."""
+
+    def __init__(self, url: str, what: str):
+        self.url = url
+        self.what = what
+        self.holder: Holder | None = None
+        self._backend = _backend_for(url)
+
+    @classmethod
+    def for_step(cls, root: str, step: str, step_hash: str) -> "Lease":
+        return cls(storage.lease_url(root, step, step_hash), f"{step}-{step_hash[:storage.HASH_CHARS]}")
+
+    @classmethod
+    def follow(cls, url: str, what: str, token: str) -> "Lease":
+        """The lease another host of this pod acquired: `check` compares against its token."""
+        lease = cls(url, what)
+        lease.holder = Holder(token, "", 0, "")
+        return lease
+
+    @property
+    def token(self) -> str | None:
+        return self.holder.token if self.holder else None
+
+    def acquire(self, wait: bool, say: Callable[[str], None]) -> None:
+        """Take the lease, waiting while another live runner holds it (or raise LeaseBusy)."""
+        me = Holder.new()
+        waited_since = time.monotonic()
+        reported = -REPORT_EVERY_S
+        while True:
+            other = self._backend.try_acquire(me)
+            if other is None:
+                self.holder = me
+                if time.monotonic() - waited_since > 1:
+                    say(f"lease on {self.what} acquired after {time.monotonic() - waited_since:.0f}s")
+                return
+            message = (f"{self.what} is being run by {other.describe()}; "
+                       f"lease: {self.url}")
+            if not wait:
+                raise LeaseBusy(f"{message}. Rerun later, or without --no-wait to wait for it")
+            if time.monotonic() - reported >= REPORT_EVERY_S:
+                say(f"waiting: {message} ({self._backend.takeover_rule})")
+                reported = time.monotonic()
+            preemption.check()
+            time.sleep(self._backend.poll_s)
+
+    def check(self) -> None:
+        """Raise LeaseLost unless the record still names this runner (call before each commit)."""
+        if self.holder is None:
+            return
+        current = self._backend.read()
+        if self._backend.lost or current is None or current.token != self.holder.token:
+            by = f"by {current.describe()}" if current else "(its record is gone)"
+            raise LeaseLost(f"lost the lease on {self.what}: it was taken over {by}, so this runner "
+                            f"stops writing; the other runner finishes the step. Lease: {self.url}")
+
+    def release(self) -> None:
+        if self.holder is not None and self.holder.host:
+            self._backend.release(self.holder)
+        self.holder = None
+
+
+class _NoLease:
+    """memory:// lives in one process: nobody else can run there."""
+
+    poll_s = 1.0
+    takeover_rule = ""
+    lost = False
+
+    def try_acquire(self, me: Holder) -> Holder | None:
+        return None
+
+    def read(self) -> Holder | None:
+        return None
+
+    def release(self, me: Holder) -> None:
+        pass
+
+
+class _FileLease:
+    """Local disk: an OS lock on `<record>.lock`; the record says who holds it."""
+
+    poll_s = 1.0
+    takeover_rule = "taken over as soon as its holder exits"
+    lost = False
+
+    def __init__(self, url: str):
+        from filelock import FileLock
+
+        self.url = url
+        os.makedirs(os.path.dirname(url), exist_ok=True)
+        self._lock = FileLock(url[: -len(".json")] + ".lock")
+
+    def try_acquire(self, me: Holder) -> Holder | None:
+        from filelock import Timeout
+
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            return self.read() or Holder("?", "another process", 0, "just now")
+        storage.write_json(self.url, asdict(me))
+        return None
+
+    def read(self) -> Holder | None:
+        try:
+            with open(self.url) as f:
+                return Holder(**json.load(f))
+        except (FileNotFoundError, ValueError, TypeError):
+            return None
+
+    def release(self, me: Holder) -> None:
+        current = self.read()
+        if current is not None and current.token == me.token:
+            os.remove(self.url)
+        self._lock.release()
+
+
+class _GcsLease:
+    """gs://: the record is the lock, guarded by generation-match preconditions."""
+
+    def __init__(self, url: str):
+        from google.cloud import storage as gcs
+
+        bucket, _, name = url[len("gs://"):].partition("/")
+        self.blob_name = name
+        self.bucket = gcs.Client().bucket(bucket)
+        self.timeout = timeout_s()
+        self.poll_s = min(5.0, max(0.2, self.timeout / 10))
+        self.takeover_rule = f"taken over if not renewed for {self.timeout:.0f}s ({ENV_TIMEOUT})"
+        self.lost = False
+        self._seen: tuple[int, float] | None = None   # (generation, when first seen), for staleness
+        self._generation = 0
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def try_acquire(self, me: Holder) -> Holder | None:
+        from google.api_core.exceptions import PreconditionFailed
+
+        generation, other = self._read_with_generation()
+        if other is None:
+            expect = 0
+        else:
+            now = time.monotonic()
+            if self._seen is None or self._seen[0] != generation:
+                self._seen = (generation, now)
+            if now - self._seen[1] < self.timeout:
+                return other
+            expect = generation  # no renewal for `timeout`: its holder is gone
+        try:
+            self._write(me, expect)
+        except PreconditionFailed:
+            return self._read_with_generation()[1] or other or Holder("?", "another runner", 0, "just now")
+        self._start_renewing(me)
+        return None
+
+    def read(self) -> Holder | None:
+        return self._read_with_generation()[1]
+
+    def release(self, me: Holder) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        generation, current = self._read_with_generation()
+        if current is not None and current.token == me.token:
+            from google.api_core.exceptions import NotFound, PreconditionFailed
+
+            try:
+                self.bucket.blob(self.blob_name).delete(if_generation_match=generation)
+            except (NotFound, PreconditionFailed):
+                pass
+
+    def _read_with_generation(self) -> tuple[int, Holder | None]:
+        blob = self.bucket.get_blob(self.blob_name)
+        if blob is None:
+            return 0, None
+        try:
+            return blob.generation, Holder(**json.loads(blob.download_as_bytes(if_generation_match=blob.generation)))
+        except Exception:  # noqa: BLE001 - rewritten between the two reads, or not our format
+            return blob.generation, Holder("?", "another runner", 0, "unknown")
+
+    def _write(self, me: Holder, expect: int) -> None:
+        blob = self.bucket.blob(self.blob_name)
+        blob.upload_from_string(json.dumps(asdict(me)), content_type="application/json",
+                                if_generation_match=expect)
+        self._generation = blob.generation
+
+    def _start_renewing(self, me: Holder) -> None:
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew, args=(me,), daemon=True, name="lease-renewer")
+        self._renewer.start()
+
+    def _renew(self, me: Holder) -> None:
+        from google.api_core.exceptions import PreconditionFailed
+
+        while not self._stop.wait(self.timeout / 4):
+            try:
+                self._write(me, self._generation)
+            except PreconditionFailed:
+                # A retried write may have landed already: still ours if the record says so.
+                generation, current = self._read_with_generation()
+                if current is not None and current.token == me.token:
+                    self._generation = generation
+                else:
+                    self.lost = True
+                    return
+            except Exception:  # noqa: BLE001 - transient storage error: try again next round
+                continue
+
+
+def _backend_for(url: str):
+    if url.startswith("gs://"):
+        return _GcsLease(url)
+    if storage.is_local(url):
+        return _FileLease(url)
+    return _NoLease()

@@ -1,0 +1,157 @@
+"""Leases: one runner per step output, on local disk (file locks) and on GCS (the emulator).
+
+Runners are real processes where it matters (a holder killed with SIGKILL, `pipeline run`
+refusing or waiting); the GCS takeover rules are driven in-process with a short timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pipeline import storage
+from pipeline.lease import Lease, LeaseBusy, LeaseLost
+
+
+def pipeline(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def step_hash(config: str, step: str) -> str:
+    result = pipeline("status", "--config", config, "--json")
+    assert result.returncode == 0, result.stderr
+    return next(s["hash"] for s in json.loads(result.stdout)["steps"] if s["name"] == step)
+
+
+def hold_lease(root: str, step: str, step_hash_: str) -> subprocess.Popen:
+    """Another runner: a process that takes the lease and then hangs (until killed)."""
+    code = textwrap.dedent(f"""
+        import time
+        from pipeline.lease import Lease
+        lease = Lease.for_step({root!r}, {step!r}, {step_hash_!r})
+        lease.acquire(wait=False, say=print)
+        print("held", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_local_second_runner_refuses_or_waits_and_takes_over_when_the_holder_dies(make_config, tmp_path):
+    config = make_config()
+    root = str(tmp_path / "runs")
+    holder = hold_lease(root, "tokenize", step_hash(config, "tokenize"))
+    try:
+        refused = pipeline("run", "all", "--config", config, "--no-wait")
+        assert refused.returncode == 75, refused.stderr
+        assert f"pid {holder.pid}" in refused.stderr and "--no-wait" in refused.stderr
+        assert all(s["state"] != "complete" for s in json.loads(pipeline("status", "--config", config, "--json")
+                                                                   .stdout)["steps"])
+
+        waiting = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", config],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen = ""
+        while "waiting:" not in seen:
+            line = waiting.stdout.readline()
+            assert line, f"runner ended without waiting: {seen}"
+            seen += line
+        assert f"pid {holder.pid}" in seen and "as soon as its holder exits" in seen
+        holder.send_signal(signal.SIGKILL)  # the holder dies without releasing anything
+        rest, _ = waiting.communicate(timeout=300)
+        assert waiting.returncode == 0, seen + rest
+    finally:
+        holder.kill()
+    states = json.loads(pipeline("status", "--config", config, "--json").stdout)["steps"]
+    assert [s["state"] for s in states] == ["complete"] * 4
+    assert not list((tmp_path / "runs" / ".leases").glob("*.json"))
+
+
+def test_local_lease_busy_names_the_holder_and_frees_on_release(tmp_path):
+    first = Lease.for_step(str(tmp_path), "merge", "ab" * 32)
+    second = Lease.for_step(str(tmp_path), "merge", "ab" * 32)
+    first.acquire(wait=False, say=print)
+    with pytest.raises(LeaseBusy, match=f"merge-abababababab is being run by .* pid {os.getpid()}"):
+        second.acquire(wait=False, say=print)
+    first.check()
+    first.release()
+    second.acquire(wait=False, say=print)
+    second.check()
+    second.release()
+
+
+@pytest.fixture
+def short_gcs_lease(monkeypatch):
+    monkeypatch.setenv("PIPELINE_LEASE_TIMEOUT_S", "1.5")
+
+
+def test_gcs_lease_is_exclusive_renewed_while_alive_and_taken_over_when_dead(gcs_bucket, short_gcs_lease):
+    root = f"{gcs_bucket}/runs"
+    holder = Lease.for_step(root, "generate", "cd" * 32)
+    holder.acquire(wait=False, say=print)
+    follower = Lease.follow(holder.url, holder.what, holder.token)  # another host of the holder's pod
+    rival = Lease.for_step(root, "generate", "cd" * 32)
+
+    with pytest.raises(LeaseBusy, match="generate-cdcdcdcdcdcd is being run by"):
+        rival.acquire(wait=False, say=print)
+    # The holder renews every timeout/4: for three timeouts nobody may take it over.
+    deadline = time.monotonic() + 4.5
+    while time.monotonic() < deadline:
+        assert rival._backend.try_acquire(rival.holder or _new_holder()) is not None
+        time.sleep(0.2)
+    holder.check()
+    follower.check()
+
+    holder._backend._stop.set()  # the holder dies: no release, no more renewals
+    said: list[str] = []
+    started = time.monotonic()
+    rival.acquire(wait=True, say=said.append)
+    assert 1.5 <= time.monotonic() - started < 10
+    assert any("taken over if not renewed for 2s" in s for s in said), said
+    rival.check()
+    with pytest.raises(LeaseLost, match="lost the lease on generate-cdcdcdcdcdcd"):
+        holder.check()
+    with pytest.raises(LeaseLost):
+        follower.check()
+    rival.release()
+    assert not storage.exists(rival.url)
+
+
+def test_gcs_runners_racing_for_a_free_lease_exactly_one_wins(gcs_bucket):
+    import threading
+
+    leases = [Lease.for_step(f"{gcs_bucket}/runs", "tokenize", "ef" * 32) for _ in range(4)]
+    outcomes: list[str] = []
+    go = threading.Barrier(len(leases))
+
+    def race(lease: Lease) -> None:
+        go.wait()
+        try:
+            lease.acquire(wait=False, say=print)
+            outcomes.append("won")
+        except LeaseBusy:
+            outcomes.append("busy")
+
+    threads = [threading.Thread(target=race, args=(lease,)) for lease in leases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["busy"] * 3 + ["won"]
+    winner = next(lease for lease in leases if lease.holder is not None)
+    winner.check()
+    winner.release()
+
+
+def _new_holder():
+    from pipeline.lease import Holder
+
+    return Holder.new()
