@@ -279,6 +279,70 @@ def tpu_run_command(
     _guard(body)
 
 
+tpu_app = typer.Typer(
+    help="Run on a Cloud TPU VM or queued resource through gcloud, and babysit it through preemptions.\n\n"
+    "Example: pipeline tpu run --tpu my-tpu --zone us-east5-a --accelerator-type v5p-16 "
+    "--runtime-version v2-alpha-tpuv5 --spot -- run all --config configs/my-run.yaml",
+    no_args_is_help=True,
+)
+app.add_typer(tpu_app, name="tpu")
+
+
+@tpu_app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def tpu_run_command(
+    ctx: typer.Context,
+    tpu: Annotated[str, typer.Option("--tpu", help="TPU VM name (and queued resource name with --queued).")],
+    zone: Annotated[str, typer.Option("--zone", help="e.g. us-east5-a")],
+    project: Annotated[Optional[str], typer.Option("--project", help="GCP project (default: gcloud's).")] = None,
+    accelerator_type: Annotated[Optional[str], typer.Option(
+        "--accelerator-type", help="e.g. v5p-16; needed to create a missing TPU, else read from describe.")] = None,
+    runtime_version: Annotated[Optional[str], typer.Option(
+        "--runtime-version", help="TPU software version, e.g. v2-alpha-tpuv5; as --accelerator-type.")] = None,
+    spot: Annotated[bool, typer.Option("--spot", help="Spot TPU: recreated when preempted.")] = False,
+    queued: Annotated[bool, typer.Option("--queued", help="Create and recreate through a queued resource.")] = False,
+    retries: Annotated[int, typer.Option("--retries", min=0, help="Reruns after the first attempt.")] = 5,
+    workdir: Annotated[str, typer.Option("--workdir", help="The checkout on each worker (relative to home).")]
+    = "jax-batch-pipeline",
+    setup: Annotated[Optional[str], typer.Option(
+        "--setup", help="Shell run in --workdir before each attempt, e.g. 'git pull && bash scripts/setup.sh'.")] = None,
+    pipeline_bin: Annotated[str, typer.Option("--pipeline", help="The pipeline command on the workers.")]
+    = ".venv/bin/pipeline",
+    log: Annotated[Optional[str], typer.Option(
+        "--log", help="Attempt log, one JSON line per attempt (default: tpu-NAME-attempts.jsonl).")] = None,
+    backoff_s: Annotated[float, typer.Option("--backoff-s", min=0, help="Wait before the first rerun; doubles.")]
+    = 60.0,
+    poll_s: Annotated[float, typer.Option("--poll-s", min=0, help="Seconds between describes while waiting.")]
+    = 30.0,
+    ready_timeout_s: Annotated[float, typer.Option("--ready-timeout-s", min=0, help="Longest wait for READY.")]
+    = 86400.0,
+) -> None:
+    """Run `pipeline ARGS...` on every worker of a TPU; when preempted, recreate it and rerun (it resumes).
+
+    Each attempt: wait until the TPU is READY (create it; delete and recreate it if a spot/queued one is gone).
+
+    Then `pipeline preflight --expect-hosts N` on all N workers: fails fast naming the odd or unreachable worker.
+
+    Then the run on all workers. Exit 75, a lost worker or a preempted TPU: rerun, up to --retries.
+
+    Exit 1 or 2 on a READY TPU: stop at once with that code. The W&B run id stays the same across attempts.
+
+    One JSON line per attempt goes to --log. Example (creates the TPU if missing):
+
+    pipeline tpu run --tpu my-tpu --zone us-east5-a --accelerator-type v5p-16 --runtime-version v2-alpha-tpuv5 --spot -- run all --config configs/my-run.yaml
+    """  # noqa: E501 - the example must stay one line to copy
+
+    def body() -> None:
+        from pipeline import tpu as tpu_mod
+
+        args = ctx.args[1:] if ctx.args[:1] == ["--"] else list(ctx.args)
+        target = tpu_mod.Tpu(tpu, zone, project, accelerator_type, runtime_version, spot, queued)
+        remote = tpu_mod.Remote(args, workdir, setup, pipeline_bin)
+        policy = tpu_mod.Policy(retries, backoff_s, max(backoff_s, 900.0), poll_s, ready_timeout_s)
+        typer.echo(tpu_mod.babysit(target, remote, policy, log or f"tpu-{tpu}-attempts.jsonl"))
+
+    _guard(body)
+
+
 def main() -> None:
     app()
 

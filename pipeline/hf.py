@@ -25,16 +25,20 @@ def load_tokenizer(model_url: str):
     """The checkpoint's fast tokenizer (cached per URL within a process)."""
     from transformers import AutoTokenizer
 
-    local = model_url
-    if not storage.is_local(model_url):
-        local = tempfile.mkdtemp(prefix="pipeline-tokenizer-")
+    def load(local: str):
+        try:
+            return AutoTokenizer.from_pretrained(local, use_fast=True, trust_remote_code=False)
+        except (OSError, ValueError) as err:
+            raise StepFailed(f"model.path {model_url}: could not load a tokenizer "
+                             f"(tokenizer.json / tokenizer_config.json missing or invalid): {err}") from err
+
+    if storage.is_local(model_url):
+        return load(model_url)
+    # The loaded tokenizer keeps everything in memory: the copies can go once it is built.
+    with tempfile.TemporaryDirectory(prefix="pipeline-tokenizer-") as local:
         for name in TOKENIZER_FILES:
             url = storage.join(model_url, name)
             if storage.exists(url):
                 with open(f"{local}/{name}", "wb") as f:
                     f.write(storage.read_bytes(url))
-    try:
-        return AutoTokenizer.from_pretrained(local, use_fast=True, trust_remote_code=False)
-    except (OSError, ValueError) as err:
-        raise StepFailed(f"model.path {model_url}: could not load a tokenizer "
-                         f"(tokenizer.json / tokenizer_config.json missing or invalid): {err}") from err
+        return load(local)
