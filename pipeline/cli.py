@@ -61,6 +61,11 @@ def _guard(body: Callable[[], None]) -> None:
     except KeyboardInterrupt:
         _fail("interrupted; rerun the same command to resume", preemption.EXIT_INTERRUPTED)
     except Exception as err:  # noqa: BLE001 - the one place that maps anything to exit 1
+        from pipeline.retrying import explain
+
+        explained = explain(err, "write", getattr(err, "filename", None) or "a file")
+        if explained is not err:  # disk full, read-only, permission denied: one line, no traceback
+            _fail(str(explained), 1)
         traceback.print_exc(file=sys.stderr)
         if preemption.stop_requested():
             _fail(f"interrupted while failing ({type(err).__name__}: {err}); rerun to resume",

@@ -11,6 +11,9 @@ Atomicity per filesystem (see ../shared/docs/gcs-emulator.md):
   stream writes to GCS).
 - memory://: `pipe` stores the bytes in one assignment.
 
+Transient faults (connection refused, timeouts, HTTP 5xx) are retried with backoff and
+final failures become one `StorageError` naming the URL (see retrying.py).
+
     out = step_url("gs://b/runs/demo", "tokenize", "0123456789abcdef")
     write_bytes(join(out, "shard-00000.parquet"), data)
 """
@@ -30,6 +33,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
+
+from pipeline.retrying import storage_call
 
 HASH_CHARS = 12
 """Hex characters of a step hash used in its folder name."""
@@ -69,16 +74,19 @@ def is_local(url: str) -> bool:
     return isinstance(filesystem(url)[0], LocalFileSystem)
 
 
+@storage_call("check")
 def exists(url: str) -> bool:
     fs, path = filesystem(url)
     return fs.exists(path)
 
 
+@storage_call("stat")
 def size(url: str) -> int:
     fs, path = filesystem(url)
     return fs.size(path)
 
 
+@storage_call("read")
 def read_bytes(url: str) -> bytes:
     fs, path = filesystem(url)
     return fs.cat_file(path)
@@ -88,6 +96,7 @@ def read_json(url: str) -> Any:
     return json.loads(read_bytes(url))
 
 
+@storage_call("write")
 def write_bytes(url: str, data: bytes) -> None:
     """Write a whole file atomically: readers see the old file, the new one, or nothing."""
     fs, path = filesystem(url)
@@ -124,6 +133,7 @@ def write_text(url: str, text: str) -> None:
     write_bytes(url, text.encode())
 
 
+@storage_call("upload", url_arg=1)
 def put_file(local_path: str, url: str) -> None:
     """Move a finished local file to `url` atomically, like `write_bytes`; `local_path` is consumed.
 
@@ -156,11 +166,13 @@ def write_parquet(url: str, table: pa.Table) -> dict[str, Any]:
             "sha256": hashlib.sha256(data).hexdigest()}
 
 
+@storage_call("read")
 def read_parquet(url: str, columns: list[str] | None = None) -> pa.Table:
     fs, path = filesystem(url)
     return pq.read_table(path, filesystem=fs, columns=columns)
 
 
+@storage_call("list")
 def list_files(url: str, suffix: str = "") -> list[str]:
     """URLs of the files directly under a folder (sorted); hidden and temp files excluded."""
     fs, path = filesystem(url)
@@ -176,12 +188,14 @@ def list_files(url: str, suffix: str = "") -> list[str]:
     return [_url_of(url, fs, name) for name in names]
 
 
+@storage_call("remove")
 def remove(url: str, recursive: bool = False) -> None:
     fs, path = filesystem(url)
     if fs.exists(path):
         fs.rm(path, recursive=recursive)
 
 
+@storage_call("read")
 def sha256(url: str) -> str:
     """sha256 of a file's content, streamed in 8 MiB blocks."""
     fs, path = filesystem(url)
@@ -192,6 +206,7 @@ def sha256(url: str) -> str:
     return digest.hexdigest()
 
 
+@storage_call("stat")
 def fingerprint(url: str) -> str:
     """A content fingerprint that does not depend on the file's path or mtime.
 
@@ -214,6 +229,7 @@ def _url_of(like: str, fs: fsspec.AbstractFileSystem, name: str) -> str:
     return f"{like.split('://', 1)[0]}://{name.lstrip('/')}"
 
 
+@storage_call("list")
 def expand(pattern: str) -> list[str]:
     """The files a path, folder or glob names (sorted); empty if it matches nothing."""
     fs, path = filesystem(pattern)

@@ -111,6 +111,7 @@ def test_gcs_lease_is_exclusive_renewed_while_alive_and_taken_over_when_dead(gcs
     follower.check()
 
     holder._backend._stop.set()  # the holder dies: no release, no more renewals
+    rival = Lease.for_step(root, "generate", "cd" * 32)  # a runner started after the death
     said: list[str] = []
     started = time.monotonic()
     rival.acquire(wait=True, say=said.append)
