@@ -39,6 +39,9 @@ POLL_S = 2.0
 LEAVE_GRACE_S = 1.0
 """How long the leader (which serves the coordinator) outlives the other hosts' goodbyes."""
 
+LEAVE_INTERRUPTED_WAIT_S = 10.0
+"""After a stop signal, how long the leader waits for the other hosts to leave first."""
+
 _state: dict[str, Any] = {"initialized": False, "index": 0, "count": 1, "client": None}
 
 
@@ -137,7 +140,9 @@ def leave(code: int) -> None:
     shutdown call, and aborts the process natively otherwise. So after a successful
     command the other hosts say goodbye and leave, and the leader, which serves the
     coordinator, leaves last. After a failure a host leaves at once: the others learn of it
-    through `abort`.
+    through `abort`. After a stop signal (exit 75) hosts often stop together (global_mesh
+    agrees on it): they leave the same way, but the leader waits at most
+    LEAVE_INTERRUPTED_WAIT_S for the others' goodbyes.
     """
     if _state["client"] is None:
         return
@@ -150,6 +155,18 @@ def leave(code: int) -> None:
             time.sleep(LEAVE_GRACE_S)
         else:
             publish(f"leaving/{process_index()}", True)
+    elif code == preemption.EXIT_INTERRUPTED:
+        try:
+            if is_leader():
+                deadline = time.monotonic() + LEAVE_INTERRUPTED_WAIT_S
+                for index in range(1, process_count()):
+                    wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                    _state["client"].blocking_key_value_get(f"pipeline/leaving/{index}", wait_ms)
+                time.sleep(LEAVE_GRACE_S)
+            else:
+                publish(f"leaving/{process_index()}", True)
+        except Exception:  # noqa: BLE001 - a host still working, or the coordinator gone: leave anyway
+            pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -256,6 +273,9 @@ def _join(**kwargs: Any) -> None:
     # Hosts that fail or leave must not take the others down with a native abort: we
     # detect failures ourselves (abort key, end barrier) and exit with the contract's codes.
     jax.config.update("jax_enable_recoverability", True)
+    # jax's preemption service catches SIGTERM natively, so our handler (preemption.py) never
+    # ran on a pod and a preempted host went on to the end instead of committing and exiting 75.
+    jax.config.update("jax_enable_preemption_service", False)
     init_timeout_s = int(os.environ.get(ENV_INIT_TIMEOUT, "120"))
     where = (f"the pod at {kwargs.get('coordinator_address', 'TPU auto-detect')} as process "
              f"{kwargs.get('process_id', '?')} of {kwargs.get('num_processes', '?')}")
