@@ -240,11 +240,12 @@ class Engine:
     def describe(self) -> str:
         c, p, layout = self.config, self.plan, self.layout
         need = p.need_bytes(p.batch_size, layout.data_size)
-        where = (f"a global mesh data {layout.data_size} x model {layout.model_size} over {layout.mesh.size} devices"
-                 f" of {jax.process_count()} host(s)" if layout.is_global else f"{len(self.devices)} device(s)")
+        platform = self.devices[0].platform
+        where = (f"a global mesh data {layout.data_size} x model {layout.model_size} over {layout.mesh.size} {platform}"
+                 f" devices of {jax.process_count()} host(s)" if layout.is_global else f"{len(self.devices)} {platform} device(s)")
         return (
             f"{c.model_type} {c.num_hidden_layers}x{c.hidden_size} (vocab {c.vocab_size}) from {self.source},"
-            f" {self.engine_config.dtype} on {where} ({self.devices[0].platform});"
+            f" {self.engine_config.dtype} on {where};"
             f" batch_size {p.batch_size} ({p.reason}); memory ~{need / GiB:.2f} GiB per device"
             f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row) of {p.limit_bytes / GiB:.2f} GiB allowed;"
             f" prompts <= {self.engine_config.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new"

@@ -474,9 +474,10 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> 
     """Reads every weight into `dtype`, tensor by tensor, straight into its sharding.
 
     sharding: one `jax.sharding.Sharding` for every weight, a function (weight's axes) ->
-    Sharding, or None (the first local device). Each device's block is read on its own, and only
-    the rows of the tensor's first axis that block spans, so a host reads about its own share of
-    a sharded model (all of it when replicated) and never holds more than one tensor's block."""
+    Sharding, or None (the first local device). For each of this host's devices only the rows of
+    the tensor's first axis its block spans are read (once per distinct row range), so a host
+    reads about its own share of a sharded model (all of it when replicated) and holds at most
+    one tensor's worth of host memory beyond what is on its devices."""
     fs, root = fsspec.core.url_to_fs(path)
     root = root.rstrip("/")
     files = checkpoint_files(fs, root)
@@ -506,25 +507,25 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> 
             raise UnsupportedModelError(
                 f"model.path {file}: tensor {name} has shape {info['shape']}, config.json implies {shape}"
             )
-        read = functools.lru_cache(maxsize=None)(
-            functools.partial(_read_block, fs, file, data_start + info["data_offsets"][0],
-                              np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]), shape, dtype))
-        array = jax.make_array_from_callback(
-            shape, sharding_for(target.axes), lambda index, read=read: read(tuple((s.start, s.stop) for s in index)))
-        read.cache_clear()
+        # Devices holding different columns of the same rows share one read of those rows.
+        rows = functools.lru_cache(maxsize=None)(functools.partial(
+            _read_rows, fs, file, data_start + info["data_offsets"][0], np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]), shape))
+
+        def block(index, rows=rows, shape=shape):
+            first = range(shape[0])[index[0]]
+            return rows(first.start, first.stop)[(slice(None),) + tuple(index[1:])].astype(dtype)
+
+        array = jax.make_array_from_callback(shape, sharding_for(target.axes), block)
+        rows.cache_clear()
         wheres.append(where)
         values.append(hax.named(array, target.axes))
     return eqx.tree_at(lambda m: [w(m) for w in wheres], skeleton, values)
 
 
-def _read_block(fs, file: str, offset: int, source_dtype: np.dtype, shape: tuple[int, ...], dtype,
-                bounds: tuple[tuple[int | None, int | None], ...]) -> np.ndarray:
-    """The block `bounds` ((start, stop) per axis) of the row-major tensor at byte `offset` of
-    `file`, in `dtype`; reads only the rows of the first axis the block spans."""
-    index = tuple(slice(start, stop) for start, stop in bounds)
-    rows = range(shape[0])[index[0]]
+def _read_rows(fs, file: str, offset: int, source_dtype: np.dtype, shape: tuple[int, ...], start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of the first axis of the row-major tensor at byte `offset` of `file`."""
     row_bytes = math.prod(shape[1:]) * source_dtype.itemsize
     with fs.open(file, "rb") as f:
-        f.seek(offset + rows.start * row_bytes)
-        block = np.frombuffer(f.read(len(rows) * row_bytes), dtype=source_dtype)
-    return block.reshape((len(rows),) + shape[1:])[(slice(None),) + index[1:]].astype(dtype)
+        f.seek(offset + start * row_bytes)
+        data = np.frombuffer(f.read((stop - start) * row_bytes), dtype=source_dtype)
+    return data.reshape((stop - start,) + shape[1:])
