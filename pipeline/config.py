@@ -107,6 +107,18 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class MeshConfig:
+    data: int | Literal["auto"] = "auto"
+    """Devices splitting the batch (each also holds 1/data of every weight); auto = the devices left."""
+    model: int | Literal["auto"] = "auto"
+    """Devices splitting heads and MLP (tensor parallel); must divide the KV heads; auto = gcd(devices, KV heads)."""
+
+    def __post_init__(self):
+        _require(self.data == "auto" or self.data > 0, "engine.mesh.data", self.data, "an integer > 0 or auto")
+        _require(self.model == "auto" or self.model > 0, "engine.mesh.model", self.model, "an integer > 0 or auto")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     batch_size: int | Literal["auto"] = "auto"
     """Sequences decoded together per host; auto fits weights + KV cache in memory_fraction."""
@@ -114,9 +126,18 @@ class EngineConfig:
     """Share of device memory that auto batch sizing may plan for."""
     part_rows: int = 256
     """Rows per committed generate part: a hard kill loses at most the parts in flight."""
+    mode: Literal["host_dp", "global_mesh"] = "host_dp"
+    """host_dp: each host holds the whole model and generates its own shards; global_mesh: the
+    weights are sharded over every device of the pod and all hosts decode the same batches."""
+    mesh: Literal["auto"] | MeshConfig = "auto"
+    """global_mesh only: {data: INT|auto, model: INT|auto} devices per mesh axis; auto = tensor
+    parallel over gcd(devices, KV heads), the rest data parallel (checked against the model at load)."""
 
     def __post_init__(self):
         _require(self.batch_size == "auto" or self.batch_size > 0, "engine.batch_size", self.batch_size, "an integer > 0 or auto")
+        if self.mesh != "auto" and self.mode != "global_mesh":
+            raise ConfigError(f"engine.mesh applies only with engine.mode: global_mesh (engine.mode is {self.mode}); "
+                              "remove it or set engine.mode=global_mesh")
         _require(0 < self.memory_fraction <= 1, "engine.memory_fraction", self.memory_fraction, "a number in (0, 1]")
         _require(self.part_rows > 0, "engine.part_rows", self.part_rows, "an integer > 0")
 
@@ -254,6 +275,8 @@ def _convert(tp: Any, value: Any, key: str, source: str) -> Any:
             try:
                 return _convert(option, value, key, source)
             except ConfigError as err:
+                if dataclasses.is_dataclass(option) and isinstance(value, dict):
+                    raise  # a mapping meant for this section: its own error names the inner key
                 errors.append(err)
         raise ConfigError(f"{source}: {key} must be {_expected(tp)}, got {_describe(value)}")
     if origin is Literal:
@@ -295,6 +318,8 @@ def _expected(tp: Any) -> str:
     if origin is tuple:
         item = typing.get_args(tp)[0]
         return "a list of " + {str: "strings", int: "integers", float: "numbers"}.get(item, _expected(item))
+    if dataclasses.is_dataclass(tp):
+        return "a mapping {" + ", ".join(f.name for f in dataclasses.fields(tp)) + "}"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "null"}[tp]
 
 

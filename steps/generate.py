@@ -10,12 +10,20 @@ the rows not yet committed; SIGTERM stops taking new work, commits what finished
 Hosts never wait on each other while generating. The leader's `finish` checks that every
 shard is covered (exactly-once is merge's job: retries may leave identical duplicates).
 
+With `engine.mode: global_mesh` the model is sharded over every device of the pod, so all
+hosts work on every shard together, in the same order, making the same compiled calls: each
+host reads what is committed, they meet at a barrier before anyone writes and check they plan
+the same (prompt, sample) pairs; each completion is written by the shard's owner only (shard
+i -> host i % hosts) and dropped by the others. A stop signal on any host stops every host at
+the same decode chunk (the engine agrees on it with an all-reduce); each commits its rows.
+
     generate(cfg, out)        # every host
     finish(cfg, out)          # the leader, after every host reported done
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import time
@@ -64,41 +72,54 @@ class HostMetrics:
     peak_memory_bytes: int | None
     batch_size: int | None
     compilations: int
+    mode: str
+    """host_dp, or global_mesh (then samples, prompts and tokens count the rows this host wrote)."""
 
 
 def generate(cfg: Config, out: StepOutput) -> None:
-    """Generate every missing (prompt, sample) of this host's shards; commit parts as they fill."""
+    """Generate every missing (prompt, sample) of this host's shards (global_mesh: of every shard,
+    with every host); commit parts of the shards this host owns as they fill."""
     started = time.monotonic()
-    shards = _my_shards(out)
+    lockstep = cfg.engine.mode == "global_mesh"
+    mine = _my_shards(out)
+    shards = _shard_names(out) if lockstep else mine
     todo = {name: _missing(cfg, out, name) for name in shards}
+    if lockstep:
+        _agree_on_todo(out, todo)
     n_missing = sum(len(r["sample_indices"]) for _, rows in todo.values() for r in rows)
     engine = None
     stats = None
-    samples = prompts = 0
+    samples = tokens = 0
+    prompts: set[tuple[str, int]] = set()
     if n_missing:
         engine = _load_engine(cfg, out, todo)
-        writer = _PartWriter(out, cfg.engine.part_rows)
+        writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine))
         with Progress(total=n_missing, desc=f"generate {hosts.describe()}", unit="sample") as bar:
             try:
                 for shard, c, source in _completions(engine, todo):
-                    writer.add(shard, _row(source, c))
-                    samples += 1
+                    if writer.add(shard, _row(source, c)):
+                        samples += 1
+                        tokens += len(c.token_ids)
+                        prompts.add((shard, c.prompt_index))
                     bar.update(1, tokens=len(c.token_ids))
-                    if preemption.stop_requested():
-                        break
             finally:
                 writer.flush_all()  # commit what is finished, also on errors and signals
+        if engine.stopped and not preemption.stop_requested():
+            preemption.request_stop("a stop signal on another host")
         preemption.check()
         stats = engine.stats
-        prompts = len({(s, r["prompt_index"]) for s, (_, reqs) in todo.items() for r in reqs})
+    # On a global mesh every host computed every row: count only what it wrote, so per-host
+    # figures add up in `finish`.
+    generated = (tokens if lockstep else stats.generated_tokens) if stats else 0
     wall_s = time.monotonic() - started
     metrics = HostMetrics(
-        host=hosts.process_index(), hosts=hosts.process_count(), shards=len(shards), prompts=prompts,
-        samples=samples, generated_tokens=stats.generated_tokens if stats else 0, wall_s=round(wall_s, 3),
+        host=hosts.process_index(), hosts=hosts.process_count(), shards=len(mine), prompts=len(prompts),
+        samples=samples, generated_tokens=generated, wall_s=round(wall_s, 3),
         compile_s=round(stats.compile_time_s, 3) if stats else 0.0,
-        tokens_per_s=round((stats.generated_tokens if stats else 0) / wall_s, 1) if wall_s > 0 else 0.0,
+        tokens_per_s=round(generated / wall_s, 1) if wall_s > 0 else 0.0,
         peak_memory_bytes=stats.peak_memory_bytes if stats else None,
         batch_size=stats.batch_size if stats else None, compilations=stats.compilations if stats else 0,
+        mode=cfg.engine.mode,
     )
     storage.write_json(out.path("metrics", f"host-{hosts.process_index():05d}-{_stamp()}.json"), metrics.__dict__)
 
@@ -110,7 +131,7 @@ def finish(cfg: Config, out: StepOutput) -> StepResult:
     for shard in _shard_names(out):
         shard_keys = storage.read_parquet(_shard_url(out, shard), columns=["prompt_index"])
         expected = len(shard_keys) * cfg.sampling.n
-        parts = storage.list_files(out.path(_shard_dir(shard)), suffix=".parquet")
+        parts = storage.list_files(out.path(shard), suffix=".parquet")
         keys = _keys(parts)
         got = len(set(keys))
         rows_total += got
@@ -153,10 +174,6 @@ def _shard_url(out: StepOutput, shard: str) -> str:
     return storage.join(out.upstream["tokenize"].url, f"{shard}.parquet")
 
 
-def _shard_dir(shard: str) -> str:
-    return shard
-
-
 def _keys(part_urls: list[str]) -> list[tuple[int, int]]:
     keys: list[tuple[int, int]] = []
     for url in part_urls:
@@ -173,7 +190,7 @@ def _missing(cfg: Config, out: StepOutput, shard: str) -> tuple[pa.Table, list[d
         raise StepFailed(f"tokenize shard {_shard_url(out, shard)} cannot be read ({err}); "
                          f"rerun `pipeline run tokenize --force` to rewrite it") from err
     done: dict[int, set[int]] = defaultdict(set)
-    for prompt_index, sample_index in _keys(storage.list_files(out.path(_shard_dir(shard)), suffix=".parquet")):
+    for prompt_index, sample_index in _keys(storage.list_files(out.path(shard), suffix=".parquet")):
         done[prompt_index].add(sample_index)
     requests = []
     for row in table.to_pylist():
@@ -181,6 +198,17 @@ def _missing(cfg: Config, out: StepOutput, shard: str) -> tuple[pa.Table, list[d
         if wanted:
             requests.append({**row, "sample_indices": wanted})
     return table, requests
+
+
+def _agree_on_todo(out: StepOutput, todo: dict[str, tuple[pa.Table, list[dict]]]) -> None:
+    """global_mesh: every host must plan the same work, or their compiled calls diverge and the
+    pod hangs. Each host has read the committed parts; nobody writes before every host has read
+    (barrier), and each host's plan must match the leader's (a digest of every missing pair)."""
+    plan = [[shard, [[r["prompt_index"], list(r["sample_indices"])] for r in rows]] for shard, (_, rows) in todo.items()]
+    digest = hashlib.sha256(json.dumps(plan, separators=(",", ":")).encode()).hexdigest()
+    tag = f"generate-{out.hash[:12]}"
+    hosts.barrier(f"{tag}/read-parts", "every host to read the committed parts")
+    hosts.agree(f"{tag}/todo", digest, "the (prompt, sample) pairs left to generate")
 
 
 def _load_engine(cfg: Config, out: StepOutput, todo: dict[str, tuple[pa.Table, list[dict]]]):
@@ -194,6 +222,7 @@ def _load_engine(cfg: Config, out: StepOutput, todo: dict[str, tuple[pa.Table, l
                                 top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, n=cfg.sampling.n,
                                 seed=cfg.sampling.seed, stop_strings=tuple(cfg.sampling.stop)),
         batch_size=cfg.engine.batch_size, max_prompt_tokens=longest, tokenizer=tokenizer,
+        memory_fraction=cfg.engine.memory_fraction, mode=cfg.engine.mode, mesh=cfg.engine.mesh,
     )
     for shard, (table, _) in todo.items():
         top = pc.max(pc.list_flatten(table["input_ids"])).as_py()
@@ -217,7 +246,7 @@ def _completions(engine, todo: dict[str, tuple[pa.Table, list[dict]]]) -> Iterat
                 sources[row["prompt_index"]] = (shard, row)
                 yield GenerationRequest(row["prompt_index"], row["input_ids"], row["sample_indices"])
 
-    for c in engine.generate(requests()):
+    for c in engine.generate(requests(), stop=preemption.stop_requested):
         shard, row = sources[c.prompt_index]
         yield shard, c, row
 
@@ -232,19 +261,25 @@ def _row(source: dict[str, Any], c: Any) -> dict[str, Any]:
 
 
 class _PartWriter:
-    """Buffers finished rows per shard and commits each buffer as one atomic part."""
+    """Buffers finished rows per shard and commits each buffer as one atomic part; rows of shards
+    this host does not own are dropped (global_mesh: their owner writes the same rows)."""
 
-    def __init__(self, out: StepOutput, part_rows: int):
+    def __init__(self, out: StepOutput, part_rows: int, owned: set[str]):
         self.out = out
         self.part_rows = part_rows
+        self.owned = owned
         self.rows: dict[str, list[dict]] = defaultdict(list)
         self.since: dict[str, float] = {}
 
-    def add(self, shard: str, row: dict) -> None:
+    def add(self, shard: str, row: dict) -> bool:
+        """Buffer the row if this host writes `shard`; True if it does."""
+        if shard not in self.owned:
+            return False
         self.rows[shard].append(row)
         self.since.setdefault(shard, time.monotonic())
         if len(self.rows[shard]) >= self.part_rows or time.monotonic() - self.since[shard] >= PART_MAX_AGE_S:
             self.flush(shard)
+        return True
 
     def flush(self, shard: str) -> None:
         rows = self.rows.pop(shard, [])
@@ -253,7 +288,7 @@ class _PartWriter:
             rows.sort(key=lambda r: (r["prompt_index"], r["sample_index"]))
             table = pa.Table.from_pylist(rows, schema=SCHEMA)
             self.out.check_lease()  # a runner that lost its lease must not add parts
-            storage.write_parquet(self.out.path(_shard_dir(shard), f"part-{_stamp()}.parquet"), table)
+            storage.write_parquet(self.out.path(shard, f"part-{_stamp()}.parquet"), table)
 
     def flush_all(self) -> None:
         for shard in list(self.rows):

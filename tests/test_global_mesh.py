@@ -1,0 +1,179 @@
+"""engine.mode: global_mesh: the model sharded over every device of a pod, hosts in lockstep.
+
+A 2-host pod (`pipeline launch --hosts 2`, one CPU device per process, collectives through
+gloo) must give the same rows as one host in host-data-parallel mode, each row written once,
+and resume after lost parts or a SIGTERM. Plus the mesh-shape rules and config checks.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from engine.mesh import MeshShape, mesh_shape
+from pipeline.config import build_config
+from pipeline.errors import ConfigError
+
+os.environ["PIPELINE_HEARTBEAT_TIMEOUT_S"] = "5"
+
+SETTINGS = {"sampling": {"max_new_tokens": 8, "temperature": 0.0, "n": 2},
+            "engine": {"batch_size": 4, "part_rows": 4}, "prompts": {"num_shards": 4}}
+GLOBAL = ("--set", "engine.mode=global_mesh")
+
+
+# --- mesh shapes and config -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("requested, devices, kv_heads, expected", [
+    ("auto", 1, 2, MeshShape(1, 1)),
+    ("auto", 2, 2, MeshShape(1, 2)),         # tensor parallel over both: the KV heads split evenly
+    ("auto", 8, 2, MeshShape(4, 2)),         # the rest of the devices split the batch
+    ("auto", 8, 8, MeshShape(1, 8)),
+    ("auto", 6, 4, MeshShape(3, 2)),         # gcd
+    ("auto", 4, 1, MeshShape(4, 1)),         # one KV head: no tensor parallelism
+    ({"model": 1}, 4, 2, MeshShape(4, 1)),
+    ({"data": 2}, 4, 4, MeshShape(2, 2)),
+    ({"data": 2, "model": 4}, 8, 8, MeshShape(2, 4)),
+])
+def test_mesh_shapes(requested, devices, kv_heads, expected):
+    assert mesh_shape(requested, num_devices=devices, kv_heads=kv_heads) == expected
+
+
+@pytest.mark.parametrize("requested, devices, message", [
+    ({"model": 3}, 3, "engine.mesh.model must divide the number of KV heads (2), got 3"),
+    ({"model": 4}, 2, "engine.mesh.model must divide the pod's 2 devices, got 4"),
+    ({"data": 3}, 4, "engine.mesh.data must divide the pod's 4 devices, got 3"),
+    ({"data": 2, "model": 2}, 8, "engine.mesh {data: 2, model: 2} needs 4 devices, but the pod has 8"),
+])
+def test_impossible_mesh_shapes_name_the_key(requested, devices, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        mesh_shape(requested, num_devices=devices, kv_heads=2)
+
+
+def _engine(**engine):
+    return build_config({"run": {"root": "/tmp/unused", "name": "n"}, "model": {"path": "m"},
+                         "prompts": {"path": "p"}, "engine": engine}).engine
+
+
+def test_engine_mode_and_mesh_config():
+    assert (_engine().mode, _engine().mesh) == ("host_dp", "auto")
+    mesh = _engine(mode="global_mesh", mesh={"model": 2}).mesh
+    assert (mesh.data, mesh.model) == ("auto", 2)
+    for engine, message in [
+        ({"mode": "tensor"}, "engine.mode must be host_dp or global_mesh"),
+        ({"mode": "global_mesh", "mesh": {"model": 0}}, "engine.mesh.model must be an integer > 0 or auto, got 0"),
+        ({"mode": "global_mesh", "mesh": {"modle": 2}}, "unknown key engine.mesh.modle"),
+        ({"mode": "global_mesh", "mesh": "big"}, "engine.mesh must be auto or a mapping {data, model}"),
+        ({"mesh": {"model": 2}}, "engine.mesh applies only with engine.mode: global_mesh"),
+    ]:
+        with pytest.raises(ConfigError, match=message.replace("{", r"\{").replace("}", r"\}")):
+            _engine(**engine)
+
+
+# --- a 2-host pod on CPU ------------------------------------------------------------------
+
+
+def pipeline(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def rows(root) -> dict[tuple[int, int], tuple]:
+    """Every committed generate row by (prompt_index, sample_index); fails on a row written twice."""
+    found: dict[tuple[int, int], tuple] = {}
+    for path in sorted(glob.glob(f"{root}/generate-*/shard-*/part-*.parquet")):
+        for r in pq.read_table(path).to_pylist():
+            key = (r["prompt_index"], r["sample_index"])
+            assert key not in found, f"row {key} written twice (again in {path})"
+            found[key] = (r["completion_token_ids"], r["finish_reason"], r["prompt_id"], r["num_prompt_tokens"])
+    return found
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Prompt {i}: tell me about {i * 7} birds."}) + "\n"
+                            for i in range(24)))
+    return str(path)
+
+
+@pytest.fixture
+def reference(make_config, tmp_path, prompts):
+    """One host, host data parallel (the default mode)."""
+    config = make_config("reference.yaml", run={"root": str(tmp_path / "reference")}, **{
+        **SETTINGS, "prompts": {**SETTINGS["prompts"], "path": prompts}})
+    for step in ("tokenize", "generate"):
+        result = pipeline("run", step, "--config", config)
+        assert result.returncode == 0, result.stderr[-3000:]
+    found = rows(tmp_path / "reference")
+    assert len(found) == 24 * 2
+    return found
+
+
+def _pod_config(make_config, tmp_path, prompts, name: str) -> str:
+    config = make_config(f"{name}.yaml", run={"root": str(tmp_path / name)}, **{
+        **SETTINGS, "prompts": {**SETTINGS["prompts"], "path": prompts}})
+    assert pipeline("run", "tokenize", "--config", config).returncode == 0
+    return config
+
+
+def test_two_host_global_mesh_equals_one_host_and_resumes_lost_parts(make_config, tmp_path, prompts, reference):
+    config = _pod_config(make_config, tmp_path, prompts, "pod")
+    result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "global mesh data 1 x model 2 over 2 cpu devices of 2 host(s)" in result.stdout
+    assert rows(tmp_path / "pod") == reference
+    # Shard i is written by host i % 2 only; both hosts report what they wrote.
+    metrics = [json.loads(open(p).read()) for p in glob.glob(f"{tmp_path}/pod/generate-*/metrics/host-*.json")]
+    assert sorted((m["host"], m["mode"], m["shards"], m["samples"] > 0) for m in metrics) == [
+        (0, "global_mesh", 2, True), (1, "global_mesh", 2, True)]
+    assert sum(m["samples"] for m in metrics) == 48
+
+    # Lose the marker and some parts (a kill before the end): the rerun makes only those rows.
+    (step,) = glob.glob(f"{tmp_path}/pod/generate-*")
+    os.remove(f"{step}/_SUCCESS.json")
+    parts = sorted(glob.glob(f"{step}/shard-*/part-*.parquet"))
+    lost = parts[::3]
+    for path in lost:
+        os.remove(path)
+    kept = set(parts) - set(lost)
+    result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert kept <= set(glob.glob(f"{step}/shard-*/part-*.parquet"))
+    assert rows(tmp_path / "pod") == reference
+
+
+def test_sigterm_stops_every_host_together_then_resumes(make_config, tmp_path, prompts, reference):
+    root = tmp_path / "termed"
+    config = _pod_config(make_config, tmp_path, prompts, "termed")
+    pod = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "launch", "--hosts", "2", "--", "run", "generate",
+                            "--config", config, *GLOBAL, "--set", "engine.batch_size=2"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not glob.glob(f"{root}/generate-*/shard-*/part-*.parquet"):
+        assert pod.poll() is None, f"finished before it could be interrupted: {pod.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, "no parts appeared"
+        time.sleep(0.05)
+    os.kill(_children(pod.pid)[0], signal.SIGTERM)  # the leader only: the other host must stop too
+    output, _ = pod.communicate(timeout=180)
+    assert pod.returncode == 75, output[-4000:]
+    assert "stopped by a stop signal on another host" in output
+    committed = rows(root)
+    assert 0 < len(committed) < 48
+    assert committed.items() <= reference.items()
+
+    result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert rows(root) == reference
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return sorted(int(x) for x in out.split())
