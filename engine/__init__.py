@@ -1,7 +1,8 @@
 """Batch generation for the Llama family on JAX: `Engine.load(path, ...)`, then `engine.generate(requests)`.
 
 Modules: llama.py (model, config, checkpoint), sampler.py (sampling params and randomness),
-decode.py (compiled prefill and decode loop), memory.py (batch planning), engine.py (scheduler).
+decode.py (compiled prefill and decode loop), memory.py (batch planning), mesh.py (device layouts:
+host data parallel or one global mesh), engine.py (scheduler).
 """
 
 from engine.engine import Completion, Engine, EngineConfig, EngineStats, GenerationRequest

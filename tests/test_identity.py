@@ -44,6 +44,7 @@ def base(tmp_path, demo_model):
     # runtime knobs: never part of a hash
     ("engine.batch_size=3", set()),
     ("engine.part_rows=5", set()),
+    ("engine.mode=global_mesh", set()),
     ("prompts.num_shards=5", set()),
     ("run.root=memory://elsewhere", set()),
     ("wandb.mode=disabled", set()),
