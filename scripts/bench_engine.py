@@ -3,11 +3,21 @@
 Builds a random-weight Llama checkpoint with transformers (no download), then generates the
 same greedy workload (every row makes exactly --new tokens: the checkpoint has no EOS) with our
 engine and with transformers in the same dtype, and prints tokens/s and their ratio. Our
-compile time is shown apart: tokens/s is from a second, fully compiled pass.
+compile time is shown apart: tokens/s is from a second, fully compiled pass (or, with
+--single-pass, from the first pass minus its compile time).
+
+transformers runs on CUDA when torch sees a GPU, else on the CPU. Everything torch does
+(building the checkpoint, the peer's runs) happens in spawned child processes before JAX
+starts in this one, so each side has the device to itself: JAX reserves 75 % of GPU memory
+when it starts, and torch's cache would otherwise hold memory JAX needs.
 
     python scripts/bench_engine.py --preset cpu-tiny --dtype float32 bfloat16
     python scripts/bench_engine.py --preset cpu-125m --dtype bfloat16
-    python scripts/bench_engine.py --preset tinyllama-1.1b --dtype bfloat16 --skip-hf   # on a GPU
+    python scripts/bench_engine.py --preset tinyllama-1.1b --dtype bfloat16            # on a GPU
+    python scripts/bench_engine.py --preset llama3-8b --dtype bfloat16 --new 1024      # on a GPU
+
+On an 80 GB H100 the engine's memory plan refuses llama3-8b's own 2048 new tokens at batch 128
+(README, Performance): the GPU figures there use --new 1024.
 
 Presets (layers x width, vocab; prompts x prompt tokens, new tokens, batch) are the workloads
 in docs/performance-notes.md.
@@ -16,7 +26,9 @@ in docs/performance-notes.md.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import tempfile
 import time
 
@@ -30,7 +42,21 @@ PRESETS = {
 }
 
 
-def build_checkpoint(p: dict, folder: str) -> None:
+def _in_child(fn, *args):
+    """fn(*args) in a fresh spawned process: its torch threads and GPU memory end with it."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _torch_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
+    """Random weights drawn on the GPU when there is one (an 8B model drawn in float32 on the
+    CPU takes minutes and 32 GB), saved in `dtype`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -40,12 +66,13 @@ def build_checkpoint(p: dict, folder: str) -> None:
         eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    with torch.device(_torch_device()):
+        model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder, safe_serialization=True)
 
 
-def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
+def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pass: bool) -> dict:
     from engine import Engine, GenerationRequest, SamplingParams
 
     engine = Engine.load(folder, dtype=dtype, sampling=SamplingParams(max_new_tokens=p["new"]), batch_size=p["batch"],
@@ -55,22 +82,27 @@ def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
     first = list(engine.generate(requests))
     first_wall = time.perf_counter() - start
     compile_s, compilations = engine.stats.compile_time_s, engine.stats.compilations
-    start = time.perf_counter()
-    second = list(engine.generate(requests))
-    wall = time.perf_counter() - start
+    if single_pass:
+        wall, second = first_wall - compile_s, first
+    else:
+        start = time.perf_counter()
+        second = list(engine.generate(requests))
+        wall = time.perf_counter() - start
+        assert [c.token_ids for c in first] == [c.token_ids for c in second]
     tokens = sum(len(c.token_ids) for c in second)
     assert tokens == len(prompts) * p["new"], "every row should make exactly --new tokens"
-    assert [c.token_ids for c in first] == [c.token_ids for c in second]
     return dict(tok_s=tokens / wall, wall_s=wall, first_pass_s=first_wall, compile_s=compile_s, compilations=compilations,
-                peak_memory_gib=(engine.stats.peak_memory_bytes or 0) / 2**30, describe=engine.describe())
+                peak_memory_gib=(engine.stats.peak_memory_bytes or 0) / 2**30, describe=engine.describe(),
+                device_kind=engine.devices[0].device_kind)
 
 
 def bench_hf(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
     import torch
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
-    batches = [torch.tensor(prompts[i : i + p["batch"]]) for i in range(0, len(prompts), p["batch"])]
+    device = _torch_device()
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+    batches = [torch.tensor(prompts[i : i + p["batch"]], device=device) for i in range(0, len(prompts), p["batch"])]
 
     def run(ids: torch.Tensor, new: int) -> torch.Tensor:
         with torch.inference_mode():
@@ -78,10 +110,16 @@ def bench_hf(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
                                   do_sample=False, pad_token_id=0)
 
     run(batches[0][:2], 2)  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     tokens = sum(run(ids, p["new"]).shape[1] - ids.shape[1] for ids in batches) * p["batch"]
+    if device == "cuda":
+        torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    return dict(tok_s=tokens / wall, wall_s=wall)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return dict(tok_s=tokens / wall, wall_s=wall, device=f"{name}, torch {torch.__version__}",
+                peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None)
 
 
 def main() -> None:
@@ -91,7 +129,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, help="override the preset's prompt count")
     parser.add_argument("--new", type=int, help="override the preset's new tokens per prompt")
     parser.add_argument("--batch", type=int, help="override the preset's batch size")
-    parser.add_argument("--skip-hf", action="store_true", help="only time our engine (e.g. on a GPU without torch CUDA)")
+    parser.add_argument("--skip-hf", action="store_true", help="only time our engine")
+    parser.add_argument("--single-pass", action="store_true",
+                        help="time our first pass minus its compile time instead of a second pass (halves our run time)")
     args = parser.parse_args()
     p = dict(PRESETS[args.preset])
     for key in ("prompts", "new", "batch"):
@@ -100,16 +140,26 @@ def main() -> None:
     prompts = np.random.RandomState(0).randint(0, p["vocab"], (p["prompts"], p["prompt_len"]))
 
     with tempfile.TemporaryDirectory() as folder:
-        build_checkpoint(p, folder)
+        start = time.perf_counter()
+        _in_child(build_checkpoint, p, folder, "float32" if "float32" in args.dtype else "bfloat16")
+        print(f"checkpoint built in {time.perf_counter() - start:.1f} s", flush=True)
+        # The peer first, each run in its own process, so that JAX (started below) finds the device free.
+        peers = {}
+        for dtype in [] if args.skip_hf else args.dtype:
+            peers[dtype] = _in_child(bench_hf, folder, p, dtype, prompts)
+            print(json.dumps({"peer": "transformers", "dtype": dtype, **peers[dtype]}), flush=True)
         for dtype in args.dtype:
-            ours = bench_ours(folder, p, dtype, prompts)
+            ours = bench_ours(folder, p, dtype, prompts, args.single_pass)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
-                      "ours_tok_s": round(ours["tok_s"], 1), "ours_compile_s": round(ours["compile_s"], 2),
+                      "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
+                      "ours_timed": "first pass minus compile" if args.single_pass else "second pass",
+                      "ours_compile_s": round(ours["compile_s"], 2),
                       "ours_compilations": ours["compilations"], "ours_first_pass_s": round(ours["first_pass_s"], 2),
-                      "ours_peak_memory_gib": round(ours["peak_memory_gib"], 2)}
-            if not args.skip_hf:
-                hf = bench_hf(folder, p, dtype, prompts)
-                result.update(hf_tok_s=round(hf["tok_s"], 1), ratio=round(ours["tok_s"] / hf["tok_s"], 2))
+                      "ours_peak_memory_gib": round(ours["peak_memory_gib"], 2), "ours_device": ours["device_kind"]}
+            if dtype in peers:
+                hf = peers[dtype]
+                result.update(hf_tok_s=round(hf["tok_s"], 1), hf_wall_s=round(hf["wall_s"], 2), hf_device=hf["device"],
+                              ratio=round(ours["tok_s"] / hf["tok_s"], 2))
             print(ours["describe"], flush=True)
             print(json.dumps(result), flush=True)
 
