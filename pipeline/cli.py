@@ -77,7 +77,7 @@ def _fail(message: str, code: int) -> None:
     from pipeline import hosts
 
     typer.echo(f"error: {message}", err=True)
-    hosts.abort(message)
+    hosts.abort(message, code)
     hosts.leave(code)
     raise typer.Exit(code)
 

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from pipeline.errors import ConfigError, StepFailed
+from pipeline.errors import ConfigError, Interrupted, StepFailed
 from pipeline import preemption
 
 T = TypeVar("T")
@@ -109,26 +109,33 @@ def wait_for(key: str, what: str) -> Any:
         except Exception as err:  # noqa: BLE001 - jaxlib raises its own XlaRuntimeError
             text = str(err)
             if "DEADLINE_EXCEEDED" not in text and "deadline" not in text.lower():
-                raise StepFailed(
+                raise Interrupted(
                     f"{describe()}: lost contact with the pod while waiting for {what} "
-                    f"(the leader or coordinator is gone): {text.splitlines()[0]}"
+                    f"(the leader or coordinator is gone): {text.splitlines()[0]}; rerun the same command to resume"
                 ) from err
-        aborted = _try_get("abort")
-        if aborted is not None:
-            raise StepFailed(f"{describe()}: stopped waiting for {what}: host {aborted['host']} failed: "
-                             f"{aborted['error']}")
+        raise_if_aborted(f"stopped waiting for {what}")
         dead = _dead_hosts()
         if dead:
-            raise StepFailed(f"{describe()}: stopped waiting for {what}: host {dead[0]} stopped responding "
-                             f"(killed or lost; noticed after {ENV_HEARTBEAT_TIMEOUT}); rerun the same command to resume")
+            raise Interrupted(f"{describe()}: stopped waiting for {what}: host {dead[0]} stopped responding "
+                              f"(killed or lost; noticed after {ENV_HEARTBEAT_TIMEOUT}); rerun the same command to resume")
 
 
-def abort(error: str) -> None:
-    """Tell every other host that this one failed (first failure wins); safe on one host."""
+def raise_if_aborted(doing: str) -> None:
+    """Raise (with the failed host's exit code: 75 stays 75) if another host has aborted."""
+    if _state["client"] is None:
+        return
+    aborted = _try_get("abort")
+    if aborted is not None:
+        stop = Interrupted if aborted.get("code") == Interrupted.exit_code else StepFailed
+        raise stop(f"{describe()}: {doing}: host {aborted['host']} failed: {aborted['error']}")
+
+
+def abort(error: str, code: int = 1) -> None:
+    """Tell every other host that this one failed with exit `code` (first failure wins); safe on one host."""
     if _state["client"] is None:
         return
     try:
-        _state["client"].key_value_set("pipeline/abort", json.dumps({"host": process_index(), "error": error}))
+        _state["client"].key_value_set("pipeline/abort", json.dumps({"host": process_index(), "error": error, "code": code}))
     except Exception:  # noqa: BLE001 - another host aborted first, or the coordinator is gone
         pass
 
@@ -192,8 +199,9 @@ def _try_get(key: str) -> Any:
 def on_leader(tag: str, fn: Callable[[], T], what: str) -> T | None:
     """Run `fn` on the leader only; other hosts wait for its outcome.
 
-    If the leader's `fn` raises, the others raise StepFailed naming the leader's error, so
-    no host waits forever on work that will never come.
+    If the leader's `fn` raises, the others raise too, naming the leader's error (an
+    interruption stays an interruption, exit 75), so no host waits forever on work that
+    will never come.
     """
     if _state["client"] is None:
         return fn()
@@ -201,13 +209,15 @@ def on_leader(tag: str, fn: Callable[[], T], what: str) -> T | None:
         try:
             result = fn()
         except BaseException as err:
-            publish(f"{tag}/outcome", {"ok": False, "error": f"{type(err).__name__}: {err}"})
+            publish(f"{tag}/outcome", {"ok": False, "error": f"{type(err).__name__}: {err}",
+                                       "code": getattr(err, "exit_code", 1)})
             raise
         publish(f"{tag}/outcome", {"ok": True})
         return result
     outcome = wait_for(f"{tag}/outcome", what)
     if not outcome["ok"]:
-        raise StepFailed(f"{describe()}: the leader failed {what}: {outcome['error']}")
+        stop = Interrupted if outcome.get("code") == Interrupted.exit_code else StepFailed
+        raise stop(f"{describe()}: the leader failed {what}: {outcome['error']}")
     return None
 
 

@@ -91,7 +91,8 @@ def _pod_code(codes: list[int]) -> int:
     bad = [c for c in codes if c != 0]
     if not bad:
         return 0
-    mapped = [75 if c in (75, -signal.SIGTERM, -signal.SIGINT) else (c if c > 0 else 1) for c in bad]
+    # A host killed by a signal (SIGKILL included: a preemption without notice) can be resumed.
+    mapped = [75 if c == 75 or c < 0 else c for c in bad]
     worst = [c for c in mapped if c != 75]
     return worst[0] if worst else 75
 

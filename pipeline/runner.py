@@ -26,7 +26,7 @@ import yaml
 from pipeline import hosts, identity, preemption, status, storage
 from pipeline.config import Config
 from pipeline.errors import ConfigError, StepFailed
-from pipeline.lease import Lease
+from pipeline.lease import Lease, LeaseLost
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,13 @@ class StepOutput:
 
     def check_lease(self) -> None:
         """Raise LeaseLost if another runner took this step over: call before each commit."""
-        if self.lease is not None:
+        if self.lease is None:
+            return
+        try:
             self.lease.check()
+        except LeaseLost:
+            hosts.raise_if_aborted("stopped")  # our own leader failed and let go: that is the error
+            raise
 
 
 @dataclass(frozen=True)
@@ -240,6 +245,9 @@ def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
             return {"done_by_other": True, "token": None}
         if planned.state == "complete":
             status.remove_marker(out.url)  # --force: not complete until it finishes again
+        stale = storage.remove_temp_files(out.url)  # from a writer killed mid-write
+        if stale:
+            say(f"[{spec.name}] removed {len(stale)} temp file(s) a killed writer left behind")
         storage.write_text(out.path(status.CONFIG_FILE), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return {"done_by_other": False, "token": lease.token}
 
@@ -272,10 +280,15 @@ def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
             for index in range(1, hosts.process_count()):
                 outcome = hosts.wait_for(f"{tag}/host-{index}", f"host {index} to finish {spec.name}")
                 if not outcome["ok"]:
-                    raise StepFailed(f"{spec.name} failed on host {index}: {outcome['error']}")
+                    stop = Interrupted if outcome.get("code") == Interrupted.exit_code else StepFailed
+                    raise stop(f"{spec.name} failed on host {index}: {outcome['error']}")
             return mark(_load(spec.finish)(cfg, out))
 
         return hosts.on_leader(f"{tag}/finish", finish, f"step {spec.name} to be checked")
+    except BaseException as err:
+        if hosts.is_leader():  # tell the pod before letting go, so no host takes it for a takeover
+            hosts.abort(f"{type(err).__name__}: {err}", getattr(err, "exit_code", 1))
+        raise
     finally:
         if hosts.is_leader():
             lease.release()
@@ -286,7 +299,8 @@ def _run_on_every_host(tag: str, run: Callable[..., Any], cfg: Config, out: Step
     try:
         run(cfg, out)
     except BaseException as err:
-        hosts.publish(f"{tag}/host-{hosts.process_index()}", {"ok": False, "error": f"{type(err).__name__}: {err}"})
+        hosts.publish(f"{tag}/host-{hosts.process_index()}", {"ok": False, "error": f"{type(err).__name__}: {err}",
+                                                              "code": getattr(err, "exit_code", 1)})
         raise
     hosts.publish(f"{tag}/host-{hosts.process_index()}", {"ok": True})
 

@@ -125,6 +125,22 @@ def _local_temp_for(path: str) -> Iterator[str]:
         raise
 
 
+def remove_temp_files(url: str) -> list[str]:
+    """Delete the temp files a killed writer left under a local folder; returns their paths.
+
+    Only `_local_temp_for` names (`.name.tmp-<pid>-<rand>`) are touched; on object stores
+    there are none (one-shot uploads). Call only while holding the folder's lease.
+    """
+    fs, path = filesystem(url)
+    if not isinstance(fs, LocalFileSystem) or not os.path.isdir(path):
+        return []
+    stale = [os.path.join(folder, name) for folder, _, names in os.walk(path)
+             for name in names if name.startswith(".") and ".tmp-" in name]
+    for name in stale:
+        os.remove(name)
+    return stale
+
+
 def write_json(url: str, value: Any) -> None:
     write_bytes(url, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
 

@@ -95,7 +95,7 @@ def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp
     os.kill(victim[-1], signal.SIGKILL)
     started = time.monotonic()
     output, _ = pod.communicate(timeout=240)
-    assert pod.returncode != 0
+    assert pod.returncode == 75, output[-3000:]  # a killed host is a preemption: rerun to resume
     print(f"pod exited {pod.returncode} {time.monotonic() - started:.1f}s after the kill:\n{output[-1500:]}")
     partial = generated_rows(root)
     assert 0 < len(partial) < 80

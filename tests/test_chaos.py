@@ -1,0 +1,183 @@
+"""Preemption storms: kill random hosts of a 3-host pod at random moments, rerun until done.
+
+Each round starts `pipeline launch --hosts 3 -- run all`, waits for the leader to announce
+the step under attack (tokenize, generate, merge in turn), sleeps a random moment and sends
+SIGKILL or SIGTERM to one random host. The pod must exit 75 (rerun to resume) or 0 (it won
+the race); then the next round reruns the same command. After the last kill a final rerun
+completes, and the merged result must equal an uninterrupted run's row for row (greedy),
+with no temp file under a complete step and every manifest file present.
+
+The short storm (3 kills) runs in CI; the long one (24 kills) with `pytest -m chaos`.
+Set CHAOS_SEED to replay a storm: the seed is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import write_config, write_prompts
+
+PHASES = ("tokenize", "generate", "merge")
+
+
+def chaos_config(folder: Path, demo_model: str) -> str:
+    prompts = write_prompts(folder / "prompts.jsonl",
+                            [f"Question {i}: what follows {'and then ' * (i % 5)}the number {i}?" for i in range(48)])
+    return write_config(folder, demo_model, prompts={"path": str(prompts)},
+                        sampling={"max_new_tokens": 12, "n": 2}, engine={"batch_size": 8, "part_rows": 8})
+
+
+class Pod:
+    """One `pipeline launch --hosts 3 -- run all` with its output collected line by line."""
+
+    def __init__(self, config: str):
+        env = {**os.environ, "PIPELINE_HEARTBEAT_TIMEOUT_S": "5", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "launch", "--hosts", "3", "--", "run", "all", "--config", config],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, needle: str, timeout_s: float = 300) -> bool:
+        """True once a line holds `needle`; False if the pod ended first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(needle in line for line in list(self.lines)):
+                return True
+            if self.proc.poll() is not None:
+                self.reader.join(timeout=5)
+                return any(needle in line for line in self.lines)
+            time.sleep(0.05)
+        raise AssertionError(f"no {needle!r} after {timeout_s}s:\n{self.output[-3000:]}")
+
+    def hosts(self) -> list[int]:
+        found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(p) for p in found.stdout.split()]
+
+    def finish(self, timeout_s: float = 400) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError(f"pod still running after {timeout_s}s:\n{self.output[-3000:]}")
+        self.reader.join(timeout=10)
+        return code
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+DELAY_S = {"tokenize": 1.5, "generate": 4.0, "merge": 0.5}
+"""Upper bound of the random wait between a step's start line and the kill."""
+
+
+def storm(config: str, root: Path, kills: int, seed: int) -> list[str]:
+    """Kill `kills` hosts at random moments of tokenize, generate and merge; returns the log."""
+    rng = random.Random(seed)
+    log: list[str] = [f"CHAOS_SEED={seed}"]
+    done = 0
+    while done < kills:
+        left = [p for p in PHASES if not list(root.glob(f"{p}-*/_SUCCESS.json"))]
+        if not left:
+            log.append("every attacked step completed before all kills were used")
+            break
+        wanted = PHASES[done % len(PHASES)]
+        phase = wanted if wanted in left else rng.choice(left)
+        pod = Pod(config)
+        if pod.wait_for(f"[{phase}]"):
+            time.sleep(rng.uniform(0, DELAY_S[phase]))
+            victims = pod.hosts()
+            how = rng.choice([signal.SIGKILL, signal.SIGTERM])
+            if victims:
+                victim = rng.randrange(len(victims))
+                try:
+                    os.kill(victims[victim], how)
+                    done += 1
+                    log.append(f"kill {done}: {how.name} to host {victim} during {phase}")
+                except ProcessLookupError:
+                    log.append(f"{phase}: host {victim} was already gone")
+        code = pod.finish()
+        log.append(f"  pod exited {code}")
+        assert code in (0, 75), "\n".join(log) + "\n" + pod.output[-4000:]
+    return log
+
+
+def finish_run(config: str, log: list[str]) -> None:
+    for _ in range(3):
+        pod = Pod(config)
+        code = pod.finish()
+        log.append(f"final rerun exited {code}")
+        if code == 0:
+            return
+        assert code == 75, "\n".join(log) + "\n" + pod.output[-4000:]
+    raise AssertionError("\n".join(log))
+
+
+def merged(root: Path) -> list[tuple]:
+    rows: list[tuple] = []
+    for path in sorted(root.glob("merge-*/merged-*.parquet")):
+        t = pq.read_table(path)
+        rows += zip(t["prompt_index"].to_pylist(), t["sample_index"].to_pylist(), t["prompt_id"].to_pylist(),
+                    t["completion_token_ids"].to_pylist(), t["finish_reason"].to_pylist())
+    return rows
+
+
+def check_complete_steps(root: Path) -> None:
+    """No temp file under a complete step; every file its manifest names is there."""
+    for marker in root.glob("*/_SUCCESS.json"):
+        step = marker.parent
+        temps = [str(p) for p in step.rglob("*") if p.name.startswith(".") and ".tmp-" in p.name]
+        assert not temps, f"temp files left under complete step {step.name}: {temps}"
+        for entry in json.loads(marker.read_text())["files"]:
+            assert (step / entry["path"]).is_file(), f"{step.name}: manifest names missing {entry['path']}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, demo_model) -> list[tuple]:
+    folder = tmp_path_factory.mktemp("clean")
+    config = chaos_config(folder, demo_model)
+    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", config],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return merged(folder / "runs")
+
+
+def run_storm(tmp_path: Path, demo_model: str, reference: list[tuple], kills: int) -> None:
+    seed = int(os.environ.get("CHAOS_SEED", random.randrange(1 << 30)))
+    config = chaos_config(tmp_path, demo_model)
+    log = storm(config, tmp_path / "runs", kills, seed)
+    finish_run(config, log)
+    print("\n".join(log))
+    root = tmp_path / "runs"
+    assert len(reference) == 96
+    assert merged(root) == reference, "\n".join(log)
+    check_complete_steps(root)
+    states = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--config", config, "--json"],
+                            capture_output=True, text=True)
+    assert [s["state"] for s in json.loads(states.stdout)["steps"]] == ["complete"] * 4
+
+
+def test_short_preemption_storm_on_a_3_host_pod(tmp_path, demo_model, reference):
+    run_storm(tmp_path, demo_model, reference, kills=3)
+
+
+@pytest.mark.chaos
+def test_long_preemption_storm_on_a_3_host_pod(tmp_path, demo_model, reference):
+    run_storm(tmp_path, demo_model, reference, kills=24)
