@@ -214,6 +214,9 @@ class Engine:
         if sampling.stop_strings and tokenizer is None:
             raise ValueError("sampling.stop needs a tokenizer: pass Engine.load(..., tokenizer=...)")
 
+        if dtype == "float32":
+            # GPUs run float32 matmuls as TF32 by default (logits off by ~3e-2): float32 means float32.
+            jax.config.update("jax_default_matmul_precision", "highest")
         if mode == "global_mesh":
             layout = Layout.pod(mesh_shape(mesh, num_devices=jax.device_count(), kv_heads=config.num_key_value_heads))
         elif mode == "host_dp":

@@ -90,7 +90,11 @@ def plan_batch(
     (default: one per device); weight_shards / row_shards: devices sharing each weight / each row."""
     n = batch_shards or len(devices)
     weights = -(-parameter_bytes(config, dtype) // weight_shards)
-    row = kv_row_bytes(config, max_prompt_tokens + max_new_tokens, cache_dtype) + working_row_bytes(config, max_prompt_tokens, dtype)
+    # decode.decode_chunk copies each layer's attended cache window before its loop (XLA does not
+    # fuse that slice into the loop): up to a second cache per row. Measured on an H100 (8B, 1,024
+    # new tokens): 49.3 GiB peak against 37.5 GiB planned without this term.
+    cache = kv_row_bytes(config, max_prompt_tokens + max_new_tokens, cache_dtype)
+    row = 2 * cache + working_row_bytes(config, max_prompt_tokens, dtype)
     row = -(-row // row_shards)
     device_bytes = device_memory_bytes(devices[0], len(devices))
     limit = int(device_bytes * memory_fraction)

@@ -7,6 +7,7 @@ greedy tokens are not a coin toss between near-ties.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,9 @@ import pytest
 # tests/ is on sys.path, so `import engine` would find this folder as a namespace package
 # before the editable install's finder; putting the repo root on sys.path makes the real
 # package win (a regular package beats a namespace portion wherever it sits on sys.path).
+# float32 reference comparisons mean float32 matmuls (GPUs default to TF32); no effect on CPU.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
