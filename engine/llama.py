@@ -445,8 +445,15 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+MAX_HEADER_BYTES = 100 << 20
+"""safetensors' own limit on a header; a larger length field means a corrupt file."""
+
+
 def _safetensors_header(f) -> tuple[dict, int]:
     (header_len,) = struct.unpack("<Q", f.read(8))
+    if header_len > MAX_HEADER_BYTES:
+        raise ValueError(f"{getattr(f, 'path', getattr(f, 'name', 'a safetensors file'))}: header length "
+                         f"{header_len} is impossible (corrupt file)")
     header = json.loads(f.read(header_len))
     header.pop("__metadata__", None)
     return header, 8 + header_len
@@ -458,6 +465,9 @@ def checkpoint_files(fs, root: str) -> dict[str, str]:
     if fs.exists(index):
         with fs.open(index, "r") as f:
             weight_map = json.load(f)["weight_map"]
+        bad = sorted({file for file in weight_map.values() if "/" in file or "\\" in file or file.startswith(".")})
+        if bad:  # the index names files in this folder, never paths elsewhere
+            raise ValueError(f"{index}: weight_map names {bad[0]!r}, not a file name in the model folder")
         return {name: f"{root}/{file}" for name, file in weight_map.items()}
     files = [p for p in fs.glob(f"{root}/*.safetensors") if not p.rsplit("/", 1)[-1].startswith("consolidated")]
     if not files:
