@@ -181,6 +181,22 @@ class Config:
         return _plain(value)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (it would keep the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # unhashable keys are refused later, as unknown keys
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config (any fsspec URL), apply `KEY=VALUE` overrides, validate."""
     try:
@@ -191,7 +207,7 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     except OSError as err:
         raise ConfigError(f"config file {path} could not be read: {err}") from err
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {_yaml_where(path, err)} is not valid YAML: {_yaml_problem(err)}") from err
     if data is None:

@@ -107,6 +107,13 @@ def test_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
         load_config(str(path))
 
 
+def test_a_key_given_twice_is_refused_not_silently_overwritten(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("run: {root: /tmp/x, name: a}\nsampling:\n  temperature: 0.5\n  n: 2\n  temperature: 0.9\n")
+    with pytest.raises(ConfigError, match=f"config file {path}:5:3 is not valid YAML: key 'temperature' appears twice"):
+        load_config(str(path))
+
+
 def test_cli_config_errors_exit_2_with_one_line(tmp_path):
     runner = CliRunner()
     missing = runner.invoke(app, ["run", "all", "--config", str(tmp_path / "nope.yaml")])
