@@ -142,6 +142,10 @@ class Lease:
             raise LeaseLost(f"lost the lease on {self.what}: it was taken over {by}, so this runner "
                             f"stops writing; the other runner finishes the step. Lease: {self.url}")
 
+    def current_holder(self) -> Holder | None:
+        """Who holds the lease now, as far as can be told without waiting (for `pipeline status`)."""
+        return self._backend.peek()
+
     @contextlib.contextmanager
     def _storage_errors(self, op: str) -> Iterator[None]:
         """The storage stayed unreachable through the client's retries: one clear line."""
@@ -178,6 +182,8 @@ class _NoLease:
     def read(self) -> Holder | None:
         return None
 
+    peek = read
+
     def release(self, me: Holder) -> None:
         pass
 
@@ -193,12 +199,13 @@ class _FileLease:
         from filelock import FileLock
 
         self.url = url
-        os.makedirs(os.path.dirname(url), exist_ok=True)
-        self._lock = FileLock(url[: -len(".json")] + ".lock")
+        self._lock_path = url[: -len(".json")] + ".lock"
+        self._lock = FileLock(self._lock_path)
 
     def try_acquire(self, me: Holder) -> Holder | None:
         from filelock import Timeout
 
+        os.makedirs(os.path.dirname(self.url), exist_ok=True)
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
@@ -212,6 +219,19 @@ class _FileLease:
                 return Holder(**json.load(f))
         except (FileNotFoundError, ValueError, TypeError):
             return None
+
+    def peek(self) -> Holder | None:
+        """The record's holder if its lock is held; a record left by a killed holder is stale."""
+        from filelock import Timeout
+
+        if not os.path.exists(self._lock_path):
+            return None  # never leased: do not create anything
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            return self.read() or Holder("?", "another process", 0, "unknown")
+        self._lock.release()
+        return None
 
     def release(self, me: Holder) -> None:
         current = self.read()
@@ -266,6 +286,8 @@ class _GcsLease:
 
     def read(self) -> Holder | None:
         return self._read_with_generation()[1]
+
+    peek = read  # a record whose holder died stays until a runner takes it over
 
     def release(self, me: Holder) -> None:
         self._stop.set()

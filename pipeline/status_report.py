@@ -1,7 +1,7 @@
 """What `pipeline status` shows: one row per step, as data and as text.
 
 Owns the report's fields (the contract's name/hash/output/state/rows, plus why a run would
-or would not run the step, and rejected prompt rows). Changes nothing.
+or would not run the step, rejected prompt rows, and who is running it now). Changes nothing.
 
     rows = report(cfg)
     print(report_text(rows))
@@ -13,6 +13,7 @@ from typing import Any
 
 from pipeline import status
 from pipeline.config import Config
+from pipeline.lease import Lease
 from pipeline.runner import make_plan
 
 
@@ -26,6 +27,11 @@ def report(cfg: Config) -> list[dict[str, Any]]:
             if record and "rejected" in record.summary:
                 row["rejected"] = record.summary["rejected"]
         row["why"] = _why(p)
+        if p.state != "complete":
+            holder = Lease.for_step(cfg.run.root, p.spec.name, p.hash).current_holder()
+            if holder is not None:
+                row["running"] = holder.describe()
+                row["why"] = f"being run by {holder.describe()}"
         rows.append(row)
     return rows
 

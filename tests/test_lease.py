@@ -54,8 +54,9 @@ def test_local_second_runner_refuses_or_waits_and_takes_over_when_the_holder_die
         refused = pipeline("run", "all", "--config", config, "--no-wait")
         assert refused.returncode == 75, refused.stderr
         assert f"pid {holder.pid}" in refused.stderr and "--no-wait" in refused.stderr
-        assert all(s["state"] != "complete" for s in json.loads(pipeline("status", "--config", config, "--json")
-                                                                   .stdout)["steps"])
+        steps = json.loads(pipeline("status", "--config", config, "--json").stdout)["steps"]
+        assert all(s["state"] != "complete" for s in steps)
+        assert f"pid {holder.pid}" in steps[0]["running"] and "running" not in steps[1]
 
         waiting = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", config],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
