@@ -15,12 +15,13 @@ here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from pipeline.errors import ConfigError, Interrupted, StepFailed
 from pipeline import preemption
@@ -177,6 +178,62 @@ def leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def blame_peer(err: BaseException, doing: str) -> None:
+    """After a failed cross-host collective: raise Interrupted if a peer died or aborted.
+
+    A peer killed mid-collective makes the survivors' collective fail (gloo: connection reset)
+    before the coordinator notices the death, so look for up to the heartbeat timeout. Returns
+    if every peer is alive and well: the error is then this host's own.
+    """
+    if _state["client"] is None:
+        return
+    deadline = time.monotonic() + 2 * float(os.environ.get(ENV_HEARTBEAT_TIMEOUT, "30")) + 2 * POLL_S
+    while time.monotonic() < deadline:
+        raise_if_aborted(f"stopped {doing}")
+        dead = _dead_hosts()
+        if dead:
+            raise Interrupted(f"{describe()}: stopped {doing}: host {dead[0]} stopped responding (killed or "
+                              f"lost; {type(err).__name__} in a collective); rerun the same command to resume") from err
+        time.sleep(POLL_S / 4)
+
+
+@contextlib.contextmanager
+def watchdog(doing: str) -> Iterator[None]:
+    """While the block runs, exit this process if another host fails or dies.
+
+    For work inside cross-host collectives (global_mesh generation): a host whose peer is gone
+    waits in a collective that never completes, where no exception can reach it, so a thread
+    watches the pod and ends the process with the failed host's exit code (75 for a kill or
+    an interruption), instead of the pod hanging until someone kills it.
+    """
+    if _state["client"] is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(POLL_S):
+            try:
+                raise_if_aborted(f"stopped {doing}")
+                dead = _dead_hosts()
+                if dead:
+                    raise Interrupted(f"{describe()}: stopped {doing}: host {dead[0]} stopped responding "
+                                      f"(killed or lost); rerun the same command to resume")
+            except (Interrupted, StepFailed) as err:
+                if done.is_set():
+                    return
+                print(f"error: {err}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(err.exit_code)
+
+    thread = threading.Thread(target=watch, daemon=True, name="pod-watchdog")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _dead_hosts() -> list[int]:

@@ -23,6 +23,7 @@ the same decode chunk (the engine agrees on it with an all-reduce); each commits
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import secrets
@@ -94,7 +95,8 @@ def generate(cfg: Config, out: StepOutput) -> None:
     if n_missing:
         engine = _load_engine(cfg, out, todo)
         writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine))
-        with Progress(total=n_missing, desc=f"generate {hosts.describe()}", unit="sample") as bar:
+        watch = hosts.watchdog("generating on the global mesh") if lockstep else contextlib.nullcontext()
+        with watch, Progress(total=n_missing, desc=f"generate {hosts.describe()}", unit="sample") as bar:
             try:
                 for shard, c, source in _completions(engine, todo):
                     if writer.add(shard, _row(source, c)):
@@ -102,6 +104,12 @@ def generate(cfg: Config, out: StepOutput) -> None:
                         tokens += len(c.token_ids)
                         prompts.add((shard, c.prompt_index))
                     bar.update(1, tokens=len(c.token_ids))
+            except Exception as err:
+                import jax  # loaded by the engine already
+
+                if lockstep and isinstance(err, jax.errors.JaxRuntimeError):
+                    hosts.blame_peer(err, "generating on the global mesh")  # a dead peer: exit 75
+                raise
             finally:
                 writer.flush_all()  # commit what is finished, also on errors and signals
         if engine.stopped and not preemption.stop_requested():

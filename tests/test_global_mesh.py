@@ -174,6 +174,27 @@ def test_sigterm_stops_every_host_together_then_resumes(make_config, tmp_path, p
     assert rows(root) == reference
 
 
+def test_a_host_killed_mid_collective_does_not_hang_the_pod(make_config, tmp_path, prompts):
+    """The survivor waits inside a collective no exception reaches: its watchdog ends it (exit 75)."""
+    root = tmp_path / "killed"
+    config = _pod_config(make_config, tmp_path, prompts, "killed")
+    pod = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "launch", "--hosts", "2", "--", "run", "generate",
+                            "--config", config, *GLOBAL, "--set", "engine.batch_size=2"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                           env={**os.environ, "PIPELINE_HEARTBEAT_TIMEOUT_S": "5"})
+    deadline = time.monotonic() + 300
+    while not glob.glob(f"{root}/generate-*/shard-*/part-*.parquet"):
+        assert pod.poll() is None, f"finished before it could be killed: {pod.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, "no parts appeared"
+        time.sleep(0.05)
+    os.kill(_children(pod.pid)[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    output, _ = pod.communicate(timeout=180)
+    assert pod.returncode == 75, output[-4000:]
+    assert time.monotonic() - killed_at < 60, "the survivor hung until launch killed it"
+    assert "still running" not in output and "host 1 stopped responding" in output, output[-3000:]
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return sorted(int(x) for x in out.split())
