@@ -207,7 +207,11 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     except OSError as err:
         raise ConfigError(f"config file {path} could not be read: {err}") from err
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        loader = _UniqueKeyLoader(text)  # what yaml.safe_load does, with the duplicate-key check
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {_yaml_where(path, err)} is not valid YAML: {_yaml_problem(err)}") from err
     if data is None:

@@ -19,6 +19,7 @@ from typing import Any
 from pipeline import storage
 from pipeline.config import Config
 from pipeline.errors import StepFailed
+from pipeline.retrying import StorageError
 
 SEMANTIC_KEYS: dict[str, tuple[str, ...]] = {
     "tokenize": (
@@ -78,7 +79,8 @@ def content_fingerprints(step: str, cfg: Config) -> dict[str, Any]:
         try:
             fingerprints[kind] = _FINGERPRINTERS[kind](cfg)
         except Exception as err:  # noqa: BLE001 - any filesystem's error (unknown protocol, no network, ...)
-            raise StepFailed(f"{key} {cfg.get(key)} could not be read: {type(err).__name__}: {err}") from err
+            cause = str(err) if isinstance(err, StorageError) else f"{type(err).__name__}: {err}"
+            raise StepFailed(f"{key} {cfg.get(key)} could not be read: {cause}") from err
     return fingerprints
 
 

@@ -16,6 +16,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# Unreachable test URLs (http://127.0.0.1:1/...) should fail in seconds, not after the
+# production retry budget; tests of the retries set their own.
+os.environ.setdefault("PIPELINE_STORAGE_RETRY_S", "5")
 
 REPO = Path(__file__).resolve().parent.parent
 

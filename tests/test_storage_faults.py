@@ -191,7 +191,7 @@ def test_flaky_gcs_requests_are_retried_and_the_result_is_exact(emulator, make_c
     try:
         root = f"{emulator.bucket()}/runs"
         config = make_config(run={"root": root, "name": "test"})
-        code, output = finish(start_run(config, proxy.url))
+        code, output = finish(start_run(config, proxy.url, PIPELINE_STORAGE_RETRY_S="60"))
     finally:
         proxy.shutdown()
     assert code == 0, output
@@ -202,7 +202,7 @@ def test_flaky_gcs_requests_are_retried_and_the_result_is_exact(emulator, make_c
 def test_gcs_restarted_mid_generate_the_run_still_completes_exactly(emulator, make_config, reference):
     root = f"{emulator.bucket()}/runs"
     config = make_config(run={"root": root, "name": "test"})
-    run = start_run(config, emulator.url)
+    run = start_run(config, emulator.url, PIPELINE_STORAGE_RETRY_S="60")
     seen = wait_for_line(run, "[generate]")
     emulator.stop()
     time.sleep(3)

@@ -408,7 +408,8 @@ WHOLE_INPUT = {
     "every row bad": (lambda d: put(d / "p.jsonl", b"{x\n[1]\n"), "all 2 rows were rejected"),
     # found while hashing the inputs, before the step starts:
     "unknown protocol": (lambda d: "nosuch://bucket/p.jsonl", "could not be read: ValueError: Protocol not known"),
-    "unreachable host": (lambda d: "http://127.0.0.1:1/p.jsonl", "could not be read: ClientConnectorError"),
+    "unreachable host": (lambda d: "http://127.0.0.1:1/p.jsonl",
+                         "could not be read: storage: could not list http://127.0.0.1:1/p.jsonl (ClientConnectorError"),
 }
 
 
