@@ -3,11 +3,12 @@
 The only module that turns exceptions into exit codes: 0 done, 1 a step failed, 2 usage or
 config error, 75 interrupted (rerun the same command to resume). Every failure ends with
 one line starting `error:` that says what and where. Command bodies stay a few lines; the
-logic lives in runner.py, status_report.py and launch.py where tests import it.
+logic lives in runner.py, status_report.py, launch.py and tpu.py where tests import it.
 
     pipeline run all --config configs/demo.yaml
     pipeline status --config configs/demo.yaml --json
     pipeline launch --hosts 2 -- run all --config configs/demo.yaml
+    pipeline tpu run --tpu my-tpu --zone us-east5-a --spot -- run all --config configs/my-run.yaml
 """
 
 from __future__ import annotations
