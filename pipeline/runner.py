@@ -25,7 +25,7 @@ import yaml
 
 from pipeline import hosts, identity, preemption, status, storage
 from pipeline.config import Config
-from pipeline.errors import ConfigError, StepFailed
+from pipeline.errors import ConfigError, Interrupted, StepFailed
 from pipeline.lease import Lease, LeaseLost
 
 
