@@ -40,6 +40,30 @@ def write_prompts(path: Path, texts: list[str]) -> Path:
     return path
 
 
+def pipeline(*args: str, env: dict | None = None, timeout: float = 400):
+    """Run `pipeline ARGS...` in a fresh process (extra `env` on top of ours); returns CompletedProcess."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def generated_rows(root) -> dict[tuple[int, int], tuple]:
+    """Every committed generate row under `root`, by (prompt_index, sample_index); fails on a row written twice."""
+    import glob
+
+    import pyarrow.parquet as pq
+
+    rows: dict[tuple[int, int], tuple] = {}
+    for path in sorted(glob.glob(f"{root}/generate-*/shard-*/part-*.parquet")):
+        for r in pq.read_table(path).to_pylist():
+            key = (r["prompt_index"], r["sample_index"])
+            assert key not in rows, f"row {key} written twice (again in {path})"
+            rows[key] = (r["completion_token_ids"], r["finish_reason"], r["prompt_id"], r["num_prompt_tokens"])
+    return rows
+
+
 def write_config(folder: Path, demo_model: str, name: str = "config.yaml", **sections: dict) -> str:
     """A config YAML in `folder` from the demo defaults plus section overrides; returns its path.
 

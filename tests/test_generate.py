@@ -11,8 +11,9 @@ import subprocess
 import sys
 import time
 
-import pyarrow.parquet as pq
 import pytest
+
+from tests.conftest import generated_rows, pipeline
 
 
 GREEDY = {"sampling": {"max_new_tokens": 12, "temperature": 0.0, "n": 2}, "engine": {"batch_size": 4, "part_rows": 4}}
@@ -22,19 +23,8 @@ GREEDY = {"sampling": {"max_new_tokens": 12, "temperature": 0.0, "n": 2}, "engin
 os.environ["PIPELINE_HEARTBEAT_TIMEOUT_S"] = "5"
 
 
-def pipeline(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def generated_rows(root) -> dict[tuple[int, int], tuple]:
-    """Every committed generate row, keyed by (prompt_index, sample_index); fails on a duplicate key."""
-    rows: dict[tuple[int, int], tuple] = {}
-    for path in sorted(glob.glob(f"{root}/generate-*/shard-*/part-*.parquet")):
-        for r in pq.read_table(path).to_pylist():
-            key = (r["prompt_index"], r["sample_index"])
-            assert key not in rows, f"duplicate row {key} in {path}"
-            rows[key] = (r["completion_token_ids"], r["finish_reason"], r["prompt_id"], r["num_prompt_tokens"])
-    return rows
 
 
 @pytest.fixture

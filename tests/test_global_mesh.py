@@ -15,10 +15,10 @@ import subprocess
 import sys
 import time
 
-import pyarrow.parquet as pq
 import pytest
 
 from engine.mesh import MeshShape, mesh_shape
+from tests.conftest import generated_rows, pipeline
 from pipeline.config import build_config
 from pipeline.errors import ConfigError
 
@@ -81,19 +81,8 @@ def test_engine_mode_and_mesh_config():
 # --- a 2-host pod on CPU ------------------------------------------------------------------
 
 
-def pipeline(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def rows(root) -> dict[tuple[int, int], tuple]:
-    """Every committed generate row by (prompt_index, sample_index); fails on a row written twice."""
-    found: dict[tuple[int, int], tuple] = {}
-    for path in sorted(glob.glob(f"{root}/generate-*/shard-*/part-*.parquet")):
-        for r in pq.read_table(path).to_pylist():
-            key = (r["prompt_index"], r["sample_index"])
-            assert key not in found, f"row {key} written twice (again in {path})"
-            found[key] = (r["completion_token_ids"], r["finish_reason"], r["prompt_id"], r["num_prompt_tokens"])
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +101,7 @@ def reference(make_config, tmp_path, prompts):
     for step in ("tokenize", "generate"):
         result = pipeline("run", step, "--config", config)
         assert result.returncode == 0, result.stderr[-3000:]
-    found = rows(tmp_path / "reference")
+    found = generated_rows(tmp_path / "reference")
     assert len(found) == 24 * 2
     return found
 
@@ -129,7 +118,7 @@ def test_two_host_global_mesh_equals_one_host_and_resumes_lost_parts(make_config
     result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL)
     assert result.returncode == 0, result.stdout[-4000:]
     assert "global mesh data 1 x model 2 over 2 cpu devices of 2 host(s)" in result.stdout
-    assert rows(tmp_path / "pod") == reference
+    assert generated_rows(tmp_path / "pod") == reference
     # Shard i is written by host i % 2 only; both hosts report what they wrote.
     metrics = [json.loads(open(p).read()) for p in glob.glob(f"{tmp_path}/pod/generate-*/metrics/host-*.json")]
     assert sorted((m["host"], m["mode"], m["shards"], m["samples"] > 0) for m in metrics) == [
@@ -147,7 +136,7 @@ def test_two_host_global_mesh_equals_one_host_and_resumes_lost_parts(make_config
     result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL)
     assert result.returncode == 0, result.stdout[-4000:]
     assert kept <= set(glob.glob(f"{step}/shard-*/part-*.parquet"))
-    assert rows(tmp_path / "pod") == reference
+    assert generated_rows(tmp_path / "pod") == reference
 
 
 def test_sigterm_stops_every_host_together_then_resumes(make_config, tmp_path, prompts, reference):
@@ -165,13 +154,13 @@ def test_sigterm_stops_every_host_together_then_resumes(make_config, tmp_path, p
     output, _ = pod.communicate(timeout=180)
     assert pod.returncode == 75, output[-4000:]
     assert "stopped by a stop signal on another host" in output
-    committed = rows(root)
+    committed = generated_rows(root)
     assert 0 < len(committed) < 48
     assert committed.items() <= reference.items()
 
     result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL)
     assert result.returncode == 0, result.stdout[-4000:]
-    assert rows(root) == reference
+    assert generated_rows(root) == reference
 
 
 def test_a_host_killed_mid_collective_does_not_hang_the_pod(make_config, tmp_path, prompts):

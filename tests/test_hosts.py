@@ -8,11 +8,9 @@ import subprocess
 import sys
 
 from pipeline.launch import free_port
+from tests.conftest import pipeline
 
 
-def pipeline(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def test_launch_two_hosts_meet_at_a_barrier_and_agree_on_the_plan(make_config):

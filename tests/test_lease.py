@@ -18,11 +18,9 @@ import pytest
 
 from pipeline import storage
 from pipeline.lease import Lease, LeaseBusy, LeaseLost
+from tests.conftest import pipeline
 
 
-def pipeline(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def step_hash(config: str, step: str) -> str:
