@@ -20,6 +20,7 @@ final failures become one `StorageError` naming the URL (see retrying.py).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import io
@@ -224,18 +225,26 @@ def sha256(url: str) -> str:
 
 @storage_call("stat")
 def fingerprint(url: str) -> str:
-    """A content fingerprint that does not depend on the file's path or mtime.
+    """A content fingerprint that does not depend on where the file is, its path or mtime.
 
-    On GCS the object's crc32c/md5 from metadata (no download); elsewhere sha256 of the
-    bytes. Used by step hashes, so moving the same input to another bucket keeps the hash.
+    `md5:<hex>:<size>`: on GCS read from the object's metadata (no download), elsewhere
+    computed from the bytes, so the same input on local disk, in another bucket or on GCS
+    gives the same step hashes. GCS objects without an md5 (composite uploads) fall back to
+    their crc32c, which only other GCS copies share.
     """
     fs, path = filesystem(url)
     if fs.protocol and ("gs" in fs.protocol or "gcs" in fs.protocol):
         info = fs.info(path)
-        for key in ("md5Hash", "crc32c"):
-            if info.get(key):
-                return f"{key}:{info[key]}:{info.get('size')}"
-    return "sha256:" + sha256(url)
+        if info.get("md5Hash"):
+            return f"md5:{base64.b64decode(info['md5Hash']).hex()}:{info.get('size')}"
+        if info.get("crc32c"):
+            return f"crc32c:{info['crc32c']}:{info.get('size')}"
+    digest, size = hashlib.md5(usedforsecurity=False), 0
+    with fs.open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+            size += len(block)
+    return f"md5:{digest.hexdigest()}:{size}"
 
 
 def _url_of(like: str, fs: fsspec.AbstractFileSystem, name: str) -> str:

@@ -126,7 +126,7 @@ def test_shards_keep_every_prompt_its_id_and_the_tokenizers_ids(tmp_path, demo_m
     assert summary["num_shards"] == len(tables) == 7  # auto = 8 per host, never more than prompts
     (info,) = summary["input_files"]
     assert info["url"] == str(tmp_path / "p.jsonl") and info["rows"] == 7
-    assert info["bytes"] == (tmp_path / "p.jsonl").stat().st_size and info["fingerprint"].startswith("sha256:")
+    assert info["bytes"] == (tmp_path / "p.jsonl").stat().st_size and info["fingerprint"].startswith("md5:")
     for entry in record.files:
         data = storage.read_bytes(storage.join(url, entry["path"]))
         assert entry["bytes"] == len(data)
@@ -660,7 +660,15 @@ def test_gcs_round_trip_prompts_model_and_output_on_gs(tmp_path, demo_model, gcs
     assert [r["input_ids"] for r in rows] == reference(["first", "second", "third"])["input_ids"]
     (rejected,) = storage.read_parquet(f"{url}/rejected.parquet").to_pylist()
     assert (rejected["file"], rejected["line"], rejected["prompt_index"]) == (f"{gcs_bucket}/prompts/part-1.jsonl", 2, 3)
-    assert [f["fingerprint"].split(":")[0] for f in record.summary["input_files"]] == ["md5Hash", "md5Hash"]
+    assert [f["fingerprint"].split(":")[0] for f in record.summary["input_files"]] == ["md5", "md5"]
+    # The same prompts and model on local disk hash the same: moving inputs to GCS reruns nothing.
+    local = tmp_path / "local-prompts"
+    local.mkdir()
+    for name in ("part-0.jsonl", "part-1.jsonl"):
+        (local / name).write_bytes(storage.read_bytes(f"{gcs_bucket}/prompts/{name}"))
+    moved = write_config(tmp_path, demo_model, root=f"{gcs_bucket}/runs", path=f"{local}/*.jsonl", id_field="id",
+                         on_invalid="skip", name="local.yaml")
+    assert tokenize_step(moved).url == url
 
     shown = json.loads(cli("status", "--config", config, "--json").stdout)["steps"][0]
     assert (shown["state"], shown["rows"], shown["rejected"], shown["output"]) == ("complete", 3, 1, url)
