@@ -24,6 +24,7 @@ from pipeline import preemption
 from pipeline.errors import ConfigError, PipelineError
 
 app = typer.Typer(
+    rich_markup_mode="markdown",
     help="Batch LLM generation on multi-host JAX: tokenize -> generate -> merge -> upload to W&B.\n\n"
     "Every step is idempotent and addressed by a content hash: rerun the same command after a "
     "crash or preemption and finished work is skipped, unfinished work resumes.\n\n"
@@ -33,6 +34,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 run_app = typer.Typer(
+    rich_markup_mode="markdown",
     help="Run steps. `all` runs tokenize -> generate -> merge -> upload, skipping complete steps; "
     "a single step needs its upstream steps complete.\n\n"
     "Example: pipeline run all --config configs/demo.yaml --set sampling.temperature=0.7",
@@ -222,6 +224,7 @@ def launch_command(
 
 
 tpu_app = typer.Typer(
+    rich_markup_mode="markdown",
     help="Run on a Cloud TPU VM or queued resource through gcloud, and babysit it through preemptions.\n\n"
     "Example: pipeline tpu run --tpu my-tpu --zone us-east5-a --accelerator-type v5p-16 "
     "--runtime-version v2-alpha-tpuv5 --spot -- run all --config configs/my-run.yaml",
