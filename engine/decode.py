@@ -67,11 +67,23 @@ def init_caches(config: LlamaConfig, slots: int, seq_len: int, cache_dtype, shar
 
     # Made by a compiled program with its output sharding, so each device (of every host on a
     # global mesh) allocates only its own block.
-    zeros = jax.jit(functools.partial(jnp.zeros, shape, cache_dtype), out_shardings=sharding)
+    zeros = _zeros_program(shape, jnp.dtype(cache_dtype), sharding)
     return tuple((hax.named(zeros(), axes), hax.named(zeros(), axes)) for _ in range(config.num_hidden_layers))
 
 
+@functools.lru_cache(maxsize=None)
+def _zeros_program(shape: tuple[int, ...], dtype, sharding):
+    """One compiled program per cache shape: a new jit object per call would compile again on
+    every `generate` (about 0.25 s per pass on an H100, ~19 % of a TinyLlama benchmark pass)."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+
+
 def init_state(slots: int, sharding) -> DecodeState:
+    return _state_program(slots, sharding)()
+
+
+@functools.lru_cache(maxsize=None)
+def _state_program(slots: int, sharding):
     # Separate buffers: the state is donated, and one buffer cannot be donated twice.
     def make():
         def zeros():
@@ -79,7 +91,7 @@ def init_state(slots: int, sharding) -> DecodeState:
 
         return DecodeState(zeros(), zeros(), zeros(), jnp.ones(slots, bool), row_keys(0, zeros(), zeros()))
 
-    return jax.jit(make, out_shardings=sharding)()
+    return jax.jit(make, out_shardings=sharding)
 
 
 def _constrain(tree, sharding):
