@@ -37,6 +37,9 @@ ENV_HEARTBEAT_TIMEOUT = "PIPELINE_HEARTBEAT_TIMEOUT_S"
 POLL_S = 2.0
 """How often a waiting host wakes to check for a stop signal while it waits."""
 
+WATCHDOG_GRACE_S = 15.0
+"""How long `watchdog` lets a host leave a collective by itself after a peer failed."""
+
 LEAVE_GRACE_S = 1.0
 """How long the leader (which serves the coordinator) outlives the other hosts' goodbyes."""
 
@@ -121,6 +124,19 @@ def wait_for(key: str, what: str) -> Any:
                               f"(killed or lost; noticed after {ENV_HEARTBEAT_TIMEOUT}); rerun the same command to resume")
 
 
+def wait_briefly(keys: list[str], seconds: float = LEAVE_INTERRUPTED_WAIT_S) -> None:
+    """Wait up to `seconds` in all for every key to be published; never raises (used while failing)."""
+    if _state["client"] is None:
+        return
+    deadline = time.monotonic() + seconds
+    for key in keys:
+        try:
+            wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            _state["client"].blocking_key_value_get(f"pipeline/{key}", wait_ms)
+        except Exception:  # noqa: BLE001 - not published in time, or the coordinator is gone
+            return
+
+
 def raise_if_aborted(doing: str) -> None:
     """Raise (with the failed host's exit code: 75 stays 75) if another host has aborted."""
     if _state["client"] is None:
@@ -183,9 +199,10 @@ def leave(code: int) -> None:
 def blame_peer(err: BaseException, doing: str) -> None:
     """After a failed cross-host collective: raise Interrupted if a peer died or aborted.
 
-    A peer killed mid-collective makes the survivors' collective fail (gloo: connection reset)
-    before the coordinator notices the death, so look for up to the heartbeat timeout. Returns
-    if every peer is alive and well: the error is then this host's own.
+    A peer killed mid-collective makes the survivors' collective fail (gloo: connection reset,
+    raised as JaxRuntimeError or, from jax's multihost checks, ValueError) before the
+    coordinator notices the death, so look for up to twice the heartbeat timeout. Returns if
+    every peer is alive and well: the error is then this host's own.
     """
     if _state["client"] is None:
         return
@@ -222,7 +239,9 @@ def watchdog(doing: str) -> Iterator[None]:
                     raise Interrupted(f"{describe()}: stopped {doing}: host {dead[0]} stopped responding "
                                       f"(killed or lost); rerun the same command to resume")
             except (Interrupted, StepFailed) as err:
-                if done.is_set():
+                # Usually the block ends on its own (the hosts agreed to stop, or its collective
+                # failed): let it, so it commits its work. Only a host still stuck is ended.
+                if done.wait(WATCHDOG_GRACE_S):
                     return
                 print(f"error: {err}", file=sys.stderr, flush=True)
                 sys.stdout.flush()

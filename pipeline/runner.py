@@ -288,6 +288,8 @@ def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
     except BaseException as err:
         if hosts.is_leader():  # tell the pod before letting go, so no host takes it for a takeover
             hosts.abort(f"{type(err).__name__}: {err}", getattr(err, "exit_code", 1))
+            if spec.where == "every host":  # and let hosts that are stopping too commit their rows
+                hosts.wait_briefly([f"{tag}/host-{i}" for i in range(1, hosts.process_count())])
         raise
     finally:
         if hosts.is_leader():

@@ -105,10 +105,8 @@ def generate(cfg: Config, out: StepOutput) -> None:
                         prompts.add((shard, c.prompt_index))
                     bar.update(1, tokens=len(c.token_ids))
             except Exception as err:
-                import jax  # loaded by the engine already
-
-                if lockstep and isinstance(err, jax.errors.JaxRuntimeError):
-                    hosts.blame_peer(err, "generating on the global mesh")  # a dead peer: exit 75
+                if lockstep:  # a collective failed because a peer died (any error type): exit 75
+                    hosts.blame_peer(err, "generating on the global mesh")
                 raise
             finally:
                 writer.flush_all()  # commit what is finished, also on errors and signals

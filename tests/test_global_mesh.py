@@ -153,7 +153,7 @@ def test_sigterm_stops_every_host_together_then_resumes(make_config, tmp_path, p
     os.kill(_children(pod.pid)[0], signal.SIGTERM)  # the leader only: the other host must stop too
     output, _ = pod.communicate(timeout=180)
     assert pod.returncode == 75, output[-4000:]
-    assert "stopped by a stop signal on another host" in output
+    assert "stopped by a stop signal on another host" in output, output[-3000:]
     committed = generated_rows(root)
     assert 0 < len(committed) < 48
     assert committed.items() <= reference.items()
