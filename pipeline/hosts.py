@@ -124,17 +124,19 @@ def wait_for(key: str, what: str) -> Any:
                               f"(killed or lost; noticed after {ENV_HEARTBEAT_TIMEOUT}); rerun the same command to resume")
 
 
-def wait_briefly(keys: list[str], seconds: float = LEAVE_INTERRUPTED_WAIT_S) -> None:
-    """Wait up to `seconds` in all for every key to be published; never raises (used while failing)."""
+def wait_briefly(keys: list[str], seconds: float = LEAVE_INTERRUPTED_WAIT_S) -> bool:
+    """Wait up to `seconds` in all for every key to be published: True if all were. Never
+    raises (used while failing or leaving)."""
     if _state["client"] is None:
-        return
+        return True
     deadline = time.monotonic() + seconds
     for key in keys:
         try:
             wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
             _state["client"].blocking_key_value_get(f"pipeline/{key}", wait_ms)
         except Exception:  # noqa: BLE001 - not published in time, or the coordinator is gone
-            return
+            return False
+    return True
 
 
 def raise_if_aborted(doing: str) -> None:
@@ -182,11 +184,8 @@ def leave(code: int) -> None:
     elif code == preemption.EXIT_INTERRUPTED:
         try:
             if is_leader():
-                deadline = time.monotonic() + LEAVE_INTERRUPTED_WAIT_S
-                for index in range(1, process_count()):
-                    wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
-                    _state["client"].blocking_key_value_get(f"pipeline/leaving/{index}", wait_ms)
-                time.sleep(LEAVE_GRACE_S)
+                if wait_briefly([f"leaving/{index}" for index in range(1, process_count())]):
+                    time.sleep(LEAVE_GRACE_S)
             else:
                 publish(f"leaving/{process_index()}", True)
         except Exception:  # noqa: BLE001 - a host still working, or the coordinator gone: leave anyway
