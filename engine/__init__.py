@@ -1,29 +1,32 @@
 """Batch generation for the Llama family on JAX: `Engine.load(path, ...)`, then `engine.generate(requests)`.
 
-Modules: llama.py (model, config, checkpoint), sampler.py (sampling params and randomness),
-decode.py (compiled prefill and decode loop), memory.py (batch planning), mesh.py (device layouts:
-host data parallel or one global mesh), engine.py (scheduler).
+Modules: config.py (SamplingParams, EngineConfig: the settings, no JAX), llama.py (the model),
+sampler.py (per-row randomness and token choice), decode.py (compiled prefill and decode loop),
+memory.py (batch planning), mesh.py (device layouts: host data parallel or one global mesh),
+engine.py (scheduler), checkpoint.py (checks a checkpoint folder without reading weights),
+jax_compat.py (the one place that reaches into private JAX).
+
+The names below are imported on first use, so `import engine.config` (the pipeline's config
+loader does) does not import JAX.
 """
 
-import jax
+import importlib
 
-if not hasattr(jax.core, "is_constant_dim"):
-    # haliax 1.4.dev453 (the newest release) calls jax.core.is_constant_dim, which jax 0.11 moved
-    # to jax._src.core; the GPU machines ship jax 0.11. Remove once haliax stops calling it.
-    import jax._src.core
+_EXPORTS = {
+    "Completion": "engine.engine",
+    "Engine": "engine.engine",
+    "EngineStats": "engine.engine",
+    "GenerationRequest": "engine.engine",
+    "UnsupportedModelError": "engine.llama",
+    "EngineConfig": "engine.config",
+    "MeshConfig": "engine.config",
+    "SamplingParams": "engine.config",
+}
 
-    jax.core.is_constant_dim = jax._src.core.is_constant_dim
+__all__ = sorted(_EXPORTS)
 
-from engine.engine import Completion, Engine, EngineConfig, EngineStats, GenerationRequest
-from engine.llama import UnsupportedModelError
-from engine.sampler import SamplingParams
 
-__all__ = [
-    "Completion",
-    "Engine",
-    "EngineConfig",
-    "EngineStats",
-    "GenerationRequest",
-    "SamplingParams",
-    "UnsupportedModelError",
-]
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

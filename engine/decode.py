@@ -26,13 +26,14 @@ import dataclasses
 import functools
 from typing import NamedTuple
 
-import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
 
+from engine.config import SamplingParams
+from engine.jax_compat import hax
 from engine.llama import LlamaConfig, LlamaLM
-from engine.sampler import SamplingParams, row_keys, sample, step_keys
+from engine.sampler import row_keys, sample, step_keys
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ every device of the pod, and then every host must call `generate` with the same 
 scheduler is deterministic, so all hosts run the same compiled calls in the same order.
 
     engine = Engine.load("gs://bucket/llama", dtype="bfloat16", sampling=SamplingParams(n=4),
-                         batch_size="auto", max_prompt_tokens=512, tokenizer=tok)
+                         engine=EngineConfig(batch_size="auto"), max_prompt_tokens=512, tokenizer=tok)
     print(engine.describe())
     for c in engine.generate([GenerationRequest(0, ids, sample_indices=range(4))]):
         ...  # Completion(prompt_index, sample_index, token_ids, text, finish_reason)
@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
 from engine.decode import DecodeSpec, decode_chunk, init_caches, init_state, prefill_into_slots
 from engine.llama import LlamaConfig, UnsupportedModelError, load_checkpoint
 from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch
 from engine.mesh import Layout, mesh_shape
-from engine.sampler import SamplingParams
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _COMPILED: dict[tuple, Any] = {}
@@ -87,30 +87,6 @@ class EngineStats:
     """Prompt positions computed including bucket padding; / prompt_tokens = padding overhead."""
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    dtype: str = "bfloat16"
-    """Weights and activations: float32 or bfloat16 (the KV cache stays float32 on CPU)."""
-    batch_size: int | str = "auto"
-    """Rows decoded together, or auto: the largest that fits memory_fraction of a device."""
-    max_prompt_tokens: int = 512
-    """Longest prompt accepted; longer ones are refused, never truncated."""
-    memory_fraction: float = 0.9
-    """Share of one device's memory the weights + KV cache + prefill may plan to use."""
-    decode_chunk_steps: int = 16
-    """Decode steps per compiled call; finished slots are refilled between calls."""
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.max_prompt_tokens < 1:
-            raise ValueError(f"prompts.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
-        if not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"engine.memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.decode_chunk_steps < 1:
-            raise ValueError(f"engine.decode_chunk_steps must be >= 1, got {self.decode_chunk_steps}")
-
-
 def length_buckets(limit: int, *, fine: bool) -> list[int]:
     """16, 24, 32, 48, 64, 96, ... (fine: padding <= 1/3) or 16, 32, 64, ... up to limit, limit included."""
     buckets, size = [], 16
@@ -144,11 +120,14 @@ class _Row:
 
 
 class Engine:
-    def __init__(self, model, config: LlamaConfig, engine_config: EngineConfig, sampling: SamplingParams,
-                 plan: BatchPlan, eos_token_ids: tuple[int, ...], tokenizer, layout: Layout, source: str):
+    def __init__(self, model, config: LlamaConfig, *, dtype: str, engine_config: EngineConfig, sampling: SamplingParams,
+                 max_prompt_tokens: int, plan: BatchPlan, eos_token_ids: tuple[int, ...], tokenizer, layout: Layout,
+                 source: str):
         self.model = model
         self.config = config
+        self.dtype = dtype
         self.engine_config = engine_config
+        self.max_prompt_tokens = max_prompt_tokens
         self.sampling = sampling
         self.plan = plan
         self.eos_token_ids = eos_token_ids
@@ -162,12 +141,12 @@ class Engine:
         """The last `generate` ended early because its `stop` callback asked (on any host)."""
         self._batch_sharding = layout.batch_sharding
         # Only what the programs compute with: engines differing in n or stop strings share them.
-        compiled_sampling = dataclasses.replace(sampling, n=1, stop_strings=(), stop_token_ids=())
+        compiled_sampling = dataclasses.replace(sampling, n=1, stop=(), stop_token_ids=())
         stop_ids = tuple(sorted(set(eos_token_ids) | set(sampling.stop_token_ids)))
         self._spec = DecodeSpec(compiled_sampling, stop_ids, layout.batch_sharding, layout.cache_sharding, layout.host_sharding)
-        self._seq_len = engine_config.max_prompt_tokens + sampling.max_new_tokens
-        self._cache_dtype = jnp.float32 if self.devices[0].platform == "cpu" else DTYPES[engine_config.dtype]
-        self._prompt_buckets = length_buckets(engine_config.max_prompt_tokens, fine=True)
+        self._seq_len = max_prompt_tokens + sampling.max_new_tokens
+        self._cache_dtype = jnp.float32 if self.devices[0].platform == "cpu" else DTYPES[dtype]
+        self._prompt_buckets = length_buckets(max_prompt_tokens, fine=True)
         self._window_buckets = length_buckets(self._seq_len, fine=False)
 
     @staticmethod
@@ -176,20 +155,20 @@ class Engine:
         *,
         dtype: str = "bfloat16",
         sampling: SamplingParams = SamplingParams(),
-        batch_size: int | str = "auto",
+        engine: EngineConfig = EngineConfig(),
         max_prompt_tokens: int = 512,
         tokenizer=None,
-        memory_fraction: float = 0.9,
-        decode_chunk_steps: int = 16,
-        mode: Literal["host_dp", "global_mesh"] = "host_dp",
-        mesh: Any = "auto",
     ) -> "Engine":
         """Checks the checkpoint's config and the batch plan, then reads the weights.
 
-        mode host_dp: this host's devices, weights replicated on each. global_mesh: every device
-        of the pod, weights sharded by `mesh` ('auto' or {data, model}, see engine/mesh.py); every
-        host must make the same calls, and batch_size counts rows of the whole pod."""
-        engine_config = EngineConfig(dtype, batch_size, max_prompt_tokens, memory_fraction, decode_chunk_steps)
+        dtype: float32 or bfloat16 weights. max_prompt_tokens: the longest prompt `generate` will
+        be given (it sizes the KV cache). engine.mode host_dp: this host's devices, weights
+        replicated on each. global_mesh: every device of the pod, weights sharded by engine.mesh
+        (engine/mesh.py); every host must make the same calls, and batch_size counts rows of the
+        whole pod."""
+        if dtype not in DTYPES:
+            raise InvalidConfig(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        require(max_prompt_tokens > 0, "prompts.max_prompt_tokens", max_prompt_tokens, "an integer > 0")
         fs, root = fsspec.core.url_to_fs(model_path)
         root = root.rstrip("/")
         config_path = f"{model_path.rstrip('/')}/config.json"
@@ -211,34 +190,34 @@ class Engine:
                 f"model.path {config_path}: sliding_window {config.sliding_window} is shorter than prompt + new tokens"
                 f" ({seq_len}); sliding-window attention is not implemented"
             )
-        if sampling.stop_strings and tokenizer is None:
+        if sampling.stop and tokenizer is None:
             raise ValueError("sampling.stop needs a tokenizer: pass Engine.load(..., tokenizer=...)")
 
         if dtype == "float32":
             # GPUs run float32 matmuls as TF32 by default (logits off by ~3e-2): float32 means float32.
             jax.config.update("jax_default_matmul_precision", "highest")
-        if mode == "global_mesh":
-            layout = Layout.pod(mesh_shape(mesh, num_devices=jax.device_count(), kv_heads=config.num_key_value_heads))
-        elif mode == "host_dp":
-            layout = Layout.local(jax.local_devices())
+        if engine.mode == "global_mesh":
+            layout = Layout.pod(mesh_shape(engine.mesh, num_devices=jax.device_count(), kv_heads=config.num_key_value_heads))
         else:
-            raise ValueError(f"engine.mode must be host_dp or global_mesh, got {mode!r}")
+            layout = Layout.local(jax.local_devices())
         devices = layout.local_devices
         plan = plan_batch(
             config,
             dtype=DTYPES[dtype],
             cache_dtype=jnp.float32 if devices[0].platform == "cpu" else DTYPES[dtype],
-            batch_size=batch_size,
+            batch_size=engine.batch_size,
             max_prompt_tokens=max_prompt_tokens,
             max_new_tokens=sampling.max_new_tokens,
             devices=devices,
-            memory_fraction=memory_fraction,
+            memory_fraction=engine.memory_fraction,
             batch_shards=layout.data_size,
             weight_shards=layout.mesh.size if layout.is_global else 1,
             row_shards=layout.model_size,
         )
         model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding)
-        return Engine(model, config, engine_config, sampling, plan, tuple(eos), tokenizer, layout, model_path)
+        return Engine(model, config, dtype=dtype, engine_config=engine, sampling=sampling,
+                      max_prompt_tokens=max_prompt_tokens, plan=plan, eos_token_ids=tuple(eos), tokenizer=tokenizer,
+                      layout=layout, source=model_path)
 
     def describe(self) -> str:
         c, p, layout = self.config, self.plan, self.layout
@@ -248,10 +227,10 @@ class Engine:
                  f" devices of {jax.process_count()} host(s)" if layout.is_global else f"{len(self.devices)} {platform} device(s)")
         return (
             f"{c.model_type} {c.num_hidden_layers}x{c.hidden_size} (vocab {c.vocab_size}) from {self.source},"
-            f" {self.engine_config.dtype} on {where};"
+            f" {self.dtype} on {where};"
             f" batch_size {p.batch_size} ({p.reason}); memory ~{need / GiB:.2f} GiB per device"
             f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row) of {p.limit_bytes / GiB:.2f} GiB allowed;"
-            f" prompts <= {self.engine_config.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new"
+            f" prompts <= {self.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new"
         )
 
     # ------------------------------------------------------------------ compiled programs
@@ -281,10 +260,10 @@ class Engine:
         rows = []
         for r in requests:
             ids = np.asarray(list(r.input_ids), dtype=np.int32)
-            if not 1 <= len(ids) <= self.engine_config.max_prompt_tokens:
+            if not 1 <= len(ids) <= self.max_prompt_tokens:
                 raise ValueError(
                     f"prompt {r.prompt_index} has {len(ids)} tokens; the engine accepts 1 to"
-                    f" prompts.max_prompt_tokens={self.engine_config.max_prompt_tokens}"
+                    f" prompts.max_prompt_tokens={self.max_prompt_tokens}"
                 )
             if ids.min() < 0 or ids.max() >= self.vocab_size:
                 raise ValueError(f"prompt {r.prompt_index} has token ids outside [0, {self.vocab_size})")
@@ -419,7 +398,7 @@ class Engine:
 
     def _find_stop_string(self, tokens: list[int], *, whole: bool) -> tuple[list[int], str] | None:
         """(tokens fully before the earliest stop string, text cut before it), or None."""
-        stops = self.sampling.stop_strings
+        stops = self.sampling.stop
         if not stops or not tokens:
             return None
         if not whole:

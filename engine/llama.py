@@ -27,12 +27,13 @@ from typing import Any, Callable
 
 import equinox as eqx
 import fsspec
-import haliax as hax
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from haliax import Axis, NamedArray
+
+from engine.jax_compat import hax
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

@@ -25,14 +25,16 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Literal
 
-import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
 from haliax import Axis
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from engine.config import InvalidConfig, MeshConfig
+from engine.jax_compat import hax
 
 PARAM_MAPPING = {
     "q_heads_dim": "model",
@@ -58,36 +60,27 @@ class MeshShape:
     """Devices splitting every layer's heads and MLP (tensor parallel)."""
 
 
-def mesh_shape(requested: Any, *, num_devices: int, kv_heads: int) -> MeshShape:
-    """Resolve `engine.mesh` ('auto', or a mapping / object with `data` and `model`, each an int or
-    'auto') for `num_devices` devices. auto: tensor parallel over the largest device count that
-    divides both the devices and the KV heads (gcd), data over the rest."""
-    if isinstance(requested, str):
-        if requested != "auto":
-            raise ValueError(f"engine.mesh must be auto or {{data: INT, model: INT}}, got {requested!r}")
-        data, model = "auto", "auto"
-    elif isinstance(requested, Mapping):
-        data, model = requested.get("data", "auto"), requested.get("model", "auto")
-    else:
-        data, model = requested.data, requested.model
-    for key, value in (("data", data), ("model", model)):
-        if value != "auto" and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"engine.mesh.{key} must be an integer > 0 or auto, got {value!r}")
+def mesh_shape(requested: MeshConfig | Literal["auto"], *, num_devices: int, kv_heads: int) -> MeshShape:
+    """Resolve `engine.mesh` for `num_devices` devices. auto (or a side left auto): tensor
+    parallel over the largest device count that divides both the devices and the KV heads
+    (gcd), data over the rest."""
+    requested = MeshConfig() if requested == "auto" else requested
+    data, model = requested.data, requested.model
     if model == "auto":
         if data == "auto":
             model = math.gcd(num_devices, kv_heads)
         elif num_devices % data:
-            raise ValueError(f"engine.mesh.data must divide the pod's {num_devices} devices, got {data}")
+            raise InvalidConfig(f"engine.mesh.data must divide the pod's {num_devices} devices, got {data}")
         else:
             model = num_devices // data
     if data == "auto":
         if num_devices % model:
-            raise ValueError(f"engine.mesh.model must divide the pod's {num_devices} devices, got {model}")
+            raise InvalidConfig(f"engine.mesh.model must divide the pod's {num_devices} devices, got {model}")
         data = num_devices // model
     if kv_heads % model:
-        raise ValueError(f"engine.mesh.model must divide the number of KV heads ({kv_heads}), got {model}")
+        raise InvalidConfig(f"engine.mesh.model must divide the number of KV heads ({kv_heads}), got {model}")
     if data * model != num_devices:
-        raise ValueError(f"engine.mesh {{data: {data}, model: {model}}} needs {data * model} devices, "
+        raise InvalidConfig(f"engine.mesh {{data: {data}, model: {model}}} needs {data * model} devices, "
                          f"but the pod has {num_devices} (jax.devices())")
     return MeshShape(data, model)
 

@@ -1,7 +1,6 @@
-"""Sampling parameters and the per-row token choice (greedy, temperature, top-k, top-p).
+"""The per-row token choice (greedy, temperature, top-k, top-p) on device.
 
-Owns: `SamplingParams` (validated, frozen: it is baked into the compiled decode loop) and the
-randomness rule: row (prompt p, sample s) draws its t-th token with
+Owns the randomness rule: row (prompt p, sample s) draws its t-th token with
 `fold_in(fold_in(fold_in(key(seed), p), s), t)`, so a row's tokens do not depend on which batch,
 slot or host it ran in. It does not own stop strings (the host checks those, see engine.py).
 
@@ -12,47 +11,10 @@ slot or host it ran in. It does not own stop strings (the host checks those, see
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 256
-    """Upper bound on generated tokens per sample; hitting it gives finish_reason 'length'."""
-    temperature: float = 0.0
-    """0 means greedy decoding."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1 = off."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 = off."""
-    n: int = 1
-    """Samples per prompt; they share one prefill of the prompt."""
-    seed: int = 0
-    """Root of every row's randomness (see the module docstring)."""
-    stop_strings: tuple[str, ...] = ()
-    """Stop when the completion text contains one of these; the text is cut before it."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Extra stop tokens besides the checkpoint's EOS ids; finish_reason 'stop', token excluded."""
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.n < 1:
-            raise ValueError(f"sampling.n must be >= 1, got {self.n}")
-        if any(not s for s in self.stop_strings):
-            raise ValueError(f"sampling.stop must not contain empty strings, got {list(self.stop_strings)}")
-        # Tuples keep the dataclass hashable when a caller passes lists.
-        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+from engine.config import SamplingParams
 
 
 def row_keys(seed: int | jax.Array, prompt_index: jax.Array, sample_index: jax.Array) -> jax.Array:

@@ -1,6 +1,7 @@
 """The pipeline's configuration: YAML -> `--set` overrides -> frozen, validated dataclasses.
 
-Owns the schema of every section in ../shared/CONTRACT.md and the rules for reading it.
+Owns the schema of every section (docs/contract.md) and the rules for reading it; the
+`sampling` and `engine` sections are the engine's own dataclasses (engine/config.py).
 Refuses unknown keys, wrong types and impossible values before any work starts, with a
 message that names the key path (`ConfigError`, exit 2). It does not decide what enters a
 hash: that list lives in `identity.py`.
@@ -22,6 +23,7 @@ from typing import Any, Literal, Union
 import fsspec
 import yaml
 
+from engine.config import EngineConfig, SamplingParams, require
 from pipeline.errors import ConfigError
 
 
@@ -33,8 +35,8 @@ class RunConfig:
     """A name for this run; the W&B run is named after it."""
 
     def __post_init__(self):
-        _require(bool(self.root.strip()), "run.root", self.root, "a non-empty URL")
-        _require(bool(self.name.strip()), "run.name", self.name, "a non-empty name")
+        require(bool(self.root.strip()), "run.root", self.root, "a non-empty URL")
+        require(bool(self.name.strip()), "run.name", self.name, "a non-empty name")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class ModelConfig:
     """Weights' dtype on device; activations of the KV cache stay float32."""
 
     def __post_init__(self):
-        _require(bool(self.path.strip()), "model.path", self.path, "a checkpoint folder (path or URL)")
+        require(bool(self.path.strip()), "model.path", self.path, "a checkpoint folder (path or URL)")
 
 
 @dataclass(frozen=True)
@@ -68,78 +70,26 @@ class PromptsConfig:
     """Shards written by tokenize; auto = 8 per host. A runtime knob: never part of a hash."""
 
     def __post_init__(self):
-        _require(self.max_prompt_tokens > 0, "prompts.max_prompt_tokens", self.max_prompt_tokens, "an integer > 0")
-        _require(self.num_shards == "auto" or self.num_shards > 0, "prompts.num_shards", self.num_shards, "an integer > 0 or auto")
-        _require(bool(self.path.strip()), "prompts.path", self.path, "a file, folder or glob")
-        _require(bool(self.text_field), "prompts.text_field", self.text_field, "a field name")
-        _require(self.id_field is None or bool(self.id_field), "prompts.id_field", self.id_field, "a field name or null")
-        _require(self.id_field is None or self.id_field != self.text_field, "prompts.id_field", self.id_field,
+        require(self.max_prompt_tokens > 0, "prompts.max_prompt_tokens", self.max_prompt_tokens, "an integer > 0")
+        require(self.num_shards == "auto" or self.num_shards > 0, "prompts.num_shards", self.num_shards, "an integer > 0 or auto")
+        require(bool(self.path.strip()), "prompts.path", self.path, "a file, folder or glob")
+        require(bool(self.text_field), "prompts.text_field", self.text_field, "a field name")
+        require(self.id_field is None or bool(self.id_field), "prompts.id_field", self.id_field, "a field name or null")
+        require(self.id_field is None or self.id_field != self.text_field, "prompts.id_field", self.id_field,
                  f"a field other than prompts.text_field ({self.text_field!r}) or null")
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
-    max_new_tokens: int = 256
-    """Upper bound on generated tokens per sample; hitting it gives finish_reason 'length'."""
-    temperature: float = 0.0
-    """0 means greedy decoding."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1 = off."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 = off."""
-    n: int = 1
-    """Samples per prompt (they share the prompt's prefill)."""
-    seed: int = 0
-    """Each (prompt, sample) draws from fold_in(fold_in(key(seed), prompt_index), sample_index)."""
-    stop: tuple[str, ...] = ()
-    """Stop strings: the completion is cut before the first one (finish_reason 'stop')."""
+class EngineSection(EngineConfig):
+    """The `engine:` section: the engine's own settings (engine/config.py) plus the generate
+    step's commit size. Runtime knobs only: none of it enters a hash."""
 
-    def __post_init__(self):
-        _require(self.max_new_tokens > 0, "sampling.max_new_tokens", self.max_new_tokens, "an integer > 0")
-        _require(math.isfinite(self.temperature) and self.temperature >= 0, "sampling.temperature", self.temperature,
-                 "a number >= 0 (0 = greedy), not inf")
-        _require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "a number in (0, 1]")
-        _require(self.top_k >= 0, "sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
-        _require(self.n > 0, "sampling.n", self.n, "an integer > 0")
-        # jax.random.key keeps 32 bits: seeds outside [0, 2**32) would silently share keys.
-        _require(0 <= self.seed < 2**32, "sampling.seed", self.seed, "an integer in [0, 2**32)")
-        _require(all(self.stop), "sampling.stop", list(self.stop), "non-empty strings")
-
-
-@dataclass(frozen=True)
-class MeshConfig:
-    data: int | Literal["auto"] = "auto"
-    """Devices splitting the batch (each also holds 1/data of every weight); auto = the devices left."""
-    model: int | Literal["auto"] = "auto"
-    """Devices splitting heads and MLP (tensor parallel); must divide the KV heads; auto = gcd(devices, KV heads)."""
-
-    def __post_init__(self):
-        _require(self.data == "auto" or self.data > 0, "engine.mesh.data", self.data, "an integer > 0 or auto")
-        _require(self.model == "auto" or self.model > 0, "engine.mesh.model", self.model, "an integer > 0 or auto")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    batch_size: int | Literal["auto"] = "auto"
-    """Sequences decoded together per host; auto fits weights + KV cache in memory_fraction."""
-    memory_fraction: float = 0.85
-    """Share of device memory that auto batch sizing may plan for."""
     part_rows: int = 256
     """Rows per committed generate part: a hard kill loses at most the parts in flight."""
-    mode: Literal["host_dp", "global_mesh"] = "host_dp"
-    """host_dp: each host holds the whole model and generates its own shards; global_mesh: the
-    weights are sharded over every device of the pod and all hosts decode the same batches."""
-    mesh: Literal["auto"] | MeshConfig = "auto"
-    """global_mesh only: {data: INT|auto, model: INT|auto} devices per mesh axis; auto = tensor
-    parallel over gcd(devices, KV heads), the rest data parallel (checked against the model at load)."""
 
     def __post_init__(self):
-        _require(self.batch_size == "auto" or self.batch_size > 0, "engine.batch_size", self.batch_size, "an integer > 0 or auto")
-        if self.mesh != "auto" and self.mode != "global_mesh":
-            raise ConfigError(f"engine.mesh applies only with engine.mode: global_mesh (engine.mode is {self.mode}); "
-                              "remove it or set engine.mode=global_mesh")
-        _require(0 < self.memory_fraction <= 1, "engine.memory_fraction", self.memory_fraction, "a number in (0, 1]")
-        _require(self.part_rows > 0, "engine.part_rows", self.part_rows, "an integer > 0")
+        super().__post_init__()
+        require(self.part_rows > 0, "engine.part_rows", self.part_rows, "an integer > 0")
 
 
 @dataclass(frozen=True)
@@ -156,8 +106,8 @@ class WandbConfig:
     """Rows put in the browsable wandb.Table; the Parquet files in the artifact hold every row."""
 
     def __post_init__(self):
-        _require(bool(self.project.strip()), "wandb.project", self.project, "a non-empty project name")
-        _require(self.table_max_rows >= 0, "wandb.table_max_rows", self.table_max_rows, "an integer >= 0")
+        require(bool(self.project.strip()), "wandb.project", self.project, "a non-empty project name")
+        require(self.table_max_rows >= 0, "wandb.table_max_rows", self.table_max_rows, "an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -165,8 +115,8 @@ class Config:
     run: RunConfig
     model: ModelConfig
     prompts: PromptsConfig
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    engine: EngineSection = field(default_factory=EngineSection)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -276,7 +226,7 @@ def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
         values[name] = _convert(hints[name], data[name], key, source)
     try:
         return cls(**values)
-    except ConfigError as err:
+    except ValueError as err:  # a dataclass's own check (engine.config.InvalidConfig): names the key
         raise ConfigError(f"{source}: {err}") from None
 
 
@@ -348,11 +298,6 @@ def _describe(value: Any) -> str:
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{text} ({type(value).__name__})" if value is not None else "null"
-
-
-def _require(ok: bool, key: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key} must be {expected}, got {value!r}")
 
 
 def _plain(value: Any) -> Any:

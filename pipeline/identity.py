@@ -39,6 +39,7 @@ SEMANTIC_KEYS: dict[str, tuple[str, ...]] = {
         "sampling.n",
         "sampling.seed",
         "sampling.stop",
+        "sampling.stop_token_ids",
     ),
     "merge": (),
     "upload": ("run.name", "wandb.project", "wandb.entity", "wandb.table_max_rows"),

@@ -73,9 +73,9 @@ def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
 
 
 def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pass: bool) -> dict:
-    from engine import Engine, GenerationRequest, SamplingParams
+    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
-    engine = Engine.load(folder, dtype=dtype, sampling=SamplingParams(max_new_tokens=p["new"]), batch_size=p["batch"],
+    engine = Engine.load(folder, dtype=dtype, sampling=SamplingParams(max_new_tokens=p["new"]), engine=EngineConfig(batch_size=p["batch"]),
                          max_prompt_tokens=p["prompt_len"])
     requests = [GenerationRequest(i, row.tolist(), [0]) for i, row in enumerate(prompts)]
     start = time.perf_counter()

@@ -47,11 +47,11 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
     import jax
     import jax.numpy as jnp
 
-    from engine import Engine, SamplingParams
+    from engine import Engine, EngineConfig, SamplingParams
     from engine.decode import decode_chunk, init_caches, init_state
 
     engine = Engine.load(folder, dtype=args.dtype, sampling=SamplingParams(max_new_tokens=preset["new"]),
-                         batch_size=preset["batch"], max_prompt_tokens=preset["prompt_len"])
+                         engine=EngineConfig(batch_size=preset["batch"]), max_prompt_tokens=preset["prompt_len"])
     slots, steps, config = preset["batch"], engine.engine_config.decode_chunk_steps, engine.config
     # Checkouts from before engine/mesh.py have no layout: this also runs there, to compare commits.
     cache_sharding = engine.layout.cache_sharding if hasattr(engine, "layout") else engine._batch_sharding

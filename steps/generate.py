@@ -218,18 +218,12 @@ def _agree_on_todo(out: StepOutput, todo: dict[str, tuple[pa.Table, list[dict]]]
 
 
 def _load_engine(cfg: Config, out: StepOutput, todo: dict[str, tuple[pa.Table, list[dict]]]):
-    from engine import Engine, SamplingParams
+    from engine import Engine
 
     tokenizer = load_tokenizer(cfg.model.path)
     longest = max(max(pc.max(t["num_tokens"]).as_py() or 0 for t, _ in todo.values()), 1)
-    engine = Engine.load(
-        cfg.model.path, dtype=cfg.model.dtype,
-        sampling=SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
-                                top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, n=cfg.sampling.n,
-                                seed=cfg.sampling.seed, stop_strings=tuple(cfg.sampling.stop)),
-        batch_size=cfg.engine.batch_size, max_prompt_tokens=longest, tokenizer=tokenizer,
-        memory_fraction=cfg.engine.memory_fraction, mode=cfg.engine.mode, mesh=cfg.engine.mesh,
-    )
+    engine = Engine.load(cfg.model.path, dtype=cfg.model.dtype, sampling=cfg.sampling, engine=cfg.engine,
+                         max_prompt_tokens=longest, tokenizer=tokenizer)
     for shard, (table, _) in todo.items():
         top = pc.max(pc.list_flatten(table["input_ids"])).as_py()
         if top is not None and top >= engine.vocab_size:

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from engine.config import MeshConfig
 from engine.mesh import MeshShape, mesh_shape
 from tests.conftest import generated_rows, pipeline
 from pipeline.config import build_config
@@ -39,19 +40,19 @@ GLOBAL = ("--set", "engine.mode=global_mesh")
     ("auto", 8, 8, MeshShape(1, 8)),
     ("auto", 6, 4, MeshShape(3, 2)),         # gcd
     ("auto", 4, 1, MeshShape(4, 1)),         # one KV head: no tensor parallelism
-    ({"model": 1}, 4, 2, MeshShape(4, 1)),
-    ({"data": 2}, 4, 4, MeshShape(2, 2)),
-    ({"data": 2, "model": 4}, 8, 8, MeshShape(2, 4)),
+    (MeshConfig(model=1), 4, 2, MeshShape(4, 1)),
+    (MeshConfig(data=2), 4, 4, MeshShape(2, 2)),
+    (MeshConfig(data=2, model=4), 8, 8, MeshShape(2, 4)),
 ])
 def test_mesh_shapes(requested, devices, kv_heads, expected):
     assert mesh_shape(requested, num_devices=devices, kv_heads=kv_heads) == expected
 
 
 @pytest.mark.parametrize("requested, devices, message", [
-    ({"model": 3}, 3, "engine.mesh.model must divide the number of KV heads (2), got 3"),
-    ({"model": 4}, 2, "engine.mesh.model must divide the pod's 2 devices, got 4"),
-    ({"data": 3}, 4, "engine.mesh.data must divide the pod's 4 devices, got 3"),
-    ({"data": 2, "model": 2}, 8, "engine.mesh {data: 2, model: 2} needs 4 devices, but the pod has 8"),
+    (MeshConfig(model=3), 3, "engine.mesh.model must divide the number of KV heads (2), got 3"),
+    (MeshConfig(model=4), 2, "engine.mesh.model must divide the pod's 2 devices, got 4"),
+    (MeshConfig(data=3), 4, "engine.mesh.data must divide the pod's 4 devices, got 3"),
+    (MeshConfig(data=2, model=2), 8, "engine.mesh {data: 2, model: 2} needs 4 devices, but the pod has 8"),
 ])
 def test_impossible_mesh_shapes_name_the_key(requested, devices, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -13,7 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from engine import Engine, GenerationRequest, SamplingParams
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from engine_testlib import VOCAB, with_generation_config
 
 PROMPTS = [np.random.RandomState(10 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([4, 11, 7, 15, 9])]
@@ -28,11 +28,11 @@ def test_sampling_is_independent_of_batch_and_order(llama):
     """A row's tokens come from fold_in(fold_in(key(seed), prompt), sample): the same whether it
     ran with every other row in 8 slots, or alone-ish in 2 slots, in another order."""
     path, _ = llama
-    big = Engine.load(path, dtype="float32", sampling=SAMPLED, batch_size=8, max_prompt_tokens=16)
+    big = Engine.load(path, dtype="float32", sampling=SAMPLED, engine=EngineConfig(batch_size=8), max_prompt_tokens=16)
     everything = _run(big, [GenerationRequest(i, p, range(3)) for i, p in enumerate(PROMPTS)])
     assert sorted(everything) == [(p, s) for p in range(len(PROMPTS)) for s in range(3)]
 
-    small = Engine.load(path, dtype="float32", sampling=SAMPLED, batch_size=2, max_prompt_tokens=16)
+    small = Engine.load(path, dtype="float32", sampling=SAMPLED, engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
     resumed = _run(small, [GenerationRequest(3, PROMPTS[3], [2]), GenerationRequest(1, PROMPTS[1], [1, 0])])
     assert sorted(resumed) == [(1, 0), (1, 1), (3, 2)]
     for key, completion in resumed.items():
@@ -41,7 +41,7 @@ def test_sampling_is_independent_of_batch_and_order(llama):
     # n samples of one prompt share its prefill but not their randomness.
     samples = {tuple(everything[(p, s)].token_ids) for p in range(len(PROMPTS)) for s in range(3)}
     assert len(samples) > len(PROMPTS)
-    seeded = Engine.load(path, dtype="float32", sampling=SamplingParams(**{**SAMPLED.__dict__, "seed": 8}), batch_size=8, max_prompt_tokens=16)
+    seeded = Engine.load(path, dtype="float32", sampling=SamplingParams(**{**SAMPLED.__dict__, "seed": 8}), engine=EngineConfig(batch_size=8), max_prompt_tokens=16)
     other_seed = _run(seeded, [GenerationRequest(0, PROMPTS[0], [0, 1, 2])])
     assert any(other_seed[(0, s)].token_ids != everything[(0, s)].token_ids for s in range(3))
 
@@ -50,7 +50,7 @@ def test_sampling_is_independent_of_batch_and_order(llama):
 def greedy_ref(llama):
     """Greedy tokens of PROMPTS[1] with no stop rule: 12 tokens, finish_reason length."""
     path, _ = llama
-    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), batch_size=2, max_prompt_tokens=16)
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
     (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
     assert c.finish_reason == "length" and len(c.token_ids) == 12 and c.text == ""
     return c.token_ids
@@ -59,13 +59,13 @@ def greedy_ref(llama):
 def test_stop_token_ids_and_eos_cut_before_the_token(llama, greedy_ref, tmp_path):
     path, _ = llama
     stop = greedy_ref[5]
-    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)), batch_size=2, max_prompt_tokens=16)
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)), engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
     (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
     assert (c.finish_reason, c.token_ids) == ("stop", greedy_ref[: greedy_ref.index(stop)])
 
     eos = greedy_ref[7]
     eos_path = with_generation_config(path, tmp_path / "eos", eos_token_id=[VOCAB - 1, eos])
-    engine = Engine.load(eos_path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), batch_size=2, max_prompt_tokens=16)
+    engine = Engine.load(eos_path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
     assert set(engine.eos_token_ids) == {VOCAB - 1, eos}
     (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
     assert (c.finish_reason, c.token_ids) == ("eos", greedy_ref[: greedy_ref.index(eos)])
@@ -80,8 +80,8 @@ def test_stop_strings_cut_text_and_tokens(llama, greedy_ref, tokenizer):
     two_words = f"x{greedy_ref[4]}y x{greedy_ref[5]}y"
     pair = next(i for i in range(11) if greedy_ref[i : i + 2] == greedy_ref[4:6])
     engine = Engine.load(
-        path, dtype="float32", batch_size=2, max_prompt_tokens=16, tokenizer=tokenizer, decode_chunk_steps=4,
-        sampling=SamplingParams(max_new_tokens=12, stop_strings=(two_words, one_word, "never there")),
+        path, dtype="float32", engine=EngineConfig(batch_size=2, decode_chunk_steps=4), max_prompt_tokens=16, tokenizer=tokenizer,
+        sampling=SamplingParams(max_new_tokens=12, stop=(two_words, one_word, "never there")),
     )
     (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
     cut = min(first, pair)
@@ -90,8 +90,8 @@ def test_stop_strings_cut_text_and_tokens(llama, greedy_ref, tokenizer):
     assert c.text == (tokenizer.decode(greedy_ref[:cut]) + " " if cut else "")
 
     engine = Engine.load(
-        path, dtype="float32", batch_size=2, max_prompt_tokens=16, tokenizer=tokenizer, decode_chunk_steps=4,
-        sampling=SamplingParams(max_new_tokens=12, stop_strings=(two_words,)),
+        path, dtype="float32", engine=EngineConfig(batch_size=2, decode_chunk_steps=4), max_prompt_tokens=16, tokenizer=tokenizer,
+        sampling=SamplingParams(max_new_tokens=12, stop=(two_words,)),
     )
     (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
     assert (c.finish_reason, c.token_ids) == ("stop", greedy_ref[:pair])
@@ -101,26 +101,26 @@ def test_stop_strings_cut_text_and_tokens(llama, greedy_ref, tokenizer):
 def test_explicit_batch_that_cannot_fit_fails_before_compiling(llama):
     path, _ = llama
     with pytest.raises(ValueError, match=r"engine\.batch_size=100000 needs ~.* GiB .* lower engine\.batch_size or use auto"):
-        Engine.load(path, dtype="float32", batch_size=100_000, max_prompt_tokens=256, memory_fraction=0.01)
+        Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=100_000, memory_fraction=0.01), max_prompt_tokens=256)
 
 
 def test_auto_batch_size_says_what_it_chose(llama):
     path, _ = llama
-    engine = Engine.load(path, dtype="bfloat16", batch_size="auto", max_prompt_tokens=64, memory_fraction=0.5)
+    engine = Engine.load(path, dtype="bfloat16", engine=EngineConfig(batch_size="auto", memory_fraction=0.5), max_prompt_tokens=64)
     assert engine.stats.batch_size >= 1
     assert f"batch_size {engine.stats.batch_size} (auto" in engine.describe()
 
 
 def test_overlong_prompt_is_refused_not_truncated(llama):
     path, _ = llama
-    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), batch_size=2, max_prompt_tokens=16)
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
     with pytest.raises(ValueError, match="prompt 4 has 17 tokens"):
         list(engine.generate([GenerationRequest(4, [1] * 17, [0])]))
 
 
 def test_generator_can_be_abandoned(llama, greedy_ref):
     path, _ = llama
-    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), batch_size=2, max_prompt_tokens=16)
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
     gen = engine.generate([GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS)])
     next(gen)
     gen.close()
@@ -135,10 +135,10 @@ def test_data_parallel_over_two_forced_devices_matches_one(llama):
         import json, sys
         sys.path.insert(0, {str(os.getcwd())!r})
         import jax
-        from engine import Engine, GenerationRequest, SamplingParams
+        from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
         assert jax.local_device_count() == 2
         engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(max_new_tokens=6, temperature=0.9, n=2),
-                             batch_size=4, max_prompt_tokens=16)
+                             engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
         out = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in engine.generate(
             GenerationRequest(i, p, [0, 1]) for i, p in enumerate({PROMPTS!r}))}}
         print(json.dumps(out))
@@ -147,6 +147,6 @@ def test_data_parallel_over_two_forced_devices_matches_one(llama):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     two = json.loads(done.stdout.strip().splitlines()[-1])
-    one_engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=6, temperature=0.9, n=2), batch_size=4, max_prompt_tokens=16)
+    one_engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=6, temperature=0.9, n=2), engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
     one = {f"{c.prompt_index},{c.sample_index}": c.token_ids for c in one_engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate(PROMPTS))}
     assert two == one

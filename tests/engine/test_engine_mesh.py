@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from engine import Engine, GenerationRequest, SamplingParams
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from engine_testlib import VOCAB
 
 import numpy as np
@@ -30,12 +30,12 @@ def test_sharded_weights_give_the_tokens_of_one_device(llama):
         import json, sys
         sys.path.insert(0, {os.getcwd()!r})
         import jax
-        from engine import Engine, GenerationRequest, SamplingParams
+        from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
         assert jax.device_count() == 4
         out = {{}}
         for name, sampling in {SAMPLINGS!r}.items():
-            engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(**sampling), batch_size=4,
-                                 max_prompt_tokens=16, mode="global_mesh", mesh="auto")
+            engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(**sampling), engine=EngineConfig(batch_size=4, mode="global_mesh", mesh="auto"),
+                                 max_prompt_tokens=16)
             attn = engine.model.layers[0].self_attn
             out["layout"] = [str(attn.q_proj.array.sharding.spec), str(engine.model.layers[0].input_layernorm.weight.array.sharding.spec)]
             out["describe"] = engine.describe()
@@ -50,14 +50,14 @@ def test_sharded_weights_give_the_tokens_of_one_device(llama):
     assert sharded["layout"] == ["P('model', 'data')", "P('data',)"]
     assert "global mesh data 2 x model 2 over 4 cpu devices of 1 host(s)" in sharded["describe"]
     for name, sampling in SAMPLINGS.items():
-        one = Engine.load(path, dtype="float32", sampling=SamplingParams(**sampling), batch_size=4, max_prompt_tokens=16)
+        one = Engine.load(path, dtype="float32", sampling=SamplingParams(**sampling), engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
         assert sharded[name] == _tokens(one), name
 
 
 def test_stop_ends_generation_between_compiled_calls(llama):
     path, _ = llama
-    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), batch_size=2,
-                         max_prompt_tokens=16, decode_chunk_steps=4)
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), engine=EngineConfig(batch_size=2, decode_chunk_steps=4),
+                         max_prompt_tokens=16)
     calls = []
     stopped = list(engine.generate([GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS)],
                                    stop=lambda: calls.append(1) or len(calls) > 3))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Engine, GenerationRequest, SamplingParams, UnsupportedModelError
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, UnsupportedModelError
 from engine.llama import LlamaConfig, load_checkpoint
 from engine_testlib import VOCAB, hf_greedy
 
@@ -53,7 +53,7 @@ def test_greedy_matches_transformers_generate(name, request):
     """Six prompts of mixed lengths through 4 slots: exercises buckets and slot refill too."""
     path, hf = request.getfixturevalue(name)
     new = 24
-    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=new), batch_size=4, max_prompt_tokens=32)
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=new), engine=EngineConfig(batch_size=4), max_prompt_tokens=32)
     got = {c.prompt_index: c for c in engine.generate(GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS))}
     assert sorted(got) == list(range(len(PROMPTS)))
     compared = 0
@@ -111,13 +111,13 @@ def _edited_checkpoint(src: str, dst, **config_values) -> str:
 def test_unsupported_architecture_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "gpt2", model_type="gpt2")
     with pytest.raises(UnsupportedModelError, match=r"config.json: model_type 'gpt2' is not supported \(supported: llama, mistral, qwen2\)"):
-        Engine.load(path, dtype="float32", batch_size=1, max_prompt_tokens=8)
+        Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
 
 
 def test_unimplemented_rope_type_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
     with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported"):
-        Engine.load(path, dtype="float32", batch_size=1, max_prompt_tokens=8)
+        Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
 
 
 def test_checkpoint_index_cannot_name_files_outside_the_model_folder(tmp_path):

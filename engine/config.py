@@ -1,0 +1,106 @@
+"""The engine's settings: what to sample (`SamplingParams`) and how to run it (`EngineConfig`).
+
+One definition of each, with its defaults and its checks: the pipeline's YAML sections
+`sampling:` and `engine:` are these classes (pipeline/config.py reads YAML into them), and
+`Engine.load` takes them as they are. Plain dataclasses only: importing this module does not
+import JAX, so reading a config stays fast.
+
+    sampling = SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, n=4)
+    engine = Engine.load(path, dtype="bfloat16", sampling=sampling, engine=EngineConfig(batch_size=32),
+                         max_prompt_tokens=512, tokenizer=tok)
+
+A value out of range raises `InvalidConfig` (a ValueError) naming the config key path, the
+value and what would be valid: `sampling.top_p must be a number in (0, 1], got 1.5`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+class InvalidConfig(ValueError):
+    """A setting is out of range; the message names its key path (the CLI exits 2)."""
+
+
+def require(ok: bool, key: str, value: Any, expected: str) -> None:
+    """Raise InvalidConfig('{key} must be {expected}, got {value!r}') unless ok."""
+    if not ok:
+        raise InvalidConfig(f"{key} must be {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    """Upper bound on generated tokens per sample; hitting it gives finish_reason 'length'."""
+    temperature: float = 0.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1 = off."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 = off."""
+    n: int = 1
+    """Samples per prompt; they share one prefill of the prompt."""
+    seed: int = 0
+    """Sample s of prompt p draws from fold_in(fold_in(key(seed), p), s) (engine/sampler.py)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: the completion is cut before the first one (finish_reason 'stop')."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens besides the checkpoint's EOS ids; finish_reason 'stop', token excluded."""
+
+    def __post_init__(self):
+        # Tuples keep the dataclass hashable (it is baked into compiled programs) when a caller passes lists.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        require(self.max_new_tokens > 0, "sampling.max_new_tokens", self.max_new_tokens, "an integer > 0")
+        require(math.isfinite(self.temperature) and self.temperature >= 0, "sampling.temperature", self.temperature,
+                "a number >= 0 (0 = greedy), not inf")
+        require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "a number in (0, 1]")
+        require(self.top_k >= 0, "sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
+        require(self.n > 0, "sampling.n", self.n, "an integer > 0")
+        # jax.random.key keeps 32 bits: seeds outside [0, 2**32) would silently share keys.
+        require(0 <= self.seed < 2**32, "sampling.seed", self.seed, "an integer in [0, 2**32)")
+        require(all(self.stop), "sampling.stop", list(self.stop), "non-empty strings")
+        require(all(t >= 0 for t in self.stop_token_ids), "sampling.stop_token_ids", list(self.stop_token_ids),
+                "token ids >= 0")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int | Literal["auto"] = "auto"
+    """Devices splitting the batch (each also holds 1/data of every weight); auto = the devices left."""
+    model: int | Literal["auto"] = "auto"
+    """Devices splitting heads and MLP (tensor parallel); must divide the KV heads; auto = gcd(devices, KV heads)."""
+
+    def __post_init__(self):
+        require(self.data == "auto" or self.data > 0, "engine.mesh.data", self.data, "an integer > 0 or auto")
+        require(self.model == "auto" or self.model > 0, "engine.mesh.model", self.model, "an integer > 0 or auto")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs: never part of a result's identity (the same rows come out)."""
+
+    batch_size: int | Literal["auto"] = "auto"
+    """Rows decoded together per host (per pod with global_mesh); auto fits weights + KV cache in memory_fraction."""
+    memory_fraction: float = 0.85
+    """Share of one device's memory that the weights, KV cache and prefill may plan to use."""
+    decode_chunk_steps: int = 16
+    """Decode steps per compiled call; finished slots are refilled between calls."""
+    mode: Literal["host_dp", "global_mesh"] = "host_dp"
+    """host_dp: each host holds the whole model and generates its own shards; global_mesh: the
+    weights are sharded over every device of the pod and all hosts decode the same batches."""
+    mesh: Literal["auto"] | MeshConfig = "auto"
+    """global_mesh only: {data: INT|auto, model: INT|auto} devices per mesh axis; auto = tensor
+    parallel over gcd(devices, KV heads), the rest data parallel (checked against the model at load)."""
+
+    def __post_init__(self):
+        require(self.batch_size == "auto" or self.batch_size > 0, "engine.batch_size", self.batch_size,
+                "an integer > 0 or auto")
+        require(self.mode in ("host_dp", "global_mesh"), "engine.mode", self.mode, "host_dp or global_mesh")
+        if self.mesh != "auto" and self.mode != "global_mesh":
+            raise InvalidConfig(f"engine.mesh applies only with engine.mode: global_mesh (engine.mode is {self.mode}); "
+                                "remove it or set engine.mode=global_mesh")
+        require(0 < self.memory_fraction <= 1, "engine.memory_fraction", self.memory_fraction, "a number in (0, 1]")
+        require(self.decode_chunk_steps > 0, "engine.decode_chunk_steps", self.decode_chunk_steps, "an integer > 0")
