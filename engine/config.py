@@ -1,7 +1,7 @@
 """The engine's settings: what to sample (`SamplingParams`) and how to run it (`EngineConfig`).
 
 One definition of each, with its defaults and its checks: the pipeline's YAML sections
-`sampling:` and `engine:` are these classes (pipeline/config.py reads YAML into them), and
+`sampling:` and `engine:` are these classes (pipeline/run/config.py reads YAML into them), and
 `Engine.load` takes them as they are. Plain dataclasses only: importing this module does not
 import JAX, so reading a config stays fast.
 

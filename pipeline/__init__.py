@@ -1,0 +1,11 @@
+"""The pipeline around the engine: config, the step runner, storage, the pod, and the CLI.
+
+    pipeline/cli.py        the `pipeline` command (the only place exit codes are decided)
+    pipeline/run/          the step runner: config, identity (hashes), plan, markers, status
+    pipeline/storage/      fsspec URLs and atomic writes, retries of transient faults, leases
+    pipeline/pod/          the hosts of a pod: jax.distributed, leader sections, signals, launch
+    pipeline/ops/          operating a Cloud TPU: the `pipeline tpu run` babysitter
+
+The steps themselves live in the top-level `steps` package; the engine in `engine`. README
+("Layout") draws which package may import which; tests/test_layers.py enforces it.
+"""

@@ -5,9 +5,9 @@ config error, 75 interrupted (rerun the same command to resume). Every failure e
 one line starting `error:` that says what and where. Command bodies stay a few lines; the
 logic lives in runner.py, status_report.py, launch.py and tpu.py where tests import it.
 
-    pipeline run all --config configs/demo.yaml
-    pipeline status --config configs/demo.yaml --json
-    pipeline launch --hosts 2 -- run all --config configs/demo.yaml
+    pipeline run all --config demo/config.yaml
+    pipeline status --config demo/config.yaml --json
+    pipeline launch --hosts 2 -- run all --config demo/config.yaml
     pipeline tpu run --tpu my-tpu --zone us-east5-a --spot -- run all --config configs/my-run.yaml
 """
 
@@ -20,7 +20,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from pipeline import preemption
+from pipeline.pod import preemption
 from pipeline.errors import ConfigError, PipelineError
 
 app = typer.Typer(
@@ -28,7 +28,7 @@ app = typer.Typer(
     help="Batch LLM generation on multi-host JAX: tokenize -> generate -> merge -> upload to W&B.\n\n"
     "Every step is idempotent and addressed by a content hash: rerun the same command after a "
     "crash or preemption and finished work is skipped, unfinished work resumes.\n\n"
-    "Example: pipeline run all --config configs/demo.yaml",
+    "Example: pipeline run all --config demo/config.yaml",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -37,7 +37,7 @@ run_app = typer.Typer(
     rich_markup_mode="markdown",
     help="Run steps. `all` runs tokenize -> generate -> merge -> upload, skipping complete steps; "
     "a single step needs its upstream steps complete.\n\n"
-    "Example: pipeline run all --config configs/demo.yaml --set sampling.temperature=0.7",
+    "Example: pipeline run all --config demo/config.yaml --set sampling.temperature=0.7",
     no_args_is_help=True,
 )
 app.add_typer(run_app, name="run")
@@ -53,7 +53,7 @@ NoWaitOpt = Annotated[bool, typer.Option(
 
 def _guard(body: Callable[[], None]) -> None:
     """Run a command body; turn exceptions into one `error:` line and the contract's exit code."""
-    from pipeline import hosts
+    from pipeline.pod import hosts
 
     preemption.install()
     try:
@@ -64,7 +64,7 @@ def _guard(body: Callable[[], None]) -> None:
     except KeyboardInterrupt:
         _fail("interrupted; rerun the same command to resume", preemption.EXIT_INTERRUPTED)
     except Exception as err:  # noqa: BLE001 - the one place that maps anything to exit 1
-        from pipeline.retrying import explain
+        from pipeline.storage.retrying import explain
 
         explained = explain(err, "write", getattr(err, "filename", None) or "a file")
         if explained is not err:  # disk full, read-only, permission denied: one line, no traceback
@@ -77,7 +77,7 @@ def _guard(body: Callable[[], None]) -> None:
 
 
 def _fail(message: str, code: int) -> None:
-    from pipeline import hosts
+    from pipeline.pod import hosts
 
     typer.echo(f"error: {message}", err=True)
     hosts.abort(message, code)
@@ -88,8 +88,8 @@ def _fail(message: str, code: int) -> None:
 def _run(targets: tuple[str, ...], config: str, overrides: list[str] | None, force: bool, dry_run: bool,
          no_wait: bool) -> None:
     def body() -> None:
-        from pipeline.config import load_config
-        from pipeline.runner import run_steps
+        from pipeline.run.config import load_config
+        from pipeline.run.runner import run_steps
 
         cfg = load_config(config, overrides or [])
         run_steps(cfg, targets, force=force, dry_run=dry_run, wait=not no_wait)
@@ -102,7 +102,7 @@ def run_all(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry
         no_wait: NoWaitOpt = False) -> None:
     """Run tokenize -> generate -> merge -> upload, skipping every complete step.
 
-    Example: pipeline run all --config configs/demo.yaml
+    Example: pipeline run all --config demo/config.yaml
     """
     _run(("tokenize", "generate", "merge", "upload"), config, set_, force, dry_run, no_wait)
 
@@ -112,7 +112,7 @@ def run_tokenize(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False
         no_wait: NoWaitOpt = False) -> None:
     """Read prompts (JSONL/Parquet/.txt, local or gs://), tokenize, write balanced shards (leader).
 
-    Example: pipeline run tokenize --config configs/demo.yaml --set prompts.on_invalid=skip
+    Example: pipeline run tokenize --config demo/config.yaml --set prompts.on_invalid=skip
     """
     _run(("tokenize",), config, set_, force, dry_run, no_wait)
 
@@ -122,7 +122,7 @@ def run_generate(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False
         no_wait: NoWaitOpt = False) -> None:
     """Generate completions for every shard (all hosts; resumes what a preempted run left).
 
-    Example: pipeline launch --hosts 2 -- run generate --config configs/demo.yaml
+    Example: pipeline launch --hosts 2 -- run generate --config demo/config.yaml
     """
     _run(("generate",), config, set_, force, dry_run, no_wait)
 
@@ -132,7 +132,7 @@ def run_merge(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, d
         no_wait: NoWaitOpt = False) -> None:
     """Check every (prompt, sample) exists once, order them, write the result (leader).
 
-    Example: pipeline run merge --config configs/demo.yaml
+    Example: pipeline run merge --config demo/config.yaml
     """
     _run(("merge",), config, set_, force, dry_run, no_wait)
 
@@ -142,7 +142,7 @@ def run_upload(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, 
         no_wait: NoWaitOpt = False) -> None:
     """Log the merged result to W&B as a `generations` artifact, resuming the same W&B run.
 
-    Example: pipeline run upload --config configs/demo.yaml --force
+    Example: pipeline run upload --config demo/config.yaml --force
     """
     _run(("upload",), config, set_, force, dry_run, no_wait)
 
@@ -155,12 +155,12 @@ def status_command(
 ) -> None:
     """Show each step's hash, output URL, state (complete/partial/missing), rows, and why it would (not) run.
 
-    Example: pipeline status --config configs/demo.yaml --json
+    Example: pipeline status --config demo/config.yaml --json
     """
 
     def body() -> None:
-        from pipeline.config import load_config
-        from pipeline.status_report import report, report_text
+        from pipeline.run.config import load_config
+        from pipeline.run.status_report import report, report_text
 
         rows = report(load_config(config, set_ or []))
         typer.echo(json.dumps({"steps": rows}, indent=2) if as_json else report_text(rows))
@@ -178,12 +178,12 @@ def preflight_command(
     """Check the pod before any real work: every host joined, same code and same plan (step hashes).
 
     Run it with the same launcher as the real job; it fails fast naming the odd host.
-    Example: pipeline launch --hosts 2 -- preflight --config configs/demo.yaml --expect-hosts 2
+    Example: pipeline launch --hosts 2 -- preflight --config demo/config.yaml --expect-hosts 2
     """
 
     def body() -> None:
-        from pipeline.config import load_config
-        from pipeline.runner import preflight
+        from pipeline.run.config import load_config
+        from pipeline.run.runner import preflight
 
         typer.echo(preflight(load_config(config, set_ or []), expect_hosts=expect_hosts))
 
@@ -205,13 +205,13 @@ def launch_command(
     PIPELINE_PROCESS_ID; output lines are prefixed with the host index. Exits with the
     worst host's exit code (75 if the only failures were interruptions).
 
-    Example: pipeline launch --hosts 2 -- run all --config configs/demo.yaml
+    Example: pipeline launch --hosts 2 -- run all --config demo/config.yaml
     """
 
     codes: list[int] = []
 
     def body() -> None:
-        from pipeline.launch import launch
+        from pipeline.pod.launch import launch
 
         args = ctx.args[1:] if ctx.args[:1] == ["--"] else list(ctx.args)
         if not args:
@@ -277,7 +277,7 @@ def tpu_run_command(
     """  # noqa: E501 - the example must stay one line to copy
 
     def body() -> None:
-        from pipeline import tpu as tpu_mod
+        from pipeline.ops import tpu as tpu_mod
 
         args = ctx.args[1:] if ctx.args[:1] == ["--"] else list(ctx.args)
         target = tpu_mod.Tpu(tpu, zone, project, accelerator_type, runtime_version, spot, queued)

@@ -30,9 +30,10 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from pipeline import status, storage
-from pipeline.config import build_config
-from pipeline.runner import STEPS, PlannedStep, StepOutput
+from pipeline import storage
+from pipeline.run import status
+from pipeline.run.config import build_config
+from pipeline.run.runner import STEPS, PlannedStep, StepOutput
 from steps.generate import SCHEMA
 
 TOKENIZE_HASH, GENERATE_HASH, MERGE_HASH, UPLOAD_HASH = "be0c00000001", "be0c00000002", "be0c00000003", "be0c00000004"

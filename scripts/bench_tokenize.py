@@ -17,6 +17,7 @@ and the CPU-time ratio (this process's user+sys seconds) are the steadier figure
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import random
 import tempfile
@@ -55,10 +56,11 @@ def main() -> None:
     parser.add_argument("--chat-template", action="store_true", help="also format with the chat template")
     args = parser.parse_args()
 
-    from pipeline.config import build_config
-    from pipeline.demo import build_checkpoint
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: demo/ is not installed
+    from demo.checkpoint import build_checkpoint
+    from pipeline.run.config import build_config
     from pipeline.hf import load_tokenizer
-    from pipeline.runner import StepOutput
+    from pipeline.run.runner import StepOutput
     from steps.tokenize import BATCH_ROWS, tokenize
 
     with tempfile.TemporaryDirectory(prefix="bench-tokenize-") as tmp:

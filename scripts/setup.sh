@@ -14,4 +14,4 @@ if [ "${1:-}" = "--test" ]; then
   extras="[test]"
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
-.venv/bin/python -m pipeline.demo demo/model
+.venv/bin/python demo/checkpoint.py demo/model

@@ -35,12 +35,14 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import hosts, preemption, status, storage
-from pipeline.config import Config
+from pipeline import storage
+from pipeline.pod import hosts, preemption
+from pipeline.run import status
+from pipeline.run.config import Config
 from pipeline.errors import StepFailed
 from pipeline.hf import load_tokenizer
-from pipeline.progress import Progress
-from pipeline.runner import StepOutput, StepResult
+from pipeline.run.progress import Progress
+from pipeline.run.runner import StepOutput, StepResult
 
 PART_MAX_AGE_S = 60.0
 """Commit a shard's finished rows at least this often, so a hard kill loses little work."""

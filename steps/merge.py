@@ -30,11 +30,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline import preemption, status, storage
-from pipeline.config import Config
+from pipeline import storage
+from pipeline.pod import preemption
+from pipeline.run import status
+from pipeline.run.config import Config
 from pipeline.errors import StepFailed
-from pipeline.progress import Progress
-from pipeline.runner import StepOutput, StepResult
+from pipeline.run.progress import Progress
+from pipeline.run.runner import StepOutput, StepResult
 from steps.generate import SCHEMA
 
 FILE_ROWS = 1_000_000

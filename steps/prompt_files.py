@@ -40,7 +40,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from pipeline import storage
-from pipeline.config import PromptsConfig
+from pipeline.run.config import PromptsConfig
 from pipeline.errors import ConfigError, StepFailed
 
 BATCH_ROWS = 8192

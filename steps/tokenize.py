@@ -63,11 +63,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import hosts, preemption, storage
-from pipeline.config import Config, PromptsConfig
+from pipeline import storage
+from pipeline.pod import hosts, preemption
+from pipeline.run.config import Config, PromptsConfig
 from pipeline.errors import ConfigError, StepFailed
-from pipeline.progress import Progress
-from pipeline.runner import StepOutput, StepResult
+from pipeline.run.progress import Progress
+from pipeline.run.runner import StepOutput, StepResult
 from steps.prompt_files import BATCH_ROWS, BLANK, Row, format_of, input_files, read_rows
 
 SHARD_SCHEMA = pa.schema([

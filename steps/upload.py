@@ -39,10 +39,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import status, storage
-from pipeline.config import Config
+from pipeline import storage
+from pipeline.run import status
+from pipeline.run.config import Config
 from pipeline.errors import StepFailed
-from pipeline.runner import StepOutput, StepResult
+from pipeline.run.runner import StepOutput, StepResult
 
 RUN_FILE = "wandb_run.json"
 """In the upload folder: the W&B run id (and where its offline copy is), written at init."""

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory) -> str:
     """A tiny random-weight Llama (2 layers, width 64, vocab 512) with a real BPE tokenizer."""
-    from pipeline.demo import build_checkpoint
+    from demo.checkpoint import build_checkpoint
 
     out = tmp_path_factory.mktemp("model") / "llama"
     build_checkpoint(out, layers=2, hidden=64, heads=4, kv_heads=2, vocab_size=512)
@@ -108,9 +108,10 @@ import sys  # noqa: E402
 
 import pyarrow as pa  # noqa: E402
 
-from pipeline import status, storage  # noqa: E402
-from pipeline.config import build_config  # noqa: E402
-from pipeline.runner import STEPS, PlannedStep, StepOutput  # noqa: E402
+from pipeline import storage  # noqa: E402
+from pipeline.run import status  # noqa: E402
+from pipeline.run.config import build_config  # noqa: E402
+from pipeline.run.runner import STEPS, PlannedStep, StepOutput  # noqa: E402
 from steps.generate import SCHEMA  # noqa: E402
 
 

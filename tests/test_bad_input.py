@@ -18,7 +18,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from pipeline import preemption
+from pipeline.pod import preemption
 from pipeline.cli import app
 
 

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.config import apply_override, build_config, load_config
+from pipeline.run.config import apply_override, build_config, load_config
 from pipeline.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,7 +21,7 @@ def with_section(section: str, **values) -> dict:
     return data
 
 
-@pytest.mark.parametrize("path", sorted(str(p) for p in (REPO / "configs").glob("*.yaml")))
+@pytest.mark.parametrize("path", sorted(str(p) for p in (REPO / "demo").glob("*.yaml")))
 def test_every_bundled_config_loads(path):
     cfg = load_config(path)
     assert cfg.run.name and cfg.model.path and cfg.prompts.path
@@ -119,6 +119,6 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path):
     missing = runner.invoke(app, ["run", "all", "--config", str(tmp_path / "nope.yaml")])
     assert missing.exit_code == 2
     assert missing.output.strip().splitlines()[-1] == f"error: config file {tmp_path / 'nope.yaml'} not found"
-    bad = runner.invoke(app, ["status", "--config", str(REPO / "configs" / "demo.yaml"), "--set", "sampling.top_p=2"])
+    bad = runner.invoke(app, ["status", "--config", str(REPO / "demo" / "config.yaml"), "--set", "sampling.top_p=2"])
     assert bad.exit_code == 2
     assert bad.output.strip().splitlines()[-1].startswith("error: ") and "sampling.top_p" in bad.output

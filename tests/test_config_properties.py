@@ -16,7 +16,7 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import apply_override, build_config, load_config
+from pipeline.run.config import apply_override, build_config, load_config
 from pipeline.errors import ConfigError
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -29,7 +29,7 @@ def hermetic_wandb(tmp_path, monkeypatch):
 
 
 def invoke(*args: str):
-    from pipeline import preemption
+    from pipeline.pod import preemption
 
     preemption.reset()
     return CliRunner().invoke(app, list(args), catch_exceptions=False)

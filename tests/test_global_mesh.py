@@ -20,7 +20,7 @@ import pytest
 from engine.config import MeshConfig
 from engine.mesh import MeshShape, mesh_shape
 from tests.conftest import generated_rows, pipeline
-from pipeline.config import build_config
+from pipeline.run.config import build_config
 from pipeline.errors import ConfigError
 
 os.environ["PIPELINE_HEARTBEAT_TIMEOUT_S"] = "5"

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from pipeline.launch import free_port
+from pipeline.pod.launch import free_port
 from tests.conftest import pipeline
 
 

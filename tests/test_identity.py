@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from pipeline.config import apply_override, build_config
-from pipeline.runner import STEP_NAMES, make_plan
+from pipeline.run.config import apply_override, build_config
+from pipeline.run.runner import STEP_NAMES, make_plan
 
 ALL = set(STEP_NAMES)
 FROM_GENERATE = {"generate", "merge", "upload"}
@@ -87,7 +87,7 @@ def test_tokenizer_change_changes_every_hash(base):
 
 
 def test_hashes_are_stable_across_processes(base):
-    code = ("import json,sys; from pipeline.config import build_config; from pipeline.runner import make_plan;"
+    code = ("import json,sys; from pipeline.run.config import build_config; from pipeline.run.runner import make_plan;"
             "print(json.dumps([p.hash for p in make_plan(build_config(json.loads(sys.argv[1])))]))")
     runs = [subprocess.run([sys.executable, "-c", code, json.dumps(base)], capture_output=True, text=True, check=True)
             for _ in range(2)]

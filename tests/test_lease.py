@@ -17,7 +17,7 @@ import time
 import pytest
 
 from pipeline import storage
-from pipeline.lease import Lease, LeaseBusy, LeaseLost
+from pipeline.storage.lease import Lease, LeaseBusy, LeaseLost
 from tests.conftest import pipeline
 
 
@@ -33,7 +33,7 @@ def hold_lease(root: str, step: str, step_hash_: str) -> subprocess.Popen:
     """Another runner: a process that takes the lease and then hangs (until killed)."""
     code = textwrap.dedent(f"""
         import time
-        from pipeline.lease import Lease
+        from pipeline.storage.lease import Lease
         lease = Lease.for_step({root!r}, {step!r}, {step_hash_!r})
         lease.acquire(wait=False, say=print)
         print("held", flush=True)
@@ -152,6 +152,6 @@ def test_gcs_runners_racing_for_a_free_lease_exactly_one_wins(gcs_bucket):
 
 
 def _new_holder():
-    from pipeline.lease import Holder
+    from pipeline.storage.lease import Holder
 
     return Holder.new()

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline import storage
-from pipeline.config import PromptsConfig, build_config
+from pipeline.run.config import PromptsConfig, build_config
 from pipeline.errors import StepFailed
-from pipeline.runner import StepOutput
+from pipeline.run.runner import StepOutput
 from steps import prompt_files as pf
 from steps import tokenize as tk
 

@@ -13,9 +13,10 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from pipeline import runner, status, storage
+from pipeline import storage
+from pipeline.run import runner, status
 from pipeline.cli import app
-from pipeline.config import load_config
+from pipeline.run.config import load_config
 
 CALLS: list[str] = []
 FAIL_IN: set[str] = set()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
-from pipeline import preemption
+from pipeline.pod import preemption
 from pipeline.cli import app
 
 REPO = Path(__file__).resolve().parent.parent

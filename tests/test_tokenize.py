@@ -25,10 +25,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from pipeline import preemption, status, storage
+from pipeline import storage
+from pipeline.pod import preemption
+from pipeline.run import status
 from pipeline.cli import app
-from pipeline.config import build_config, load_config
-from pipeline.runner import make_plan
+from pipeline.run.config import build_config, load_config
+from pipeline.run.runner import make_plan
 from steps import prompt_files as pf
 from steps import tokenize as tk
 
@@ -170,7 +172,7 @@ def test_greedy_bound_holds_for_any_lengths(tmp_path_factory, lengths, count):
 
 
 def test_auto_shards_are_8_per_host(tmp_path, demo_model, monkeypatch):
-    from pipeline import hosts
+    from pipeline.pod import hosts
 
     monkeypatch.setattr(hosts, "process_count", lambda: 2)
     (tmp_path / "p.txt").write_text("".join(f"prompt {i}\n" for i in range(40)))
@@ -243,7 +245,7 @@ def test_chat_template_with_system_prompt_and_one_bos(tmp_path, demo_model, refe
 
 
 def test_template_that_starts_with_bos_gets_no_second_bos(tmp_path, demo_model, reference):
-    from pipeline.demo import CHAT_TEMPLATE
+    from demo.checkpoint import CHAT_TEMPLATE
 
     model = tmp_path / "model"
     shutil.copytree(demo_model, model)
@@ -603,7 +605,7 @@ def test_force_with_fewer_shards_leaves_no_stale_shards(tmp_path, demo_model):
 def test_kill_between_shards_and_marker_leaves_the_step_partial(tmp_path, demo_model):
     (tmp_path / "p.jsonl").write_bytes(jsonl(*({"prompt": f"prompt {i}"} for i in range(9))))
     config = write_config(tmp_path, demo_model, path=str(tmp_path / "p.jsonl"), num_shards=3)
-    killer = ("import os, sys; from pipeline import status; "
+    killer = ("import os, sys; from pipeline.run import status; "
               "status.write_marker = lambda *a, **k: os._exit(137); "
               "from pipeline.cli import main; sys.argv = ['pipeline', 'run', 'tokenize', '--config', sys.argv[1]]; main()")
     proc = subprocess.run([sys.executable, "-c", killer, config], capture_output=True, text=True, cwd=REPO, timeout=120)

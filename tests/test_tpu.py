@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.tpu import Remote, Tpu, parse_node, parse_queued_state
+from pipeline.ops.tpu import Remote, Tpu, parse_node, parse_queued_state
 
 HERE = Path(__file__).resolve().parent
 TPU = ["--tpu", "my-tpu", "--zone", "us-east5-a", "--project", "my-proj"]
@@ -67,7 +67,7 @@ def gcloud(tmp_path, monkeypatch) -> FakeGcloud:
 
 
 def tpu_run(*options: str, args: tuple[str, ...] = ("run", "all", "--config", "configs/x.yaml")):
-    from pipeline import preemption
+    from pipeline.pod import preemption
 
     preemption.reset()
     return CliRunner().invoke(app, ["tpu", "run", *TPU, *FAST, *options, "--", *args], catch_exceptions=False)
@@ -170,7 +170,7 @@ def test_no_worker_answering_ssh_yet_is_retried(gcloud):
 
 def test_preflight_names_the_hosts_that_did_not_join(make_config):
     """A worker that joins alone (say, started by hand on worker 0 only) is refused before any work."""
-    from pipeline import preemption
+    from pipeline.pod import preemption
 
     preemption.reset()
     result = CliRunner().invoke(app, ["preflight", "--config", make_config(), "--expect-hosts", "4"])

@@ -40,9 +40,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
-from pipeline import preemption, storage
+from pipeline import storage
+from pipeline.pod import preemption
 from pipeline.errors import PipelineError, StepFailed
-from pipeline.retrying import ENV_RETRY_S, StorageError, is_transient, retry_budget_s
+from pipeline.storage.retrying import ENV_RETRY_S, StorageError, is_transient, retry_budget_s
 
 ENV_TIMEOUT = "PIPELINE_LEASE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 120.0

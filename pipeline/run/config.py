@@ -6,7 +6,7 @@ Refuses unknown keys, wrong types and impossible values before any work starts, 
 message that names the key path (`ConfigError`, exit 2). It does not decide what enters a
 hash: that list lives in `identity.py`.
 
-    cfg = load_config("configs/demo.yaml", overrides=["sampling.temperature=0.7"])
+    cfg = load_config("demo/config.yaml", overrides=["sampling.temperature=0.7"])
     cfg.sampling.temperature  # 0.7
 """
 

@@ -17,9 +17,9 @@ import json
 from typing import Any
 
 from pipeline import storage
-from pipeline.config import Config
+from pipeline.run.config import Config
 from pipeline.errors import StepFailed
-from pipeline.retrying import StorageError
+from pipeline.storage.retrying import StorageError
 
 SEMANTIC_KEYS: dict[str, tuple[str, ...]] = {
     "tokenize": (

@@ -4,7 +4,7 @@ Owns: turning (root, step, hash) into an output URL (`step_url`, the only place 
 atomic writes (a reader sees a whole file or none), checksums and listing. Refuses to build
 paths from user data: names passed to `join` must be our own file names.
 
-Atomicity per filesystem (see ../shared/docs/gcs-emulator.md):
+Atomicity per filesystem:
 - local: write `.name.tmp-<pid>-<rand>` in the same folder, fsync, `os.replace`.
 - gs://: one `pipe` upload of the whole object; GCS makes an object visible whole or not at
   all (an exception inside `fs.open(..., "wb")` would commit a partial object, so we never
@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.retrying import storage_call
+from pipeline.storage.retrying import storage_call
 
 HASH_CHARS = 12
 """Hex characters of a step hash used in its folder name."""

@@ -5,7 +5,7 @@ one `jax.distributed` pod on 127.0.0.1 (CPU collectives through gloo), prefixes 
 output with the host index, forwards SIGTERM/SIGINT to all of them, and returns the worst
 exit code. It refuses nothing the hosts would accept: every check happens in the hosts.
 
-    code = launch(["run", "all", "--config", "configs/demo.yaml"], hosts=2)
+    code = launch(["run", "all", "--config", "demo/config.yaml"], hosts=2)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from pipeline import hosts as hosts_mod
+from pipeline.pod import hosts as hosts_mod
 
 GRACE_S = 90.0
 """After one host fails, how long the others get to notice and exit before being killed."""

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline import status
-from pipeline.config import Config
-from pipeline.lease import Lease
-from pipeline.runner import make_plan
+from pipeline.run import status
+from pipeline.run.config import Config
+from pipeline.storage.lease import Lease
+from pipeline.run.runner import make_plan
 
 
 def report(cfg: Config) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pipeline import preemption
+from pipeline.pod import preemption
 from pipeline.errors import ConfigError, Interrupted, StepFailed
 
 READY = "READY"

@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable, Iterator, TypeVar
 
 from pipeline.errors import ConfigError, Interrupted, StepFailed
-from pipeline import preemption
+from pipeline.pod import preemption
 
 T = TypeVar("T")
 

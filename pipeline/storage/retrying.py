@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Callable, TypeVar
 
-from pipeline import preemption
+from pipeline.pod import preemption
 from pipeline.errors import StepFailed
 
 ENV_RETRY_S = "PIPELINE_STORAGE_RETRY_S"

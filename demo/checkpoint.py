@@ -6,7 +6,7 @@ numpy + safetensors in the exact layout transformers saves, so no download and n
 are needed. It refuses to pretend to be a trained model: weights are random.
 
     build_checkpoint("demo/model", layers=2, hidden=64, vocab_size=512)
-    python -m pipeline.demo demo/model     # what scripts/setup.sh runs
+    python demo/checkpoint.py demo/model     # what scripts/setup.sh runs
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
-DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "demo-prompts.jsonl"
+DEMO_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 
 
 def corpus() -> list[str]:

@@ -23,10 +23,12 @@ from typing import Any, Callable, Literal
 
 import yaml
 
-from pipeline import hosts, identity, preemption, status, storage
-from pipeline.config import Config
+from pipeline import storage
+from pipeline.pod import hosts, preemption
+from pipeline.run import identity, status
+from pipeline.run.config import Config
 from pipeline.errors import ConfigError, Interrupted, StepFailed
-from pipeline.lease import Lease, LeaseLost
+from pipeline.storage.lease import Lease, LeaseLost
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ def preflight(cfg: Config, expect_hosts: int | None = None) -> str:
 
 def code_digest() -> str:
     """sha256 of the pipeline's own source (pipeline/, steps/, engine/): hosts on different checkouts differ."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     digest = hashlib.sha256()
     for package in ("pipeline", "steps", "engine"):
         for path in sorted((root / package).rglob("*.py")):
@@ -189,7 +191,7 @@ def run_steps(cfg: Config, targets: tuple[str, ...], force: bool = False, dry_ru
               echo: Callable[[str], None] | None = None, wait: bool = True) -> list[PlannedStep]:
     """Run `targets` in order on this host (every host calls this); return the plan used.
 
-    Each step runs under a lease on its output (pipeline/lease.py): while another runner
+    Each step runs under a lease on its output (pipeline/storage/lease.py): while another runner
     holds it, wait (or with wait=False raise LeaseBusy, exit 75).
     """
     say = echo or _say
