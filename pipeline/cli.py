@@ -3,7 +3,8 @@
 The only module that turns exceptions into exit codes: 0 done, 1 a step failed, 2 usage or
 config error, 75 interrupted (rerun the same command to resume). Every failure ends with
 one line starting `error:` that says what and where. Command bodies stay a few lines; the
-logic lives in runner.py, status_report.py, launch.py and tpu.py where tests import it.
+logic lives in pipeline/run (runner, status_report), pipeline/pod/launch.py and
+pipeline/ops/tpu.py, where tests import it. It hands the runner the step graph (`steps.PIPELINE`).
 
     pipeline run all --config demo/config.yaml
     pipeline status --config demo/config.yaml --json
@@ -90,9 +91,10 @@ def _run(targets: tuple[str, ...], config: str, overrides: list[str] | None, for
     def body() -> None:
         from pipeline.run.config import load_config
         from pipeline.run.runner import run_steps
+        from steps import PIPELINE
 
         cfg = load_config(config, overrides or [])
-        run_steps(cfg, targets, force=force, dry_run=dry_run, wait=not no_wait)
+        run_steps(cfg, PIPELINE, targets, force=force, dry_run=dry_run, wait=not no_wait)
 
     _guard(body)
 
@@ -161,8 +163,9 @@ def status_command(
     def body() -> None:
         from pipeline.run.config import load_config
         from pipeline.run.status_report import report, report_text
+        from steps import PIPELINE
 
-        rows = report(load_config(config, set_ or []))
+        rows = report(load_config(config, set_ or []), PIPELINE)
         typer.echo(json.dumps({"steps": rows}, indent=2) if as_json else report_text(rows))
 
     _guard(body)
@@ -184,8 +187,9 @@ def preflight_command(
     def body() -> None:
         from pipeline.run.config import load_config
         from pipeline.run.runner import preflight
+        from steps import PIPELINE
 
-        typer.echo(preflight(load_config(config, set_ or []), expect_hosts=expect_hosts))
+        typer.echo(preflight(load_config(config, set_ or []), PIPELINE, expect_hosts=expect_hosts))
 
     _guard(body)
 

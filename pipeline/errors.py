@@ -1,7 +1,8 @@
 """The three kinds of failure the CLI turns into exit codes.
 
 Code raises these (or plain exceptions, which count as step failures) where a problem is
-detected; only `cli.py` maps them to exit codes:
+detected; only `cli.py` maps them to exit codes (`exit_now` is the one way around it, for a
+process that must end where no exception can reach):
 
     ConfigError  -> 2   a config file, --set value or command line is wrong
     StepFailed   -> 1   a step could not finish (bad data, missing upstream, storage)
@@ -9,6 +10,10 @@ detected; only `cli.py` maps them to exit codes:
 """
 
 from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
 
 
 class PipelineError(Exception):
@@ -33,3 +38,23 @@ class Interrupted(PipelineError):
     """Stopped by a signal after committing finished work; rerun to resume (exit 75)."""
 
     exit_code = 75
+
+
+def failure(code: int, message: str) -> PipelineError:
+    """The error another host's exit `code` means here: 75 stays an interruption, anything else
+    is a step failure. The one place a published exit code turns back into an exception."""
+    return Interrupted(message) if code == Interrupted.exit_code else StepFailed(message)
+
+
+def exit_now(code: int, message: str | None = None) -> NoReturn:
+    """End this process at once with `code`, after printing `error: message` (if given).
+
+    For the few places where raising cannot work: a watchdog thread ending a host stuck in a
+    collective, a second Ctrl-C, leaving a pod (jax.distributed's shutdown must not run after
+    a failure). Everything else raises and lets `cli.py` decide the exit code.
+    """
+    if message is not None:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

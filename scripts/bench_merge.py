@@ -33,7 +33,7 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.run import status
 from pipeline.run.config import build_config
-from pipeline.run.runner import STEPS, PlannedStep, StepOutput
+from pipeline.run.step import StepInput, StepOutput
 from steps.generate import SCHEMA
 
 TOKENIZE_HASH, GENERATE_HASH, MERGE_HASH, UPLOAD_HASH = "be0c00000001", "be0c00000002", "be0c00000003", "be0c00000004"
@@ -113,8 +113,8 @@ def _child(what: str, work: str) -> dict:
         started = time.perf_counter()
         result = upload(cfg, out)  # imports wandb: counted, as in a real run
         wall_s = time.perf_counter() - started
-        note = (f"{result.rows:,} rows in {result.summary['table_rows']:,}-row table + Parquet -> "
-                f"{result.summary['offline_run_dir']}")
+        note = (f"{result.rows:,} rows in {result.summary.table_rows:,}-row table + Parquet -> "
+                f"{result.summary.offline_run_dir}")
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"wall_s": round(wall_s, 3), "peak_rss_mb": round(peak_mb), "note": note}
 
@@ -124,10 +124,9 @@ def _config(work: str, step: str = "merge"):
     cfg = build_config({"run": {"root": work, "name": "bench"}, "model": {"path": "unused"},
                         "prompts": {"path": "unused"}, "sampling": {"n": _meta(work)["n"]},
                         "wandb": {"mode": "offline"}})
-    spec = {s.name: s for s in STEPS}
-    hashes = {"generate": GENERATE_HASH, "merge": MERGE_HASH, "upload": UPLOAD_HASH}
+    hashes = {"tokenize": TOKENIZE_HASH, "generate": GENERATE_HASH, "merge": MERGE_HASH, "upload": UPLOAD_HASH}
     urls = {name: storage.step_url(work, name, h) for name, h in hashes.items()}
-    upstream = {"merge": "generate", "upload": "merge"}[step]
+    earlier = {"merge": ("tokenize", "generate"), "upload": ("tokenize", "generate", "merge")}[step]
     if step == "upload":
         _offline_wandb(work)
         if status.read_marker(urls["merge"]) is None:  # merge once, untimed, as the runner would
@@ -135,11 +134,11 @@ def _config(work: str, step: str = "merge"):
 
             result = merge(*_config(work, "merge"))
             status.write_marker(urls["merge"], status.StepRecord(
-                step="merge", hash=MERGE_HASH, version="1", files=result.files, summary=result.summary,
+                step="merge", hash=MERGE_HASH, version="1", files=result.files, summary=result.summary_dict(),
                 rows=result.rows, started_at="", finished_at="", wall_s=0.0, config={},
                 upstream={"generate": GENERATE_HASH}))
-    done = PlannedStep(spec[upstream], hashes[upstream], urls[upstream], "complete", None, "skip", "bench input")
-    return cfg, StepOutput(step, hashes[step], urls[step], {upstream: done})
+    upstream = {name: StepInput(name, hashes[name], urls[name]) for name in earlier}
+    return cfg, StepOutput(step, hashes[step], urls[step], upstream)
 
 
 def _offline_wandb(work: str) -> None:

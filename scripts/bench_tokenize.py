@@ -60,7 +60,7 @@ def main() -> None:
     from demo.checkpoint import build_checkpoint
     from pipeline.run.config import build_config
     from pipeline.hf import load_tokenizer
-    from pipeline.run.runner import StepOutput
+    from pipeline.run.step import StepOutput
     from steps.tokenize import BATCH_ROWS, tokenize
 
     with tempfile.TemporaryDirectory(prefix="bench-tokenize-") as tmp:
@@ -101,7 +101,7 @@ def main() -> None:
             timed("rust", with_rust)
             out = StepOutput("tokenize", f"bench{repeat}", str(folder / "runs" / f"tokenize-{repeat}"))
             result = timed("step", lambda: tokenize(cfg, out))
-            assert result.rows == len(texts) and result.summary["tokens"] == tokens, (result.summary, tokens)
+            assert result.rows == len(texts) and result.summary.tokens == tokens, (result.summary, tokens)
 
     n = len(texts)
     print(f"{n:,} prompts ({args.format}{', chat template' if args.chat_template else ''}), "

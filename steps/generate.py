@@ -42,7 +42,7 @@ from pipeline.run.config import Config
 from pipeline.errors import StepFailed
 from pipeline.hf import load_tokenizer
 from pipeline.run.progress import Progress
-from pipeline.run.runner import StepOutput, StepResult
+from pipeline.run.step import StepOutput, StepResult
 
 PART_MAX_AGE_S = 60.0
 """Commit a shard's finished rows at least this often, so a hard kill loses little work."""
@@ -77,6 +77,22 @@ class HostMetrics:
     compilations: int
     mode: str
     """host_dp, or global_mesh (then samples, prompts and tokens count the rows this host wrote)."""
+
+
+@dataclass(frozen=True)
+class GenerateSummary:
+    rows: int
+    """(prompt, sample) rows committed, over every shard."""
+    parts: int
+    hosts: list[dict[str, Any]]
+    """Each host's HostMetrics of its last run of the step."""
+    generated_tokens: int
+    wall_s: float
+    """The slowest host's wall time."""
+    compile_s: float
+    """The slowest host's compile time."""
+    tokens_per_s: float
+    """Summed over hosts that generated anything."""
 
 
 def generate(cfg: Config, out: StepOutput) -> None:
@@ -156,12 +172,11 @@ def finish(cfg: Config, out: StepOutput) -> StepResult:
     host_metrics = [storage.read_json(u) for u in storage.list_files(out.path("metrics"), suffix=".json")]
     tokens = sum(m["generated_tokens"] for m in host_metrics)
     wall_s = max((m["wall_s"] for m in host_metrics), default=0.0)
-    summary = {
-        "rows": rows_total, "parts": len(files), "hosts": host_metrics, "generated_tokens": tokens,
-        "wall_s": wall_s, "compile_s": max((m["compile_s"] for m in host_metrics), default=0.0),
-        "tokens_per_s": round(sum(m["tokens_per_s"] for m in host_metrics if m["samples"]), 1),
-    }
-    return StepResult(rows=rows_total, files=files, summary=summary)
+    return StepResult(rows=rows_total, files=files, summary=GenerateSummary(
+        rows=rows_total, parts=len(files), hosts=host_metrics, generated_tokens=tokens, wall_s=wall_s,
+        compile_s=max((m["compile_s"] for m in host_metrics), default=0.0),
+        tokens_per_s=round(sum(m["tokens_per_s"] for m in host_metrics if m["samples"]), 1),
+    ))
 
 
 # --- work split and resume ----------------------------------------------------------------

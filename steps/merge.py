@@ -36,7 +36,7 @@ from pipeline.run import status
 from pipeline.run.config import Config
 from pipeline.errors import StepFailed
 from pipeline.run.progress import Progress
-from pipeline.run.runner import StepOutput, StepResult
+from pipeline.run.step import StepOutput, StepResult
 from steps.generate import SCHEMA
 
 FILE_ROWS = 1_000_000
@@ -49,6 +49,24 @@ EXAMPLES = 5
 """Rows named in an error message; the count covers the rest."""
 
 
+@dataclass(frozen=True)
+class MergeSummary:
+    rows: int
+    """Rows written: one per (prompt, sample)."""
+    files: int
+    prompts: int
+    samples_per_prompt: int
+    parts_read: int
+    """generate parts read."""
+    duplicates_dropped: int
+    """Identical copies of a row (a retried part) dropped; differing copies fail the step instead."""
+    bytes: int
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reasons: dict[str, int]
+    """Rows by finish_reason (eos, stop, length)."""
+
+
 def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_bytes: int = FILE_BYTES) -> StepResult:
     """Verify exactly-once coverage of generate's parts and write them merged and ordered."""
     generate_url = out.upstream["generate"].url
@@ -56,7 +74,7 @@ def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_byte
     if generate is None:
         raise StepFailed(f"generate output {generate_url} is not complete: run `pipeline run generate --config FILE`")
     n = cfg.sampling.n
-    accepted = _accepted_prompts(cfg, generate)
+    accepted = _accepted_prompts(out.upstream["tokenize"].url)
     parts = _Parts.of(generate_url, generate)
     keys = _read_keys(parts, accepted, n)
     first = _check_coverage(keys, accepted, n, generate_url)
@@ -69,23 +87,20 @@ def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_byte
     rows = sum(f["rows"] for f in files)
     if rows != len(accepted) * n:  # the rows in must be the rows out, whatever happened above
         raise StepFailed(f"merge wrote {rows} rows to {out.url}, expected {len(accepted) * n} (a bug)")
-    summary = {
-        "rows": rows, "files": len(files), "prompts": len(accepted), "samples_per_prompt": n,
-        "parts_read": len(parts.paths), "duplicates_dropped": keys.rows - len(first),
-        "bytes": sum(f["bytes"] for f in files),
-        "prompt_tokens": sum(f["prompt_tokens"] for f in files),
-        "completion_tokens": sum(f["completion_tokens"] for f in files),
-        "finish_reasons": dict(sorted(finish_reasons.items())),
-    }
-    return StepResult(rows=rows, files=files, summary=summary)
+    return StepResult(rows=rows, files=files, summary=MergeSummary(
+        rows=rows, files=len(files), prompts=len(accepted), samples_per_prompt=n, parts_read=len(parts.paths),
+        duplicates_dropped=keys.rows - len(first), bytes=sum(f["bytes"] for f in files),
+        prompt_tokens=sum(f["prompt_tokens"] for f in files),
+        completion_tokens=sum(f["completion_tokens"] for f in files),
+        finish_reasons=dict(sorted(finish_reasons.items())),
+    ))
 
 
 # --- inputs ------------------------------------------------------------------------------------
 
 
-def _accepted_prompts(cfg: Config, generate: status.StepRecord) -> np.ndarray:
+def _accepted_prompts(tokenize_url: str) -> np.ndarray:
     """Sorted prompt_index of every prompt tokenize accepted (the rows generate had to cover)."""
-    tokenize_url = storage.step_url(cfg.run.root, "tokenize", generate.upstream["tokenize"])
     tokenize = status.read_marker(tokenize_url)
     if tokenize is None:
         raise StepFailed(f"tokenize output {tokenize_url} (generate's input) is not complete: "

@@ -68,7 +68,7 @@ from pipeline.pod import hosts, preemption
 from pipeline.run.config import Config, PromptsConfig
 from pipeline.errors import ConfigError, StepFailed
 from pipeline.run.progress import Progress
-from pipeline.run.runner import StepOutput, StepResult
+from pipeline.run.step import StepOutput, StepResult
 from steps.prompt_files import BATCH_ROWS, BLANK, Row, format_of, input_files, read_rows
 
 SHARD_SCHEMA = pa.schema([
@@ -95,6 +95,29 @@ BUFFER_BYTES = 128 << 20
 """All shards' buffers are flushed once together they hold this many bytes."""
 RAW_CHARS = 1000
 """Characters of a rejected row's raw text kept in rejected.parquet."""
+
+
+@dataclass(frozen=True)
+class TokenizeSummary:
+    rows_in: int
+    """Prompt rows read (blank lines of JSONL/.txt files excluded)."""
+    rows: int
+    """Prompts accepted into the shards."""
+    rejected: int
+    """Rows refused (on_invalid: skip), each in rejected.parquet with its source and reason."""
+    tokens: int
+    """Prompt tokens in the shards (after chat template and BOS)."""
+    max_tokens: int
+    """The longest accepted prompt, in tokens."""
+    num_shards: int
+    blank_lines: int
+    rejected_reasons: dict[str, int]
+    """Rejected rows counted by reason."""
+    chat_template: bool
+    add_special_tokens: bool
+    """Whether the tokenizer added BOS (false when the chat template already holds it)."""
+    input_files: list[dict[str, Any]]
+    """Per prompt file: url, bytes, fingerprint, rows."""
 
 
 def tokenize(cfg: Config, out: StepOutput) -> StepResult:
@@ -133,19 +156,12 @@ def tokenize(cfg: Config, out: StepOutput) -> StepResult:
                              f"{rejects.count} rejected (a bug)")
         files = shards.commit(out) + rejects.commit(out)
     _remove_stale(out, keep={f["path"] for f in files})
-    return StepResult(rows=shards.rows, files=files, summary={
-        "rows_in": reader.rows_in,
-        "rows": shards.rows,
-        "rejected": rejects.count,
-        "tokens": shards.tokens,
-        "max_tokens": shards.max_tokens,
-        "num_shards": shards.used,
-        "blank_lines": reader.blank_lines,
-        "rejected_reasons": dict(rejects.kinds),
-        "chat_template": options.chat_template,
-        "add_special_tokens": encode.add_special_tokens,
-        "input_files": inputs,
-    })
+    return StepResult(rows=shards.rows, files=files, summary=TokenizeSummary(
+        rows_in=reader.rows_in, rows=shards.rows, rejected=rejects.count, tokens=shards.tokens,
+        max_tokens=shards.max_tokens, num_shards=shards.used, blank_lines=reader.blank_lines,
+        rejected_reasons=dict(rejects.kinds), chat_template=options.chat_template,
+        add_special_tokens=encode.add_special_tokens, input_files=inputs,
+    ))
 
 
 def _check_options(options: PromptsConfig) -> None:

@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,8 @@ from pipeline import storage
 from pipeline.run import status
 from pipeline.run.config import Config
 from pipeline.errors import StepFailed
-from pipeline.run.runner import StepOutput, StepResult
+from pipeline.run.step import StepOutput, StepResult
+from steps.merge import MergeSummary
 
 RUN_FILE = "wandb_run.json"
 """In the upload folder: the W&B run id (and where its offline copy is), written at init."""
@@ -51,6 +53,29 @@ ARTIFACT_TYPE = "generations"
 TABLE_NAME = "generations"
 CACHE_ENV = "PIPELINE_CACHE_DIR"
 """Local folder for W&B files when run.root is remote (default ~/.cache/jax-batch-pipeline)."""
+
+
+@dataclass(frozen=True)
+class UploadSummary:
+    mode: str
+    """online, offline or disabled (then nothing was logged)."""
+    rows: int
+    """Rows logged in the artifact's Parquet files (0 when disabled)."""
+    merged_rows: int
+    run_id: str | None = None
+    project: str | None = None
+    entity: str | None = None
+    artifact: str | None = None
+    artifact_version: str | None = None
+    """The artifact's version (online only: offline runs get theirs when synced)."""
+    artifact_digest: str | None = None
+    table_rows: int = 0
+    """Rows in the browsable table (at most wandb.table_max_rows)."""
+    table_truncated: bool = False
+    offline_run_dir: str | None = None
+    sync_command: str | None = None
+    """The `wandb sync` command that pushes an offline run."""
+    note: str | None = None
 
 
 def upload(cfg: Config, out: StepOutput) -> StepResult:
@@ -61,9 +86,9 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
         raise StepFailed(f"merge output {merge_url} is not complete: run `pipeline run merge --config FILE`")
     mode = cfg.wandb.mode
     if mode == "disabled":
-        return StepResult(rows=0, files=[], summary={
-            "mode": "disabled", "rows": 0, "merged_rows": merged.rows,
-            "note": f"wandb.mode is disabled: nothing was logged; the merged files are in {merge_url}"})
+        return StepResult(rows=0, files=[], summary=UploadSummary(
+            mode="disabled", rows=0, merged_rows=merged.rows,
+            note=f"wandb.mode is disabled: nothing was logged; the merged files are in {merge_url}"))
 
     import wandb  # only here: no other step or host pays for it, or starts its service
 
@@ -73,10 +98,10 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
     if mode == "offline":
         for earlier in glob.glob(os.path.join(wandb_dir, f"offline-run-*-{run_id}")):
             shutil.rmtree(earlier)
-    generate = _generate_record(cfg, merged)
+    generate = status.read_marker(out.upstream["generate"].url)
     config = {**cfg.to_dict(), "pipeline": {
         "versions": status.package_versions(), "git": _git_commit(),
-        "steps": {"generate": merged.upstream.get("generate"), "merge": out.upstream["merge"].hash,
+        "steps": {"generate": out.upstream["generate"].hash, "merge": out.upstream["merge"].hash,
                   "upload": out.hash}}}
     try:
         run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, id=run_id, name=cfg.run.name,
@@ -89,7 +114,7 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
                                             "entity": cfg.wandb.entity, "mode": mode, "run_dir": run_dir})
     try:
         paths = _local_copies(merge_url, merged.files, local)
-        _log_metrics(wandb, run, generate.summary if generate else {}, merged.summary["finish_reasons"], paths)
+        _log_metrics(wandb, run, generate.summary if generate else {}, MergeSummary(**merged.summary).finish_reasons, paths)
         table, table_rows = _table(wandb, paths, min(cfg.wandb.table_max_rows, wandb.Table.MAX_ARTIFACT_ROWS))
         truncated = table_rows < merged.rows
         artifact = _artifact(wandb, cfg, run_id, merged, out.upstream["merge"].hash, paths, table, table_rows)
@@ -110,13 +135,14 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
             run.finish(exit_code=1)
         finally:
             raise StepFailed(_failed("could not log the result", run_id, mode, merge_url, err)) from err
-    summary: dict[str, Any] = {
-        "mode": mode, "run_id": run_id, "project": cfg.wandb.project, "entity": cfg.wandb.entity,
-        "artifact": f"{ARTIFACT_TYPE}-{run_id}", "artifact_version": version, "artifact_digest": digest,
-        "rows": merged.rows, "table_rows": table_rows, "table_truncated": truncated,
-    }
+    summary = UploadSummary(
+        mode=mode, rows=merged.rows, merged_rows=merged.rows, run_id=run_id, project=cfg.wandb.project,
+        entity=cfg.wandb.entity, artifact=f"{ARTIFACT_TYPE}-{run_id}", artifact_version=version,
+        artifact_digest=digest, table_rows=table_rows, table_truncated=truncated,
+        offline_run_dir=run_dir if mode == "offline" else None,
+        sync_command=f"wandb sync {run_dir}" if mode == "offline" else None,
+    )
     if mode == "offline":
-        summary.update(offline_run_dir=run_dir, sync_command=f"wandb sync {run_dir}")
         print(f"upload: offline W&B run {run_id} written to {run_dir}; push it with: wandb sync {run_dir}",
               file=sys.stderr, flush=True)
     record = out.path(RUN_FILE)
@@ -161,11 +187,6 @@ def _local_copies(merge_url: str, files: list[dict[str, Any]], local: str) -> li
             storage.write_bytes(path, data)
         paths.append(path)
     return paths
-
-
-def _generate_record(cfg: Config, merged: status.StepRecord) -> status.StepRecord | None:
-    generate_hash = merged.upstream.get("generate")
-    return status.read_marker(storage.step_url(cfg.run.root, "generate", generate_hash)) if generate_hash else None
 
 
 def _git_commit() -> dict[str, Any] | None:

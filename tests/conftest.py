@@ -111,7 +111,8 @@ import pyarrow as pa  # noqa: E402
 from pipeline import storage  # noqa: E402
 from pipeline.run import status  # noqa: E402
 from pipeline.run.config import build_config  # noqa: E402
-from pipeline.run.runner import STEPS, PlannedStep, StepOutput  # noqa: E402
+from pipeline.run.step import StepInput, StepOutput, ancestors  # noqa: E402
+from steps import PIPELINE  # noqa: E402
 from steps.generate import SCHEMA  # noqa: E402
 
 
@@ -181,15 +182,15 @@ class FakeRun:
 
     def out(self, step: str):
         """The StepOutput the runner would hand `step` (upstream marked complete)."""
-        spec = {s.name: s for s in STEPS}
-        upstream = {u: PlannedStep(spec[u], self.HASHES[u], self.url[u], "complete", None, "skip", "test")
-                    for u in spec[step].upstream}
+        graph = {s.name: s for s in PIPELINE}
+        upstream = {s.name: StepInput(s.name, self.HASHES[s.name], self.url[s.name]) for s in ancestors(graph[step])}
         return StepOutput(step, self.HASHES[step], self.url[step], upstream)
 
     def run(self, step: str, **kwargs):
         """Run `step` as the runner does: the step, then its success marker."""
         result = getattr(importlib.import_module(f"steps.{step}"), step)(self.cfg, self.out(step), **kwargs)
-        self._mark(step, result.files, result.summary, {u: self.HASHES[u] for u in self.out(step).upstream},
+        inputs = next(s for s in PIPELINE if s.name == step).inputs
+        self._mark(step, result.files, result.summary_dict(), {s.name: self.HASHES[s.name] for s in inputs},
                    rows=result.rows)
         return result
 

@@ -11,14 +11,15 @@ import sys
 import pytest
 
 from pipeline.run.config import apply_override, build_config
-from pipeline.run.runner import STEP_NAMES, make_plan
+from pipeline.run.runner import make_plan
+from steps import PIPELINE, STEP_NAMES
 
 ALL = set(STEP_NAMES)
 FROM_GENERATE = {"generate", "merge", "upload"}
 
 
 def hashes(cfg) -> dict[str, str]:
-    return {p.spec.name: p.hash for p in make_plan(cfg)}
+    return {p.name: p.hash for p in make_plan(cfg, PIPELINE)}
 
 
 @pytest.fixture
@@ -87,8 +88,8 @@ def test_tokenizer_change_changes_every_hash(base):
 
 
 def test_hashes_are_stable_across_processes(base):
-    code = ("import json,sys; from pipeline.run.config import build_config; from pipeline.run.runner import make_plan;"
-            "print(json.dumps([p.hash for p in make_plan(build_config(json.loads(sys.argv[1])))]))")
+    code = ("import json,sys; from pipeline.run.config import build_config; from pipeline.run.runner import make_plan; from steps import PIPELINE;"
+            "print(json.dumps([p.hash for p in make_plan(build_config(json.loads(sys.argv[1])), PIPELINE)]))")
     runs = [subprocess.run([sys.executable, "-c", code, json.dumps(base)], capture_output=True, text=True, check=True)
             for _ in range(2)]
     assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout) == [hashes(build_config(base))[n] for n in STEP_NAMES]

@@ -35,10 +35,10 @@ def test_merges_interleaved_shards_in_order_with_a_manifest(fake_run, expected_r
     assert table.schema == SCHEMA
     assert table.to_pylist() == expected_rows(10, 3)
     assert result.rows == 30
-    assert result.summary["prompts"] == 10 and result.summary["samples_per_prompt"] == 3
-    assert result.summary["completion_tokens"] == 3 * 30 and result.summary["prompt_tokens"] == 5 * 30
-    assert result.summary["finish_reasons"] == {"eos": 15, "len": 15}
-    assert result.summary["duplicates_dropped"] == 0
+    assert result.summary.prompts == 10 and result.summary.samples_per_prompt == 3
+    assert result.summary.completion_tokens == 3 * 30 and result.summary.prompt_tokens == 5 * 30
+    assert result.summary.finish_reasons == {"eos": 15, "len": 15}
+    assert result.summary.duplicates_dropped == 0
     for entry, path in zip(result.files, merged_files(run), strict=True):
         data = open(path, "rb").read()
         assert entry["path"] == os.path.basename(path) and entry["bytes"] == len(data)
@@ -74,7 +74,7 @@ def test_identical_duplicates_from_a_retry_are_dropped(fake_run, expected_rows, 
     run.finish_generate()
     result = run.run("merge")
     assert read_merged(run).to_pylist() == expected_rows(8, 2)
-    assert result.summary["duplicates_dropped"] == 3 and result.summary["parts_read"] == len(run.parts)
+    assert result.summary.duplicates_dropped == 3 and result.summary.parts_read == len(run.parts)
 
 
 def test_conflicting_duplicates_fail_naming_rows_parts_and_the_command(fake_run, generation_row):
@@ -128,7 +128,7 @@ def test_rerun_replaces_files_of_an_earlier_attempt(fake_run, expected_rows):
     assert len(merged_files(run)) == 7
     result = run.run("merge")
     assert [os.path.basename(f) for f in merged_files(run)] == ["merged-00000.parquet"]
-    assert result.summary["files"] == 1 and read_merged(run).to_pylist() == expected_rows(10, 2)
+    assert result.summary.files == 1 and read_merged(run).to_pylist() == expected_rows(10, 2)
 
 
 def test_no_accepted_prompts_gives_one_empty_file_with_the_columns(fake_run):

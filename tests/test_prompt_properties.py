@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pipeline import storage
 from pipeline.run.config import PromptsConfig, build_config
 from pipeline.errors import StepFailed
-from pipeline.run.runner import StepOutput
+from pipeline.run.step import StepOutput
 from steps import prompt_files as pf
 from steps import tokenize as tk
 
@@ -186,7 +186,7 @@ def test_skip_records_every_bad_line_and_keeps_every_good_one(tmp_path_factory, 
     rows = sorted((r for f in result.files if f["path"].startswith("shard-")
                    for r in storage.read_parquet(out.path(f["path"])).to_pylist()), key=lambda r: r["prompt_index"])
     assert [(r["prompt"], r["prompt_id"]) for r in rows] == good
-    assert result.summary["rejected"] == len(bad)
+    assert result.summary.rejected == len(bad)
     if bad:
         rejected = storage.read_parquet(out.path(tk.REJECTED_FILE)).to_pylist()
         assert [(r["file"], r["line"], r["reason"].split(":")[0]) for r in rejected] == [(url, n, k) for n, k in bad]

@@ -14,12 +14,20 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline import storage
+import steps
 from pipeline.run import runner, status
+from pipeline.run.step import Step, StepResult, in_order
+from steps import PIPELINE
 from pipeline.cli import app
 from pipeline.run.config import load_config
 
 CALLS: list[str] = []
 FAIL_IN: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class StubSummary:
+    rows: int = 3
 
 
 def _stub(name: str):
@@ -28,25 +36,30 @@ def _stub(name: str):
         storage.write_text(out.path("data.txt"), f"{name} output")
         if name in FAIL_IN:
             raise RuntimeError(f"{name} broke after writing its data")
-        return runner.StepResult(rows=3, files=[{"path": "data.txt"}], summary={"rows": 3})
+        return StepResult(rows=3, files=[{"path": "data.txt"}], summary=StubSummary())
     return step
 
 
 def _finish(cfg, out):
-    return runner.StepResult(rows=3, files=[], summary={})
+    return StepResult(rows=3, files=[], summary=StubSummary())
 
 
-stub_tokenize, stub_generate, stub_merge, stub_upload = (_stub(n) for n in runner.STEP_NAMES)
+def _stub_graph() -> tuple[Step, ...]:
+    """The real graph's shape (names, inputs, where each runs) with stub functions."""
+    stubs: dict[str, Step] = {}
+    for step in in_order(PIPELINE):
+        stubs[step.name] = dataclasses.replace(step, run=_stub(step.name), finish=_finish if step.finish else None,
+                                               inputs=tuple(stubs[s.name] for s in step.inputs))
+    return tuple(stubs.values())
+
+
+GRAPH = _stub_graph()
+NAMES = tuple(s.name for s in GRAPH)
 
 
 @pytest.fixture(autouse=True)
 def stub_steps(monkeypatch):
-    specs = tuple(
-        dataclasses.replace(spec, entry=f"{__name__}:stub_{spec.name}",
-                            finish=f"{__name__}:_finish" if spec.finish else None)
-        for spec in runner.STEPS
-    )
-    monkeypatch.setattr(runner, "STEPS", specs)
+    monkeypatch.setattr(steps, "PIPELINE", GRAPH)  # what the CLI hands the runner
     CALLS.clear()
     FAIL_IN.clear()
 
@@ -58,20 +71,20 @@ def files_under(root) -> dict[str, float]:
 
 def test_first_run_runs_all_then_second_run_skips_all(make_config, tmp_path):
     cfg = load_config(make_config())
-    runner.run_steps(cfg, runner.STEP_NAMES, echo=lambda _: None)
-    assert CALLS == list(runner.STEP_NAMES)
-    assert [p.state for p in runner.make_plan(cfg)] == ["complete"] * 4
+    runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)
+    assert CALLS == list(NAMES)
+    assert [p.state for p in runner.make_plan(cfg, GRAPH)] == ["complete"] * 4
     before = files_under(tmp_path / "runs")
     CALLS.clear()
-    plan = runner.run_steps(cfg, runner.STEP_NAMES, echo=lambda _: None)
+    plan = runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)
     assert CALLS == [] and [p.action for p in plan] == ["skip"] * 4
     assert files_under(tmp_path / "runs") == before
 
 
 def test_marker_holds_manifest_config_and_versions(make_config):
     cfg = load_config(make_config())
-    runner.run_steps(cfg, ("tokenize",), echo=lambda _: None)
-    (planned,) = [p for p in runner.make_plan(cfg) if p.spec.name == "tokenize"]
+    runner.run_steps(cfg, GRAPH, ("tokenize",), echo=lambda _: None)
+    (planned,) = [p for p in runner.make_plan(cfg, GRAPH) if p.name == "tokenize"]
     record = status.read_marker(planned.url)
     assert record.rows == 3 and record.files == [{"path": "data.txt"}] and record.hash == planned.hash
     assert record.config["sampling"]["n"] == 2 and "jax" in record.versions and record.wall_s >= 0
@@ -82,35 +95,35 @@ def test_failure_after_data_leaves_step_partial_not_complete(make_config):
     cfg = load_config(make_config())
     FAIL_IN.add("generate")
     with pytest.raises(RuntimeError, match="generate broke"):
-        runner.run_steps(cfg, runner.STEP_NAMES, echo=lambda _: None)
-    states = {p.spec.name: p.state for p in runner.make_plan(cfg)}
+        runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)
+    states = {p.name: p.state for p in runner.make_plan(cfg, GRAPH)}
     assert states == {"tokenize": "complete", "generate": "partial", "merge": "missing", "upload": "missing"}
     FAIL_IN.clear()
     CALLS.clear()
-    plan = runner.run_steps(cfg, runner.STEP_NAMES, echo=lambda _: None)
+    plan = runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)
     assert CALLS == ["generate", "merge", "upload"]
     assert plan[1].reason.startswith("partial output from an earlier attempt")
 
 
 def test_dry_run_writes_nothing(make_config, tmp_path):
     cfg = load_config(make_config())
-    plan = runner.run_steps(cfg, runner.STEP_NAMES, dry_run=True, echo=lambda _: None)
+    plan = runner.run_steps(cfg, GRAPH, NAMES, dry_run=True, echo=lambda _: None)
     assert [p.action for p in plan] == ["run"] * 4 and CALLS == []
     assert not (tmp_path / "runs").exists()
 
 
 def test_force_reruns_a_complete_step(make_config):
     cfg = load_config(make_config())
-    runner.run_steps(cfg, runner.STEP_NAMES, echo=lambda _: None)
+    runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)
     CALLS.clear()
-    runner.run_steps(cfg, ("upload",), force=True, echo=lambda _: None)
+    runner.run_steps(cfg, GRAPH, ("upload",), force=True, echo=lambda _: None)
     assert CALLS == ["upload"]
 
 
 def test_changing_sampling_reruns_generate_and_after_only(make_config):
-    runner.run_steps(load_config(make_config()), runner.STEP_NAMES, echo=lambda _: None)
+    runner.run_steps(load_config(make_config()), GRAPH, NAMES, echo=lambda _: None)
     CALLS.clear()
-    runner.run_steps(load_config(make_config(), ["sampling.temperature=0.5"]), runner.STEP_NAMES, echo=lambda _: None)
+    runner.run_steps(load_config(make_config(), ["sampling.temperature=0.5"]), GRAPH, NAMES, echo=lambda _: None)
     assert CALLS == ["generate", "merge", "upload"]
 
 
@@ -131,6 +144,6 @@ def test_status_json_lists_four_steps(make_config):
     result = CliRunner().invoke(app, ["status", "--config", config, "--json"])
     assert result.exit_code == 0
     steps = json.loads(result.output)["steps"]
-    assert [s["name"] for s in steps] == list(runner.STEP_NAMES)
+    assert [s["name"] for s in steps] == list(NAMES)
     assert all(s["state"] == "complete" and s["rows"] == 3 and len(s["hash"]) == 64 for s in steps)
     assert all(s["output"].endswith(f"{s['name']}-{s['hash'][:12]}") for s in steps)

@@ -31,6 +31,7 @@ from pipeline.run import status
 from pipeline.cli import app
 from pipeline.run.config import build_config, load_config
 from pipeline.run.runner import make_plan
+from steps import PIPELINE
 from steps import prompt_files as pf
 from steps import tokenize as tk
 
@@ -59,8 +60,8 @@ def error_line(result) -> str:
 
 
 def tokenize_step(config: str):
-    planned = make_plan(load_config(config))[0]
-    assert planned.spec.name == "tokenize"
+    planned = make_plan(load_config(config), PIPELINE)[0]
+    assert planned.name == "tokenize"
     return planned
 
 
@@ -533,7 +534,7 @@ def ident(tmp_path, demo_model):
 
 
 def _hash(data: dict) -> str:
-    return make_plan(build_config(data))[0].hash
+    return make_plan(build_config(data), PIPELINE)[0].hash
 
 
 @pytest.mark.parametrize("edit, changes", [

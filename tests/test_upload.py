@@ -57,13 +57,13 @@ def test_offline_run_holds_config_metrics_charts_and_the_artifact(merged_run, ca
     run = merged_run()
     result = run.run("upload")
     summary = result.summary
-    assert summary["mode"] == "offline" and result.rows == 20
+    assert summary.mode == "offline" and result.rows == 20
     assert [f["path"] for f in result.files] == ["wandb_run.json"]
-    assert offline_dirs(run) == [summary["offline_run_dir"]]
-    assert f"wandb sync {summary['offline_run_dir']}" in capsys.readouterr().err
+    assert offline_dirs(run) == [summary.offline_run_dir]
+    assert f"wandb sync {summary.offline_run_dir}" in capsys.readouterr().err
 
-    recorded = read_wandb_run(summary["offline_run_dir"])
-    assert recorded["run_id"] == summary["run_id"]
+    recorded = read_wandb_run(summary.offline_run_dir)
+    assert recorded["run_id"] == summary.run_id
     config = recorded["config"]
     assert {k: config[k] for k in run.cfg.to_dict()} == run.cfg.to_dict()
     assert config["pipeline"]["versions"]["wandb"] and config["pipeline"]["versions"]["pyarrow"]
@@ -84,9 +84,9 @@ def test_offline_run_holds_config_metrics_charts_and_the_artifact(merged_run, ca
         "wandb/bar/v0"}
 
     artifact = generations(recorded)
-    assert artifact["name"] == summary["artifact"] == f"generations-{summary['run_id']}"
+    assert artifact["name"] == summary.artifact == f"generations-{summary.run_id}"
     assert sorted(artifact["entries"]) == ["generations.table.json"] + [f"merged-{i:05d}.parquet" for i in range(3)]
-    assert artifact["digest"] == summary["artifact_digest"]
+    assert artifact["digest"] == summary.artifact_digest
     assert table_rows(artifact) == merged_rows(run)
 
 
@@ -94,10 +94,10 @@ def test_rerun_with_force_resumes_the_same_run_with_the_same_artifact(merged_run
     run = merged_run()
     first = run.run("upload")
     second = run.run("upload")  # what `pipeline run upload --force` does after the runner drops the marker
-    assert second.summary["run_id"] == first.summary["run_id"]
-    assert offline_dirs(run) == [second.summary["offline_run_dir"]]  # one offline folder per run id
-    assert second.summary["artifact_digest"] == first.summary["artifact_digest"]  # W&B makes no new version
-    assert read_wandb_run(second.summary["offline_run_dir"])["run_id"] == first.summary["run_id"]
+    assert second.summary.run_id == first.summary.run_id
+    assert offline_dirs(run) == [second.summary.offline_run_dir]  # one offline folder per run id
+    assert second.summary.artifact_digest == first.summary.artifact_digest  # W&B makes no new version
+    assert read_wandb_run(second.summary.offline_run_dir)["run_id"] == first.summary.run_id
 
 
 def test_deleting_the_upload_output_and_rerunning_resumes_the_same_run(merged_run):
@@ -105,17 +105,17 @@ def test_deleting_the_upload_output_and_rerunning_resumes_the_same_run(merged_ru
     first = run.run("upload")
     shutil.rmtree(run.url["upload"])
     second = run.run("upload")
-    assert second.summary["run_id"] == first.summary["run_id"]
-    assert second.summary["run_id"].startswith("test-run-")  # run.name as a slug, then a hash of root and name
+    assert second.summary.run_id == first.summary.run_id
+    assert second.summary.run_id.startswith("test-run-")  # run.name as a slug, then a hash of root and name
     saved = storage.read_json(storage.join(run.url["upload"], "wandb_run.json"))
-    assert saved["run_id"] == first.summary["run_id"]
+    assert saved["run_id"] == first.summary.run_id
 
 
 def test_table_is_capped_at_table_max_rows_and_parquet_keeps_every_row(merged_run, read_wandb_run):
     run = merged_run(table_max_rows=5)
     result = run.run("upload")
-    assert result.rows == 20 and result.summary["table_rows"] == 5 and result.summary["table_truncated"] is True
-    recorded = read_wandb_run(result.summary["offline_run_dir"])
+    assert result.rows == 20 and result.summary.table_rows == 5 and result.summary.table_truncated is True
+    recorded = read_wandb_run(result.summary.offline_run_dir)
     assert recorded["summary"]["table_truncated"] is True
     artifact = generations(recorded)
     assert artifact["metadata"]["table_truncated"] is True and artifact["metadata"]["rows"] == 20
@@ -129,7 +129,7 @@ def test_api_key_is_written_to_no_file(merged_run, monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_API_KEY", key)
     run = merged_run(mode="offline")
     result = run.run("upload")
-    assert result.summary["mode"] == "offline"
+    assert result.summary.mode == "offline"
     files = [p for p in glob.glob(str(tmp_path / "**"), recursive=True) if os.path.isfile(p)]
     assert any(".wandb" in p for p in files) and len(files) > 10
     assert [p for p in files if key.encode() in open(p, "rb").read()] == []
@@ -138,8 +138,8 @@ def test_api_key_is_written_to_no_file(merged_run, monkeypatch, tmp_path):
 def test_disabled_logs_nothing_and_says_so(merged_run):
     run = merged_run(mode="disabled")
     result = run.run("upload")
-    assert result.rows == 0 and result.summary["mode"] == "disabled" and result.summary["merged_rows"] == 20
-    assert "disabled" in result.summary["note"]
+    assert result.rows == 0 and result.summary.mode == "disabled" and result.summary.merged_rows == 20
+    assert "disabled" in result.summary.note
     assert not os.path.exists(os.path.join(run.url["upload"], "wandb"))
 
 
@@ -167,12 +167,12 @@ def test_remote_root_writes_the_offline_run_to_the_local_cache(merged_run, wandb
     try:
         result = run.run("upload")
         cache = str(wandb_env / "pipeline-cache")
-        assert result.summary["offline_run_dir"].startswith(cache)
-        artifact = generations(read_wandb_run(result.summary["offline_run_dir"]))
+        assert result.summary.offline_run_dir.startswith(cache)
+        artifact = generations(read_wandb_run(result.summary.offline_run_dir))
         parquet = [e["local_path"] for name, e in sorted(artifact["entries"].items()) if name.endswith(".parquet")]
         assert all(p.startswith(cache) for p in parquet)
         assert pa.concat_tables([pq.read_table(p) for p in parquet]).to_pylist() == merged_rows(run)
         saved = storage.read_json(storage.join(run.url["upload"], "wandb_run.json"))
-        assert saved["run_id"] == result.summary["run_id"]
+        assert saved["run_id"] == result.summary.run_id
     finally:
         storage.remove("memory://upload-test", recursive=True)

@@ -9,7 +9,7 @@ here.
 
     hosts.initialize()
     if hosts.is_leader(): ...
-    result = hosts.on_leader("tokenize-1a2b", lambda: run_tokenize())   # others get None
+    result = hosts.on_leader("tokenize-1a2b", lambda: run_tokenize())   # others: its JSON value or None
     hosts.barrier("generate-done")
 """
 
@@ -18,12 +18,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
-from pipeline.errors import ConfigError, Interrupted, StepFailed
+from pipeline.errors import ConfigError, Interrupted, PipelineError, StepFailed, exit_now, failure
 from pipeline.pod import preemption
 
 T = TypeVar("T")
@@ -117,11 +116,7 @@ def wait_for(key: str, what: str) -> Any:
                     f"{describe()}: lost contact with the pod while waiting for {what} "
                     f"(the leader or coordinator is gone): {text.splitlines()[0]}; rerun the same command to resume"
                 ) from err
-        raise_if_aborted(f"stopped waiting for {what}")
-        dead = _dead_hosts()
-        if dead:
-            raise Interrupted(f"{describe()}: stopped waiting for {what}: host {dead[0]} stopped responding "
-                              f"(killed or lost; noticed after {ENV_HEARTBEAT_TIMEOUT}); rerun the same command to resume")
+        check_peers(f"stopped waiting for {what}")
 
 
 def wait_briefly(keys: list[str], seconds: float = LEAVE_INTERRUPTED_WAIT_S) -> bool:
@@ -145,8 +140,17 @@ def raise_if_aborted(doing: str) -> None:
         return
     aborted = _try_get("abort")
     if aborted is not None:
-        stop = Interrupted if aborted.get("code") == Interrupted.exit_code else StepFailed
-        raise stop(f"{describe()}: {doing}: host {aborted['host']} failed: {aborted['error']}")
+        raise failure(aborted.get("code", 1), f"{describe()}: {doing}: host {aborted['host']} failed: {aborted['error']}")
+
+
+def check_peers(doing: str, cause: str = "") -> None:
+    """The one peer check: raise if another host aborted (its exit code), or Interrupted if a host
+    stopped responding (killed or lost: the coordinator no longer hears its heartbeat)."""
+    raise_if_aborted(doing)
+    dead = _dead_hosts()
+    if dead:
+        raise Interrupted(f"{describe()}: {doing}: host {dead[0]} stopped responding (killed or lost"
+                          f"{'; ' + cause if cause else ''}); rerun the same command to resume")
 
 
 def abort(error: str, code: int = 1) -> None:
@@ -190,9 +194,7 @@ def leave(code: int) -> None:
                 publish(f"leaving/{process_index()}", True)
         except Exception:  # noqa: BLE001 - a host still working, or the coordinator gone: leave anyway
             pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)  # jax.distributed's own shutdown would abort natively after a failure
 
 
 def blame_peer(err: BaseException, doing: str) -> None:
@@ -207,11 +209,10 @@ def blame_peer(err: BaseException, doing: str) -> None:
         return
     deadline = time.monotonic() + 2 * float(os.environ.get(ENV_HEARTBEAT_TIMEOUT, "30")) + 2 * POLL_S
     while time.monotonic() < deadline:
-        raise_if_aborted(f"stopped {doing}")
-        dead = _dead_hosts()
-        if dead:
-            raise Interrupted(f"{describe()}: stopped {doing}: host {dead[0]} stopped responding (killed or "
-                              f"lost; {type(err).__name__} in a collective); rerun the same command to resume") from err
+        try:
+            check_peers(f"stopped {doing}", cause=f"{type(err).__name__} in a collective")
+        except PipelineError as peer_failure:
+            raise peer_failure from err
         time.sleep(POLL_S / 4)
 
 
@@ -232,19 +233,13 @@ def watchdog(doing: str) -> Iterator[None]:
     def watch() -> None:
         while not done.wait(POLL_S):
             try:
-                raise_if_aborted(f"stopped {doing}")
-                dead = _dead_hosts()
-                if dead:
-                    raise Interrupted(f"{describe()}: stopped {doing}: host {dead[0]} stopped responding "
-                                      f"(killed or lost); rerun the same command to resume")
-            except (Interrupted, StepFailed) as err:
+                check_peers(f"stopped {doing}")
+            except PipelineError as err:
                 # Usually the block ends on its own (the hosts agreed to stop, or its collective
                 # failed): let it, so it commits its work. Only a host still stuck is ended.
                 if done.wait(WATCHDOG_GRACE_S):
                     return
-                print(f"error: {err}", file=sys.stderr, flush=True)
-                sys.stdout.flush()
-                os._exit(err.exit_code)
+                exit_now(err.exit_code, str(err))
 
     thread = threading.Thread(target=watch, daemon=True, name="pod-watchdog")
     thread.start()
@@ -271,44 +266,39 @@ def _try_get(key: str) -> Any:
         return None
 
 
-def on_leader(tag: str, fn: Callable[[], T], what: str) -> T | None:
-    """Run `fn` on the leader only; other hosts wait for its outcome.
+def run_and_report(key: str, fn: Callable[[], T]) -> T:
+    """Run `fn` on this host and publish how it ended under `key`: ok, or its error and exit code
+    (75 for an interruption), for `await_report` on another host."""
+    try:
+        result = fn()
+    except BaseException as err:
+        publish(key, {"ok": False, "error": f"{type(err).__name__}: {err}", "code": getattr(err, "exit_code", 1)})
+        raise
+    publish(key, {"ok": True, "value": result if isinstance(result, (dict, list, str, int, float, bool)) else None})
+    return result
 
-    If the leader's `fn` raises, the others raise too, naming the leader's error (an
-    interruption stays an interruption, exit 75), so no host waits forever on work that
-    will never come.
-    """
-    if _state["client"] is None:
-        return fn()
-    if is_leader():
-        try:
-            result = fn()
-        except BaseException as err:
-            publish(f"{tag}/outcome", {"ok": False, "error": f"{type(err).__name__}: {err}",
-                                       "code": getattr(err, "exit_code", 1)})
-            raise
-        publish(f"{tag}/outcome", {"ok": True})
-        return result
-    outcome = wait_for(f"{tag}/outcome", what)
+
+def await_report(key: str, what: str, who: str) -> Any:
+    """Wait for another host's `run_and_report(key, ...)`: its JSON value, or raise naming `who`
+    failed (an interruption stays an interruption, exit 75)."""
+    outcome = wait_for(key, what)
     if not outcome["ok"]:
-        stop = Interrupted if outcome.get("code") == Interrupted.exit_code else StepFailed
-        raise stop(f"{describe()}: the leader failed {what}: {outcome['error']}")
-    return None
+        raise failure(outcome.get("code", 1), f"{describe()}: {who} failed {what}: {outcome['error']}")
+    return outcome.get("value")
 
 
-def from_leader(tag: str, fn: Callable[[], Any], what: str) -> Any:
-    """Run `fn` on the leader only and return its JSON value on every host.
+def on_leader(tag: str, fn: Callable[[], T], what: str) -> T | None:
+    """The leader section: run `fn` on the leader only; the other hosts wait for its outcome.
 
-    Like `on_leader`, a leader failure makes the other hosts raise instead of waiting.
+    The leader gets `fn`'s value; the others get it too when it is plain JSON (a dict, list,
+    string or number), else None. If the leader's `fn` raises, the others raise too, naming
+    the leader's error, so no host waits forever on work that will never come.
     """
     if _state["client"] is None:
         return fn()
     if is_leader():
-        value = on_leader(f"{tag}/run", fn, what)
-        publish(f"{tag}/value", value)
-        return value
-    on_leader(f"{tag}/run", fn, what)
-    return wait_for(f"{tag}/value", what)
+        return run_and_report(f"{tag}/outcome", fn)
+    return await_report(f"{tag}/outcome", what, "the leader")
 
 
 def agree(tag: str, value: Any, what: str) -> Any:
@@ -352,6 +342,8 @@ def _on_multihost_tpu(env: os._Environ) -> bool:
 
 def _join(**kwargs: Any) -> None:
     import jax
+    # The coordination service's key-value store (publish, wait_for, _dead_hosts) has no public
+    # API: jax.distributed exposes only initialize/shutdown. This is the one place we reach it.
     from jax._src import distributed
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -368,9 +360,8 @@ def _join(**kwargs: Any) -> None:
     def give_up() -> None:
         # jax aborts the process (SIGABRT, a native stack trace) when registration times
         # out; say what happened in one line and leave first.
-        print(f"error: multi-host: could not join {where} within {init_timeout_s}s (is every host started? "
-              f"{ENV_INIT_TIMEOUT} sets the wait)", file=sys.stderr, flush=True)
-        os._exit(1)
+        exit_now(1, f"multi-host: could not join {where} within {init_timeout_s}s (is every host started? "
+                    f"{ENV_INIT_TIMEOUT} sets the wait)")
 
     watchdog = threading.Timer(init_timeout_s, give_up)
     watchdog.daemon = True

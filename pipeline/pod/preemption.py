@@ -13,11 +13,10 @@ A second signal while stopping exits at once (the work in flight is lost, nothin
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 
-from pipeline.errors import Interrupted
+from pipeline.errors import Interrupted, exit_now
 
 EXIT_INTERRUPTED = 75
 
@@ -57,6 +56,6 @@ def reset() -> None:
 def _on_signal(signum: int, frame: object) -> None:
     del frame
     name = signal.Signals(signum).name
-    if _stop.is_set():
-        os._exit(EXIT_INTERRUPTED)
+    if _stop.is_set():  # a second signal: the user does not want to wait for the commit
+        exit_now(EXIT_INTERRUPTED)
     request_stop(name)

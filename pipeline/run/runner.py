@@ -1,12 +1,13 @@
 """The step runner: plan, skip what is complete, run the rest in order, mark success last.
 
-Owns the order of steps, their hashes and output URLs (through identity.py and storage.py),
-the decision to skip, resume or redo, `--dry-run`, and the success marker. It refuses to
-run a step whose upstream is not complete, naming the command that makes it. Steps
-themselves own their data: a partial output is handed to the step, which resumes or redoes.
+Owns the order of steps (any graph of `step.Step`; the pipeline's is `steps.PIPELINE`), their
+hashes and output URLs (through identity.py and storage), the decision to skip, resume or
+redo, `--dry-run`, and the success marker. It refuses to run a step whose upstream is not
+complete, naming the command that makes it. Steps themselves own their data: a partial output
+is handed to the step, which resumes or redoes.
 
-    plan = make_plan(cfg)                     # hashes, URLs, states, reasons
-    run_steps(cfg, ["all"], force=False)      # what `pipeline run all` does
+    plan = make_plan(cfg, PIPELINE)                          # hashes, URLs, states, reasons
+    run_steps(cfg, PIPELINE, ("tokenize", ...), force=False)  # what `pipeline run all` does
 """
 
 from __future__ import annotations
@@ -14,90 +15,26 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
-import importlib
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 import yaml
 
 from pipeline import storage
+from pipeline.errors import ConfigError, StepFailed
 from pipeline.pod import hosts, preemption
 from pipeline.run import identity, status
 from pipeline.run.config import Config
-from pipeline.errors import ConfigError, Interrupted, StepFailed
-from pipeline.storage.lease import Lease, LeaseLost
-
-
-@dataclass(frozen=True)
-class StepSpec:
-    """A step, declared once."""
-
-    name: str
-    version: str
-    """Bump when the step's output for the same inputs changes: it changes the hash."""
-    upstream: tuple[str, ...]
-    where: Literal["leader", "every host"]
-    entry: str
-    """`module:function` run as fn(cfg, out) -> StepResult (on every host for 'every host')."""
-    finish: str | None = None
-    """For 'every host' steps: `module:function` the leader runs after all hosts are done."""
-    about: str = ""
-
-
-STEPS: tuple[StepSpec, ...] = (
-    StepSpec("tokenize", "1", (), "leader", "steps.tokenize:tokenize",
-             about="read prompts, tokenize, write balanced Parquet shards"),
-    StepSpec("generate", "1", ("tokenize",), "every host", "steps.generate:generate",
-             finish="steps.generate:finish",
-             about="every host generates completions for its shards"),
-    StepSpec("merge", "1", ("generate",), "leader", "steps.merge:merge",
-             about="verify every (prompt, sample) once, order, write the result"),
-    StepSpec("upload", "1", ("merge",), "leader", "steps.upload:upload",
-             about="log a W&B table artifact, resuming the same W&B run"),
-)
-STEP_NAMES = tuple(s.name for s in STEPS)
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """Where a step writes and what it reads: handed to the step by the runner."""
-
-    step: str
-    hash: str
-    url: str
-    upstream: dict[str, "PlannedStep"] = field(default_factory=dict)
-    lease: Lease | None = None
-    """This runner's lease on the output; None when nobody else can write there."""
-
-    def path(self, *names: str) -> str:
-        return storage.join(self.url, *names)
-
-    def check_lease(self) -> None:
-        """Raise LeaseLost if another runner took this step over: call before each commit."""
-        if self.lease is None:
-            return
-        try:
-            self.lease.check()
-        except LeaseLost:
-            hosts.raise_if_aborted("stopped")  # our own leader failed and let go: that is the error
-            raise
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What a step returns; the runner writes it into the success marker."""
-
-    rows: int
-    files: list[dict[str, Any]]
-    summary: dict[str, Any]
+from pipeline.run.step import Step, StepInput, StepOutput, StepResult, ancestors, in_order
+from pipeline.storage.lease import Lease
 
 
 @dataclass(frozen=True)
 class PlannedStep:
-    spec: StepSpec
+    step: Step
     hash: str
     url: str
     state: status.State
@@ -105,35 +42,45 @@ class PlannedStep:
     action: Literal["skip", "run", "blocked"]
     reason: str
 
+    @property
+    def name(self) -> str:
+        return self.step.name
 
-def make_plan(cfg: Config, targets: tuple[str, ...] = STEP_NAMES, force: bool = False) -> list[PlannedStep]:
-    """Hashes, URLs and states of every step, and what a run of `targets` would do."""
+    def as_input(self) -> StepInput:
+        return StepInput(self.step.name, self.hash, self.url)
+
+
+def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | None = None,
+              force: bool = False) -> list[PlannedStep]:
+    """Hashes, URLs and states of every step of `graph`, and what a run of `targets` (default:
+    every step) would do."""
+    targets = tuple(s.name for s in graph) if targets is None else targets
     plan: list[PlannedStep] = []
     by_name: dict[str, PlannedStep] = {}
-    for spec in STEPS:
-        upstream = {name: by_name[name].hash for name in spec.upstream}
+    for step in in_order(graph):
         step_hash = identity.step_hash(
-            spec.name, spec.version,
-            semantic=identity.semantic_values(spec.name, cfg),
-            content=identity.content_fingerprints(spec.name, cfg),
-            upstream=upstream,
+            step.name, step.version,
+            semantic=identity.semantic_values(step.name, cfg),
+            content=identity.content_fingerprints(step.name, cfg),
+            upstream={s.name: by_name[s.name].hash for s in step.inputs},
         )
-        url = storage.step_url(cfg.run.root, spec.name, step_hash)
+        url = storage.step_url(cfg.run.root, step.name, step_hash)
         state = status.output_state(url)
         record = status.read_marker(url) if state == "complete" else None
         rows = record.rows if record else None
-        action, reason = _decide(spec, state, rows, spec.name in targets, force, by_name)
-        planned = PlannedStep(spec, step_hash, url, state, rows, action, reason)
+        action, reason = _decide(step, state, rows, step.name in targets, force, by_name)
+        planned = PlannedStep(step, step_hash, url, state, rows, action, reason)
         plan.append(planned)
-        by_name[spec.name] = planned
+        by_name[step.name] = planned
     return plan
 
 
-def _decide(spec: StepSpec, state: str, rows: int | None, targeted: bool, force: bool,
+def _decide(step: Step, state: str, rows: int | None, targeted: bool, force: bool,
             earlier: dict[str, PlannedStep]) -> tuple[str, str]:
     if not targeted:
         return "skip", f"{state}; not selected"
-    missing = [n for n in spec.upstream if earlier[n].state != "complete" and earlier[n].action != "run"]
+    upstream = [s.name for s in step.inputs]
+    missing = [n for n in upstream if earlier[n].state != "complete" and earlier[n].action != "run"]
     if missing:
         return "blocked", (f"needs {missing[0]}, which is {earlier[missing[0]].state}: "
                            f"run `pipeline run {missing[0]}` (or `pipeline run all`) first")
@@ -141,7 +88,7 @@ def _decide(spec: StepSpec, state: str, rows: int | None, targeted: bool, force:
         return "skip", f"complete ({rows} rows); --force reruns it"
     if state == "complete":
         return "run", "complete, but --force: run again"
-    changed = [n for n in spec.upstream if earlier[n].action == "run"]
+    changed = [n for n in upstream if earlier[n].action == "run"]
     if state == "partial":
         return "run", "partial output from an earlier attempt: resume"
     if changed:
@@ -152,12 +99,12 @@ def _decide(spec: StepSpec, state: str, rows: int | None, targeted: bool, force:
 def format_plan(plan: list[PlannedStep]) -> str:
     lines = []
     for p in plan:
-        lines.append(f"  {p.spec.name:<9} {p.hash[:12]}  {p.action:<7} {p.reason}")
+        lines.append(f"  {p.name:<9} {p.hash[:12]}  {p.action:<7} {p.reason}")
         lines.append(f"  {'':<9} {'':<12}  -> {p.url}")
     return "\n".join(lines)
 
 
-def preflight(cfg: Config, expect_hosts: int | None = None) -> str:
+def preflight(cfg: Config, graph: tuple[Step, ...], expect_hosts: int | None = None) -> str:
     """Join the pod, check its size and that every host agrees on code and plan, meet at a barrier."""
     hosts.initialize()
     count = hosts.process_count()
@@ -167,12 +114,12 @@ def preflight(cfg: Config, expect_hosts: int | None = None) -> str:
         raise ConfigError(f"{hosts.describe()}: the pod has {count} host(s), expected {expect_hosts} "
                           f"(--expect-hosts): {missing}; start the same command on every worker "
                           f"(gcloud ... ssh --worker=all), not on worker 0 only")
-    plan = make_plan(cfg)
+    plan = make_plan(cfg, graph)
     from engine.checkpoint import check_checkpoint
 
     check_checkpoint(cfg.model.path)
     hosts.agree("preflight", {"versions": status.package_versions(), "code": code_digest(),
-                              "plan": [[p.spec.name, p.hash] for p in plan]}, "code version and plan")
+                              "plan": [[p.name, p.hash] for p in plan]}, "code version and plan")
     hosts.barrier("preflight")
     return f"{hosts.describe()}: joined, same code and plan as the leader ({', '.join(p.hash[:12] for p in plan)})"
 
@@ -187,110 +134,76 @@ def code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def run_steps(cfg: Config, targets: tuple[str, ...], force: bool = False, dry_run: bool = False,
-              echo: Callable[[str], None] | None = None, wait: bool = True) -> list[PlannedStep]:
-    """Run `targets` in order on this host (every host calls this); return the plan used.
+def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], force: bool = False,
+              dry_run: bool = False, echo: Callable[[str], None] | None = None,
+              wait: bool = True) -> list[PlannedStep]:
+    """Run `targets` of `graph` in order on this host (every host calls this); return the plan used.
 
     Each step runs under a lease on its output (pipeline/storage/lease.py): while another runner
     holds it, wait (or with wait=False raise LeaseBusy, exit 75).
     """
     say = echo or _say
     hosts.initialize()
-    plan = make_plan(cfg, targets, force)
-    hosts.agree("plan", [[p.spec.name, p.hash] for p in plan], "the plan (step hashes)")
+    plan = make_plan(cfg, graph, targets, force)
+    hosts.agree("plan", [[p.name, p.hash] for p in plan], "the plan (step hashes)")
     if hosts.is_leader():
-        say(f"pipeline run {'all' if targets == STEP_NAMES else ' '.join(targets)} ({hosts.process_count()} host(s)), resolved config:")
+        everything = set(targets) == {p.name for p in plan}
+        say(f"pipeline run {'all' if everything else ' '.join(targets)} ({hosts.process_count()} host(s)), resolved config:")
         say(_indent(yaml.safe_dump(cfg.to_dict(), sort_keys=False)))
         say("plan:\n" + format_plan(plan))
     blocked = [p for p in plan if p.action == "blocked"]
     if blocked:
-        raise StepFailed(f"cannot run {blocked[0].spec.name}: {blocked[0].reason}")
-    if any(p.action == "run" and p.spec.name in ("tokenize", "generate") for p in plan):
+        raise StepFailed(f"cannot run {blocked[0].name}: {blocked[0].reason}")
+    if any(p.action == "run" and p.name in ("tokenize", "generate") for p in plan):
         from engine.checkpoint import check_checkpoint  # config.json and headers only: seconds
 
         check_checkpoint(cfg.model.path)  # a bad model.path fails now, not after tokenize
     if dry_run:
         return plan
-    by_name = {p.spec.name: p for p in plan}
+    by_name = {p.name: p for p in plan}
     for planned in plan:
         if planned.action != "run":
             continue
         preemption.check()
-        upstream = {n: by_name[n] for n in planned.spec.upstream}
-        out = StepOutput(planned.spec.name, planned.hash, planned.url, upstream)
+        upstream = {s.name: by_name[s.name].as_input() for s in ancestors(planned.step)}
+        out = StepOutput(planned.name, planned.hash, planned.url, upstream)
         started = time.time()
         if hosts.is_leader():
-            say(f"[{planned.spec.name}] {planned.reason} -> {planned.url}")
+            say(f"[{planned.name}] {planned.reason} -> {planned.url}")
         result = _execute(cfg, planned, out, wait, say)
         if hosts.is_leader() and result is not None:
-            say(f"[{planned.spec.name}] complete: {result.rows} rows in {time.time() - started:.1f}s "
-                f"{_summary_line(result.summary)}")
-        by_name[planned.spec.name] = dataclasses.replace(planned, state="complete",
-                                                         rows=result.rows if result else None)
+            say(f"[{planned.name}] complete: {result.rows} rows in {time.time() - started:.1f}s "
+                f"{_summary_line(result.summary_dict())}")
+        by_name[planned.name] = dataclasses.replace(planned, state="complete", rows=result.rows if result else None)
     hosts.barrier("end", "every host to finish")  # nobody leaves while the leader still works
     return plan
 
 
 def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
              say: Callable[[str], None]) -> StepResult | None:
-    """Run one step under its lease; the leader marks it complete. None on non-leaders."""
-    spec = planned.spec
-    tag = f"{spec.name}-{planned.hash[:12]}"
+    """Run one step under its lease; the leader marks it complete. None on non-leaders, and when
+    another runner completed the step while this one waited for the lease."""
+    step, tag = planned.step, f"{planned.name}-{planned.hash[:12]}"
     started = _now()
-    lease = Lease.for_step(cfg.run.root, spec.name, planned.hash)
-
-    def start() -> dict[str, Any]:
-        """Leader: take the lease; skip if another runner completed the step meanwhile."""
-        lease.acquire(wait, say)
-        if planned.state != "complete" and status.output_state(out.url) == "complete":
-            lease.release()
-            return {"done_by_other": True, "token": None}
-        if planned.state == "complete":
-            status.remove_marker(out.url)  # --force: not complete until it finishes again
-        stale = storage.remove_temp_files(out.url)  # from a writer killed mid-write
-        if stale:
-            say(f"[{spec.name}] removed {len(stale)} temp file(s) a killed writer left behind")
-        storage.write_text(out.path(status.CONFIG_FILE), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        return {"done_by_other": False, "token": lease.token}
-
-    def mark(result: StepResult) -> StepResult:
-        _check_result(spec, result)
-        out.check_lease()
-        status.write_marker(out.url, status.StepRecord(
-            step=spec.name, hash=planned.hash, version=spec.version, files=result.files,
-            summary=result.summary, rows=result.rows, started_at=started, finished_at=_now(),
-            wall_s=round(_elapsed(started), 3), config=cfg.to_dict(),
-            upstream={n: p.hash for n, p in out.upstream.items()},
-        ))
-        return result
-
+    lease = Lease.for_step(cfg.run.root, step.name, planned.hash)
     try:
-        begun = hosts.from_leader(f"{tag}/start", start, f"the lease on step {spec.name}")
-        if begun["done_by_other"]:
+        token = hosts.on_leader(f"{tag}/start", lambda: _begin(cfg, planned, out, lease, wait, say),
+                                f"the lease on step {step.name}")
+        if token is None:
             if hosts.is_leader():
-                say(f"[{spec.name}] completed by another runner while this one waited: skipped")
+                say(f"[{step.name}] completed by another runner while this one waited: skipped")
             return None
-        if not hosts.is_leader():
-            lease = Lease.follow(lease.url, lease.what, begun["token"])
-        out = dataclasses.replace(out, lease=lease)
-        run = _load(spec.entry)
-        if spec.where == "leader":
-            return hosts.on_leader(tag, lambda: mark(run(cfg, out)), f"step {spec.name}")
-        _run_on_every_host(tag, run, cfg, out)
-
-        def finish() -> StepResult:
-            for index in range(1, hosts.process_count()):
-                outcome = hosts.wait_for(f"{tag}/host-{index}", f"host {index} to finish {spec.name}")
-                if not outcome["ok"]:
-                    stop = Interrupted if outcome.get("code") == Interrupted.exit_code else StepFailed
-                    raise stop(f"{spec.name} failed on host {index}: {outcome['error']}")
-            return mark(_load(spec.finish)(cfg, out))
-
-        return hosts.on_leader(f"{tag}/finish", finish, f"step {spec.name} to be checked")
+        out = dataclasses.replace(out, lease=lease if hosts.is_leader() else Lease.follow(lease.url, lease.what, token))
+        if step.on == "leader":
+            return hosts.on_leader(tag, lambda: _mark(cfg, planned, out, started, step.run(cfg, out)),
+                                   f"step {step.name}")
+        hosts.run_and_report(f"{tag}/host-{hosts.process_index()}", lambda: step.run(cfg, out))
+        return hosts.on_leader(f"{tag}/finish", lambda: _mark(cfg, planned, out, started, _finish(cfg, step, out, tag)),
+                               f"step {step.name} to be checked")
     except BaseException as err:
         if hosts.is_leader():  # tell the pod before letting go, so no host takes it for a takeover
             hosts.abort(f"{type(err).__name__}: {err}", getattr(err, "exit_code", 1))
-            if spec.where == "every host":  # and let hosts that are stopping too commit their rows
+            if step.on == "every host":  # and let hosts that are stopping too commit their rows
                 hosts.wait_briefly([f"{tag}/host-{i}" for i in range(1, hosts.process_count())])
         raise
     finally:
@@ -298,25 +211,47 @@ def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
             lease.release()
 
 
-def _run_on_every_host(tag: str, run: Callable[..., Any], cfg: Config, out: StepOutput) -> None:
-    """Every host runs the step and publishes how it ended (the leader's finish waits for it)."""
-    try:
-        run(cfg, out)
-    except BaseException as err:
-        hosts.publish(f"{tag}/host-{hosts.process_index()}", {"ok": False, "error": f"{type(err).__name__}: {err}",
-                                                              "code": getattr(err, "exit_code", 1)})
-        raise
-    hosts.publish(f"{tag}/host-{hosts.process_index()}", {"ok": True})
+def _begin(cfg: Config, planned: PlannedStep, out: StepOutput, lease: Lease, wait: bool,
+           say: Callable[[str], None]) -> str | None:
+    """Leader: take the lease and prepare the output folder; returns the lease token for the other
+    hosts, or None if another runner completed the step meanwhile."""
+    lease.acquire(wait, say)
+    if planned.state != "complete" and status.output_state(out.url) == "complete":
+        lease.release()
+        return None
+    if planned.state == "complete":
+        status.remove_marker(out.url)  # --force: not complete until it finishes again
+    stale = storage.remove_temp_files(out.url)  # from a writer killed mid-write
+    if stale:
+        say(f"[{planned.name}] removed {len(stale)} temp file(s) a killed writer left behind")
+    storage.write_text(out.path(status.CONFIG_FILE), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return lease.token
 
 
-def _check_result(spec: StepSpec, result: Any) -> None:
-    if not isinstance(result, StepResult):
-        raise StepFailed(f"step {spec.name} returned {type(result).__name__}, not a StepResult (a bug)")
+def _finish(cfg: Config, step: Step, out: StepOutput, tag: str) -> StepResult:
+    """Leader, for an every-host step: wait for every host's report, then the step's finish."""
+    for index in range(1, hosts.process_count()):
+        hosts.await_report(f"{tag}/host-{index}", step.name, f"host {index}")
+    return step.finish(cfg, out)
 
 
-def _load(entry: str) -> Callable[..., Any]:
-    module, _, name = entry.partition(":")
-    return getattr(importlib.import_module(module), name)
+def _mark(cfg: Config, planned: PlannedStep, out: StepOutput, started: str, result: Any) -> StepResult:
+    """Leader: check the step's result and write its success marker (last)."""
+    _check_result(planned.step, result)
+    out.check_lease()
+    status.write_marker(out.url, status.StepRecord(
+        step=planned.name, hash=planned.hash, version=planned.step.version, files=result.files,
+        summary=result.summary_dict(), rows=result.rows, started_at=started, finished_at=_now(),
+        wall_s=round(_elapsed(started), 3), config=cfg.to_dict(),
+        upstream={s.name: out.upstream[s.name].hash for s in planned.step.inputs},
+    ))
+    return result
+
+
+def _check_result(step: Step, result: Any) -> None:
+    if not isinstance(result, StepResult) or not dataclasses.is_dataclass(result.summary):
+        raise StepFailed(f"step {step.name} returned {type(result).__name__}, not a StepResult with a summary "
+                         f"dataclass (a bug)")
 
 
 def _summary_line(summary: dict[str, Any]) -> str:

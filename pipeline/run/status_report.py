@@ -3,7 +3,7 @@
 Owns the report's fields (the contract's name/hash/output/state/rows, plus why a run would
 or would not run the step, rejected prompt rows, and who is running it now). Changes nothing.
 
-    rows = report(cfg)
+    rows = report(cfg, steps.PIPELINE)
     print(report_text(rows))
 """
 
@@ -13,14 +13,15 @@ from typing import Any
 
 from pipeline.run import status
 from pipeline.run.config import Config
-from pipeline.storage.lease import Lease
 from pipeline.run.runner import make_plan
+from pipeline.run.step import Step
+from pipeline.storage.lease import Lease
 
 
-def report(cfg: Config) -> list[dict[str, Any]]:
+def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
     rows = []
-    for p in make_plan(cfg):
-        row: dict[str, Any] = {"name": p.spec.name, "hash": p.hash, "output": p.url, "state": p.state,
+    for p in make_plan(cfg, graph):
+        row: dict[str, Any] = {"name": p.name, "hash": p.hash, "output": p.url, "state": p.state,
                                "rows": p.rows}
         if p.state == "complete":
             record = status.read_marker(p.url)
@@ -28,7 +29,7 @@ def report(cfg: Config) -> list[dict[str, Any]]:
                 row["rejected"] = record.summary["rejected"]
         row["why"] = _why(p)
         if p.state != "complete":
-            holder = Lease.for_step(cfg.run.root, p.spec.name, p.hash).current_holder()
+            holder = Lease.for_step(cfg.run.root, p.name, p.hash).current_holder()
             if holder is not None:
                 row["running"] = holder.describe()
                 row["why"] = f"being run by {holder.describe()}"
