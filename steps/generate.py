@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import secrets
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.pod import hosts, preemption
@@ -102,25 +103,25 @@ def generate(cfg: Config, out: StepOutput) -> None:
     lockstep = cfg.engine.mode == "global_mesh"
     mine = _my_shards(out)
     shards = _shard_names(out) if lockstep else mine
-    todo = {name: _missing(cfg, out, name) for name in shards}
+    todo = [_ShardTodo.read(out, name, cfg.sampling.n) for name in shards]
     if lockstep:
         _agree_on_todo(out, todo)
-    n_missing = sum(len(r["sample_indices"]) for _, rows in todo.values() for r in rows)
+    n_missing = sum(t.missing for t in todo)
     engine = None
     stats = None
     samples = tokens = 0
     prompts: set[tuple[str, int]] = set()
     if n_missing:
-        engine = _load_engine(cfg, out, todo)
+        engine = _load_engine(cfg, todo)
         writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine))
         watch = hosts.watchdog("generating on the global mesh") if lockstep else contextlib.nullcontext()
         with watch, Progress(total=n_missing, desc=f"generate {hosts.describe()}", unit="sample") as bar:
             try:
-                for shard, c, source in _completions(engine, todo):
-                    if writer.add(shard, _row(source, c)):
+                for c, source in _completions(engine, todo):
+                    if writer.add(source.shard, _row(source, c)):
                         samples += 1
                         tokens += len(c.token_ids)
-                        prompts.add((shard, c.prompt_index))
+                        prompts.add((source.shard, c.prompt_index))
                     bar.update(1, tokens=len(c.token_ids))
             except Exception as err:
                 if lockstep:  # a collective failed because a peer died (any error type): exit 75
@@ -156,8 +157,7 @@ def finish(cfg: Config, out: StepOutput) -> StepResult:
         shard_keys = storage.read_parquet(_shard_url(out, shard), columns=["prompt_index"])
         expected = len(shard_keys) * cfg.sampling.n
         parts = storage.list_files(out.path(shard), suffix=".parquet")
-        keys = _keys(parts)
-        got = len(set(keys))
+        got = len(_committed_keys(parts, cfg.sampling.n))
         rows_total += got
         if got < expected:
             missing_total += expected - got
@@ -197,82 +197,160 @@ def _shard_url(out: StepOutput, shard: str) -> str:
     return storage.join(out.upstream["tokenize"].url, f"{shard}.parquet")
 
 
-def _keys(part_urls: list[str]) -> list[tuple[int, int]]:
-    keys: list[tuple[int, int]] = []
+READ_BATCH_ROWS = 1024
+"""Shard rows turned into requests at a time: the step holds about this many prompts besides
+those in flight in the engine, however large the shard (issue 13: host memory must not grow with
+the prompt count)."""
+
+
+@dataclass(frozen=True)
+class _ShardTodo:
+    """What is left of one tokenize shard, as arrays rather than rows: row i of the shard file
+    still wants sample s where wanted[i, s]."""
+
+    name: str
+    url: str
+    prompt_index: np.ndarray
+    """[rows] int64, in file order."""
+    num_tokens: np.ndarray
+    """[rows] prompt lengths."""
+    wanted: np.ndarray
+    """[rows, n] bool."""
+
+    @classmethod
+    def read(cls, out: StepOutput, name: str, n: int) -> "_ShardTodo":
+        url = _shard_url(out, name)
+        table = _read_shard(url, columns=["prompt_index", "num_tokens"])
+        prompt_index = table["prompt_index"].to_numpy()
+        done = _committed_keys(storage.list_files(out.path(name), suffix=".parquet"), n)
+        every = prompt_index[:, None] * n + np.arange(n)[None, :]
+        return cls(name, url, prompt_index, table["num_tokens"].to_numpy(), ~np.isin(every, done))
+
+    @property
+    def missing(self) -> int:
+        return int(self.wanted.sum())
+
+    def longest_prompt(self) -> int:
+        return int(self.num_tokens[self.wanted.any(axis=1)].max(initial=0))
+
+    def max_token_id(self) -> int:
+        ids = _read_shard(self.url, columns=["input_ids"])["input_ids"]
+        return pc.max(pc.list_flatten(ids)).as_py() or 0
+
+    def requests(self, sources: dict[int, "_Source"]) -> Iterator[Any]:
+        """GenerationRequests of the rows still wanted, READ_BATCH_ROWS rows read at a time;
+        registers each in `sources` until its last sample completes."""
+        from engine import GenerationRequest
+
+        data = pq.ParquetFile(pa.BufferReader(_read_shard_bytes(self.url)))
+        start = 0
+        columns = ["prompt_index", "prompt_id", "prompt", "input_ids", "num_tokens"]
+        for batch in data.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns):
+            wanted = self.wanted[start:start + batch.num_rows]
+            start += batch.num_rows
+            rows = np.flatnonzero(wanted.any(axis=1))
+            if not len(rows):
+                continue
+            batch = batch.take(pa.array(rows))
+            ids = batch.column("input_ids")
+            for j, i in enumerate(rows):
+                samples = np.flatnonzero(wanted[i]).tolist()
+                prompt_index = batch.column("prompt_index")[j].as_py()
+                sources[prompt_index] = _Source(self.name, batch.column("prompt_id")[j].as_py(),
+                                                batch.column("prompt")[j].as_py(),
+                                                batch.column("num_tokens")[j].as_py(), len(samples))
+                yield GenerationRequest(prompt_index, ids[j].values.to_numpy(), samples)
+
+
+@dataclass
+class _Source:
+    """What a completion's row needs from its prompt, kept while any of its samples is in flight."""
+
+    shard: str
+    prompt_id: str
+    prompt: str
+    num_tokens: int
+    samples_left: int
+
+
+def _read_shard(url: str, columns: list[str]) -> pa.Table:
+    try:
+        return storage.read_parquet(url, columns=columns)
+    except StepFailed:
+        raise
+    except Exception as err:  # noqa: BLE001 - pyarrow raises many kinds for a bad file
+        raise StepFailed(f"tokenize shard {url} cannot be read ({err}); "
+                         f"rerun `pipeline run tokenize --force` to rewrite it") from err
+
+
+def _read_shard_bytes(url: str) -> bytes:
+    """The shard file whole (compressed, so small next to its rows), read with retries like every
+    other file; its rows are then decoded a batch at a time."""
+    return storage.read_bytes(url)
+
+
+def _committed_keys(part_urls: list[str], n: int) -> np.ndarray:
+    """prompt_index * n + sample_index of every row already committed in these parts."""
+    keys = [np.zeros(0, np.int64)]
     for url in part_urls:
         t = storage.read_parquet(url, columns=["prompt_index", "sample_index"])
-        keys.extend(zip(t["prompt_index"].to_pylist(), t["sample_index"].to_pylist()))
-    return keys
+        keys.append(t["prompt_index"].to_numpy() * n + t["sample_index"].to_numpy())
+    return np.unique(np.concatenate(keys))
 
 
-def _missing(cfg: Config, out: StepOutput, shard: str) -> tuple[pa.Table, list[dict[str, Any]]]:
-    """The shard's rows and, per prompt, the sample indices not committed yet."""
-    try:
-        table = storage.read_parquet(_shard_url(out, shard))
-    except Exception as err:  # noqa: BLE001 - pyarrow raises many kinds for a bad file
-        raise StepFailed(f"tokenize shard {_shard_url(out, shard)} cannot be read ({err}); "
-                         f"rerun `pipeline run tokenize --force` to rewrite it") from err
-    done: dict[int, set[int]] = defaultdict(set)
-    for prompt_index, sample_index in _keys(storage.list_files(out.path(shard), suffix=".parquet")):
-        done[prompt_index].add(sample_index)
-    requests = []
-    for row in table.to_pylist():
-        wanted = [s for s in range(cfg.sampling.n) if s not in done[row["prompt_index"]]]
-        if wanted:
-            requests.append({**row, "sample_indices": wanted})
-    return table, requests
-
-
-def _agree_on_todo(out: StepOutput, todo: dict[str, tuple[pa.Table, list[dict]]]) -> None:
+def _agree_on_todo(out: StepOutput, todo: list[_ShardTodo]) -> None:
     """global_mesh: every host must plan the same work, or their compiled calls diverge and the
     pod hangs. Each host has read the committed parts; nobody writes before every host has read
     (barrier), and each host's plan must match the leader's (a digest of every missing pair)."""
-    plan = [[shard, [[r["prompt_index"], list(r["sample_indices"])] for r in rows]] for shard, (_, rows) in todo.items()]
-    digest = hashlib.sha256(json.dumps(plan, separators=(",", ":")).encode()).hexdigest()
+    digest = hashlib.sha256()
+    for t in todo:
+        digest.update(t.name.encode())
+        digest.update(t.prompt_index.astype("<i8").tobytes())
+        digest.update(np.packbits(t.wanted).tobytes())
     tag = f"generate-{out.hash[:12]}"
     hosts.barrier(f"{tag}/read-parts", "every host to read the committed parts")
-    hosts.agree(f"{tag}/todo", digest, "the (prompt, sample) pairs left to generate")
+    hosts.agree(f"{tag}/todo", digest.hexdigest(), "the (prompt, sample) pairs left to generate")
 
 
-def _load_engine(cfg: Config, out: StepOutput, todo: dict[str, tuple[pa.Table, list[dict]]]):
+def _load_engine(cfg: Config, todo: list[_ShardTodo]):
     from engine import Engine
 
     tokenizer = load_tokenizer(cfg.model.path)
-    longest = max(max(pc.max(t["num_tokens"]).as_py() or 0 for t, _ in todo.values()), 1)
+    longest = max(max(t.longest_prompt() for t in todo), 1)
     engine = Engine.load(cfg.model.path, dtype=cfg.model.dtype, sampling=cfg.sampling, engine=cfg.engine,
                          max_prompt_tokens=longest, tokenizer=tokenizer)
-    for shard, (table, _) in todo.items():
-        top = pc.max(pc.list_flatten(table["input_ids"])).as_py()
-        if top is not None and top >= engine.vocab_size:
+    for t in todo:
+        top = t.max_token_id()
+        if top >= engine.vocab_size:
             raise StepFailed(
-                f"tokenize shard {_shard_url(out, shard)} holds token id {top}, but model.path {cfg.model.path} "
+                f"tokenize shard {t.url} holds token id {top}, but model.path {cfg.model.path} "
                 f"has a vocabulary of {engine.vocab_size}: the checkpoint does not match the tokenizer used in tokenize")
     if hosts.is_leader() or hosts.process_count() == 1:
         print(f"generate: {engine.describe()}", flush=True)
     return engine
 
 
-def _completions(engine, todo: dict[str, tuple[pa.Table, list[dict]]]) -> Iterator[tuple[str, Any, dict]]:
-    from engine import GenerationRequest
+def _completions(engine, todo: list[_ShardTodo]) -> Iterator[tuple[Any, "_Source"]]:
+    """Every completion with its prompt's source; requests are read lazily, shard by shard."""
+    sources: dict[int, _Source] = {}
 
-    sources: dict[int, tuple[str, dict]] = {}
-
-    def requests() -> Iterator[GenerationRequest]:
-        for shard, (_, rows) in todo.items():
-            for row in rows:
-                sources[row["prompt_index"]] = (shard, row)
-                yield GenerationRequest(row["prompt_index"], row["input_ids"], row["sample_indices"])
+    def requests() -> Iterator[Any]:
+        for t in todo:
+            yield from t.requests(sources)
 
     for c in engine.generate(requests(), stop=preemption.stop_requested):
-        shard, row = sources[c.prompt_index]
-        yield shard, c, row
+        source = sources[c.prompt_index]
+        source.samples_left -= 1
+        if not source.samples_left:
+            del sources[c.prompt_index]
+        yield c, source
 
 
-def _row(source: dict[str, Any], c: Any) -> dict[str, Any]:
+def _row(source: _Source, c: Any) -> dict[str, Any]:
     return {
-        "prompt_index": source["prompt_index"], "prompt_id": source["prompt_id"], "sample_index": c.sample_index,
-        "prompt": source["prompt"], "completion": c.text, "completion_token_ids": list(c.token_ids),
-        "num_prompt_tokens": source["num_tokens"], "num_completion_tokens": len(c.token_ids),
+        "prompt_index": c.prompt_index, "prompt_id": source.prompt_id, "sample_index": c.sample_index,
+        "prompt": source.prompt, "completion": c.text, "completion_token_ids": list(c.token_ids),
+        "num_prompt_tokens": source.num_tokens, "num_completion_tokens": len(c.token_ids),
         "finish_reason": c.finish_reason,
     }
 
