@@ -6,9 +6,18 @@ detected; only `cli.py` maps them to exit codes:
     ConfigError  -> 2   a config file, --set value or command line is wrong
     StepFailed   -> 1   a step could not finish (bad data, missing upstream, storage)
     Interrupted  -> 75  SIGTERM/SIGINT or a preemption notice: rerun the same command
+
+The engine imports nothing from the pipeline, so its checkpoint errors are plain ValueErrors;
+`checkpoint_errors()` gives them their kind here:
+
+    with checkpoint_errors():
+        check_checkpoint(cfg.model.path)
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 
 class PipelineError(Exception):
@@ -33,3 +42,16 @@ class Interrupted(PipelineError):
     """Stopped by a signal after committing finished work; rerun to resume (exit 75)."""
 
     exit_code = 75
+
+
+@contextlib.contextmanager
+def checkpoint_errors() -> Iterator[None]:
+    """engine/checkpoint.py's errors as ours: NotACheckpoint -> ConfigError, BrokenCheckpoint -> StepFailed."""
+    from engine.checkpoint import BrokenCheckpoint, NotACheckpoint
+
+    try:
+        yield
+    except NotACheckpoint as err:
+        raise ConfigError(str(err)) from err
+    except BrokenCheckpoint as err:
+        raise StepFailed(str(err)) from err

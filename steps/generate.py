@@ -39,8 +39,8 @@ from pipeline import storage
 from pipeline.pod import hosts, preemption
 from pipeline.run import status
 from pipeline.run.config import Config
-from pipeline.errors import StepFailed
-from pipeline.hf import load_tokenizer
+from engine.checkpoint import load_tokenizer
+from pipeline.errors import StepFailed, checkpoint_errors
 from pipeline.run.progress import Progress
 from pipeline.run.runner import StepOutput, StepResult
 
@@ -222,7 +222,8 @@ def _agree_on_todo(out: StepOutput, todo: dict[str, tuple[pa.Table, list[dict]]]
 def _load_engine(cfg: Config, out: StepOutput, todo: dict[str, tuple[pa.Table, list[dict]]]):
     from engine import Engine
 
-    tokenizer = load_tokenizer(cfg.model.path)
+    with checkpoint_errors():
+        tokenizer = load_tokenizer(cfg.model.path)
     longest = max(max(pc.max(t["num_tokens"]).as_py() or 0 for t, _ in todo.values()), 1)
     engine = Engine.load(cfg.model.path, dtype=cfg.model.dtype, sampling=cfg.sampling, engine=cfg.engine,
                          max_prompt_tokens=longest, tokenizer=tokenizer)

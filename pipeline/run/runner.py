@@ -23,11 +23,12 @@ from typing import Any, Callable, Literal
 
 import yaml
 
+from engine.checkpoint import check_checkpoint
 from pipeline import storage
 from pipeline.pod import hosts, preemption
 from pipeline.run import identity, status
 from pipeline.run.config import Config
-from pipeline.errors import ConfigError, Interrupted, StepFailed
+from pipeline.errors import ConfigError, Interrupted, StepFailed, checkpoint_errors
 from pipeline.storage.lease import Lease, LeaseLost
 
 
@@ -168,9 +169,8 @@ def preflight(cfg: Config, expect_hosts: int | None = None) -> str:
                           f"(--expect-hosts): {missing}; start the same command on every worker "
                           f"(gcloud ... ssh --worker=all), not on worker 0 only")
     plan = make_plan(cfg)
-    from engine.checkpoint import check_checkpoint
-
-    check_checkpoint(cfg.model.path)
+    with checkpoint_errors():
+        check_checkpoint(cfg.model.path)
     hosts.agree("preflight", {"versions": status.package_versions(), "code": code_digest(),
                               "plan": [[p.spec.name, p.hash] for p in plan]}, "code version and plan")
     hosts.barrier("preflight")
@@ -206,9 +206,8 @@ def run_steps(cfg: Config, targets: tuple[str, ...], force: bool = False, dry_ru
     if blocked:
         raise StepFailed(f"cannot run {blocked[0].spec.name}: {blocked[0].reason}")
     if any(p.action == "run" and p.spec.name in ("tokenize", "generate") for p in plan):
-        from engine.checkpoint import check_checkpoint  # config.json and headers only: seconds
-
-        check_checkpoint(cfg.model.path)  # a bad model.path fails now, not after tokenize
+        with checkpoint_errors():  # config.json and headers only: seconds
+            check_checkpoint(cfg.model.path)  # a bad model.path fails now, not after tokenize
     if dry_run:
         return plan
     by_name = {p.spec.name: p for p in plan}
