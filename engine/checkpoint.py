@@ -1,177 +1,277 @@
-"""A checkpoint folder checked in seconds, before any step starts: no weights are read.
+"""A Hugging Face checkpoint folder at any fsspec URL: the one module that knows its files.
 
-Owns saying what is wrong with `model.path` while the user is still watching, instead of
-after tokenize: the folder and its config.json, an architecture we run (engine/llama.py's
-`LlamaConfig.from_hf` decides), tokenizer files, safetensors files (one, several, or listed
-by `model.safetensors.index.json`), each file's header (8-byte little-endian length + JSON,
-offsets inside the file), and every tensor the loader needs with the shape config.json
-implies and a dtype it reads. It reads only config.json, the index and each header.
+Owns: listing the folder; reading config.json and generation_config.json; the tokenizer files
+and loading a fast tokenizer from them (on gs:// or memory:// the small files are copied to a
+local temp folder first: transformers reads only local paths); safetensors files (one, several,
+or listed by `model.safetensors.index.json`): each header (8-byte little-endian length + JSON,
+offsets inside the file) and rows of a tensor; which files hold weights; and the pre-flight
+check that says what is wrong with `model.path` in seconds, before any step starts (it reads
+config.json, the index and each header, no weights).
 
 Refuses: pickle-based weights (`*.bin`, `*.pt`, ...: loading them can run code; only
-safetensors and JSON are ever read), index entries that point outside the folder, and
-remote code (nothing here imports transformers).
+safetensors and JSON are ever read), index entries that point outside the folder, and remote
+code (`trust_remote_code` is never set). It imports neither JAX nor `pipeline`: placing tensors
+in the model is engine/llama.py's mapping, exit codes are the pipeline's.
 
-Exit codes, through the errors raised: a folder that is not a checkpoint we can run (missing,
-no config.json, another architecture, no tokenizer, pickle weights only) is a ConfigError
-naming `model.path` (exit 2); a file that is there but broken (bad JSON, corrupt or
-truncated header, missing tensor, wrong shape) is StepFailed naming that file (exit 1).
+Two errors, both ValueErrors naming `model.path` or the file: NotACheckpoint, a folder that is
+not a checkpoint we can run (missing, no config.json, another architecture, no tokenizer, pickle
+weights only; the pipeline exits 2), and BrokenCheckpoint, a file that is there but broken (bad
+JSON, corrupt or truncated header, missing tensor, wrong shape; exit 1).
 
     summary = check_checkpoint("gs://bucket/llama-3-8b")   # raises, or {"model_type": ..., ...}
+    tokenizer = load_tokenizer("gs://bucket/llama-3-8b")
+    tensors = read_tensors("gs://bucket/llama-3-8b")        # name -> Tensor (file, dtype, shape, offset)
+    rows = read_rows(tensors["model.norm.weight"], (64,), 0, 64)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 import struct
+import tempfile
 from typing import Any
 
-from engine.llama import LlamaConfig, UnsupportedModelError, checkpoint_mapping
-from pipeline import storage
-from pipeline.errors import ConfigError, StepFailed
+import fsspec
+import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-"""At least one must exist: what `pipeline/hf.py` loads a fast tokenizer from."""
+TOKENIZER_REQUIRED = ("tokenizer.json", "tokenizer_config.json")
+"""At least one must exist: what a fast tokenizer is built from."""
+TOKENIZER_FILES = TOKENIZER_REQUIRED + (
+    "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "chat_template.json", CONFIG_FILE,
+    GENERATION_CONFIG_FILE, "vocab.json", "merges.txt", "added_tokens.json")
+"""Every file transformers may read to build the tokenizer: copied when the folder is remote."""
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """Weights in Python's pickle format: loading them can execute code, so they are never read."""
-WEIGHT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
-"""Bytes per element of the dtypes engine/llama.py's loader reads (its `_SAFETENSORS_DTYPES`)."""
-HEADER_DTYPES = {**WEIGHT_DTYPES, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1, "I16": 2, "U16": 2,
-                 "I32": 4, "U32": 4, "I64": 8, "U64": 8}
-"""Every dtype the safetensors format defines: other tensors may have them; required ones may not."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+"""Files holding weights in any format: the tokenizer's fingerprint leaves them out."""
+WEIGHT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+"""The safetensors dtypes a weight may have, and the numpy dtype it is read as (no quantized ones)."""
+HEADER_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1,
+                      "BOOL": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8}
+"""Bytes per element of every dtype the safetensors format defines: other tensors may have any."""
 MAX_HEADER_BYTES = 100 << 20
 """The safetensors format's own limit on a header: a larger length field means a corrupt file."""
 HINT = "expected a Hugging Face checkpoint folder: config.json, *.safetensors, tokenizer files"
 
 
-def check_checkpoint(model_url: str) -> dict[str, Any]:
-    """Raise ConfigError/StepFailed naming the problem, or return what was found."""
-    fs, root = storage.filesystem(model_url)
+class NotACheckpoint(ValueError):
+    """model.path is not a checkpoint folder we can run (the pipeline exits 2)."""
+
+
+class BrokenCheckpoint(ValueError):
+    """A file of the checkpoint is there but broken; the message names it (the pipeline exits 1)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """Where one tensor of a safetensors file lies, from its header."""
+
+    name: str
+    url: str
+    """The file holding it, for messages."""
+    fs: Any
+    path: str
+    """The file's path inside `fs`."""
+    dtype: str
+    """The safetensors dtype code, e.g. BF16."""
+    shape: tuple[int, ...]
+    offset: int
+    """Byte offset of its data from the start of the file."""
+
+
+# ------------------------------------------------------------------------------ the folder
+
+
+@dataclasses.dataclass(frozen=True)
+class _Folder:
+    url: str
+    fs: Any
+    root: str
+    names: frozenset[str]
+
+    @staticmethod
+    def open(url: str) -> "_Folder":
+        fs, root = fsspec.core.url_to_fs(url)
+        root = root.rstrip("/")
+        if not fs.isdir(root):
+            what = "is a file, not a folder" if fs.exists(root) else "does not exist"
+            raise NotACheckpoint(f"model.path {url} {what} ({HINT})")
+        names = frozenset(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+        return _Folder(url.rstrip("/"), fs, root, names)
+
+    def url_of(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def read_json(self, name: str) -> dict[str, Any]:
+        try:
+            with self.fs.open(f"{self.root}/{name}", "rb") as f:
+                data = json.loads(f.read().decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise BrokenCheckpoint(f"{self.url_of(name)} is not valid JSON: {err}") from err
+        if not isinstance(data, dict):
+            raise BrokenCheckpoint(f"{self.url_of(name)} must hold a JSON object, got {type(data).__name__}")
+        return data
+
+
+def read_config(url: str) -> dict[str, Any]:
+    """config.json of the checkpoint at url, as a dict."""
+    folder = _Folder.open(url)
+    if CONFIG_FILE not in folder.names:
+        raise NotACheckpoint(f"model.path {url} has no config.json ({HINT})")
+    return folder.read_json(CONFIG_FILE)
+
+
+def eos_token_ids(url: str, config: dict[str, Any]) -> list[int]:
+    """The ids that end a completion: generation_config.json's eos_token_id, else config.json's."""
+    folder = _Folder.open(url)
+    generation = folder.read_json(GENERATION_CONFIG_FILE) if GENERATION_CONFIG_FILE in folder.names else {}
+    value = generation.get("eos_token_id", config.get("eos_token_id"))
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+# ------------------------------------------------------------------------------ tokenizer
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(url: str):
+    """The checkpoint's fast tokenizer (cached per URL within a process)."""
+    from transformers import AutoTokenizer
+
+    def load(local: str):
+        try:
+            return AutoTokenizer.from_pretrained(local, use_fast=True, trust_remote_code=False)
+        except (OSError, ValueError) as err:
+            raise BrokenCheckpoint(f"model.path {url}: could not load a tokenizer "
+                                   f"(tokenizer.json / tokenizer_config.json missing or invalid): {err}") from err
+
+    fs, root = fsspec.core.url_to_fs(url)
     root = root.rstrip("/")
-    if not fs.isdir(root):
-        what = "is a file, not a folder" if fs.exists(root) else "does not exist"
-        raise ConfigError(f"model.path {model_url} {what} ({HINT})")
-    names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
-    config = _config(fs, root, model_url, names)
-    if not any(name in names for name in TOKENIZER_FILES):
-        raise ConfigError(f"model.path {model_url} has no tokenizer ({' or '.join(TOKENIZER_FILES)} missing; {HINT})")
-    index, files = _weight_files(fs, root, model_url, names)
-    headers = {name: _header(fs, f"{root}/{name}", storage.join(model_url, name)) for name in files}
+    if isinstance(fs, LocalFileSystem):
+        return load(root)
+    # The loaded tokenizer keeps everything in memory: the copies can go once it is built.
+    with tempfile.TemporaryDirectory(prefix="pipeline-tokenizer-") as local:
+        for name in TOKENIZER_FILES:
+            if fs.exists(f"{root}/{name}"):
+                fs.get_file(f"{root}/{name}", f"{local}/{name}")
+        return load(local)
+
+
+# ------------------------------------------------------------------------------ safetensors
+
+
+def read_tensors(url: str) -> dict[str, Tensor]:
+    """Every tensor of the checkpoint, from the file it is read from: the index's, else the
+    last file (sorted) holding it. Headers and the index are checked; no data is read."""
+    return _tensors(_Folder.open(url))[0]
+
+
+def read_rows(tensor: Tensor, shape: tuple[int, ...], start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of the first axis of `tensor` viewed (row-major) as `shape`, in its own dtype."""
+    dtype = _numpy_dtype(tensor)
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    with tensor.fs.open(tensor.path, "rb") as f:
+        f.seek(tensor.offset + start * row_bytes)
+        data = np.frombuffer(f.read((stop - start) * row_bytes), dtype=dtype)
+    return data.reshape((stop - start,) + tuple(shape[1:]))
+
+
+def _numpy_dtype(tensor: Tensor) -> np.dtype:
+    if tensor.dtype not in WEIGHT_DTYPES:
+        raise BrokenCheckpoint(f"{tensor.url}: tensor {tensor.name} has dtype {tensor.dtype} (only "
+                               f"{', '.join(WEIGHT_DTYPES)} weights are read; quantized checkpoints are not)")
+    if tensor.dtype == "BF16":
+        import ml_dtypes  # numpy has no bfloat16; imported here, it costs 0.1 s at import time
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(WEIGHT_DTYPES[tensor.dtype])
+
+
+def _tensors(folder: _Folder) -> tuple[dict[str, Tensor], list[str]]:
+    """(every tensor by name, from the file it is read from; the safetensors files read)."""
+    index, files = _weight_files(folder)
+    headers = {name: _header(folder, name) for name in files}
     for tensor, file in index.items():
         if tensor not in headers[file]:
-            raise StepFailed(f"{storage.join(model_url, INDEX_FILE)}: tensor {tensor} is listed in {file}, "
-                             f"but {file} does not hold it (the index and the shards disagree)")
-    # Which file the loader reads a tensor from: the index's, else the last file (sorted) holding it.
-    where = dict(index) or {tensor: file for file in files for tensor in headers[file]}
-    expected = _expected_shapes(config)
-    missing = [name for name in expected if name not in where]
-    if missing:
-        raise StepFailed(f"model.path {model_url}: the checkpoint lacks {len(missing)} tensor(s) a "
-                         f"{config.model_type} with this config.json needs, e.g. {', '.join(missing[:3])}")
-    for name, shape in expected.items():
-        info, url = headers[where[name]][name], storage.join(model_url, where[name])
-        if info["dtype"] not in WEIGHT_DTYPES:
-            raise StepFailed(f"{url}: tensor {name} has dtype {info['dtype']} "
-                             f"(only {', '.join(WEIGHT_DTYPES)} weights are read; quantized checkpoints are not)")
-        if list(info["shape"]) != list(shape):
-            raise StepFailed(f"{url}: tensor {name} has shape {info['shape']}, config.json implies {list(shape)}")
-    return {"model_type": config.model_type, "files": sorted(headers), "tensors": len(where),
-            "layers": config.num_hidden_layers}
+            raise BrokenCheckpoint(f"{folder.url_of(INDEX_FILE)}: tensor {tensor} is listed in {file}, "
+                                   f"but {file} does not hold it (the index and the shards disagree)")
+    if index:
+        return {tensor: headers[file][tensor] for tensor, file in index.items()}, files
+    return {name: tensor for file in files for name, tensor in headers[file].items()}, files
 
 
-def _config(fs: Any, root: str, model_url: str, names: set[str]) -> LlamaConfig:
-    url = storage.join(model_url, "config.json")
-    if "config.json" not in names:
-        raise ConfigError(f"model.path {model_url} has no config.json ({HINT})")
-    try:
-        with fs.open(f"{root}/config.json", "rb") as f:
-            data = json.loads(f.read().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise StepFailed(f"{url} is not valid JSON: {err}") from err
-    if not isinstance(data, dict):
-        raise StepFailed(f"{url} must hold a JSON object, got {type(data).__name__}")
-    architectures = data.get("architectures") or []
-    if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") for a in architectures):
-        raise ConfigError(f"model.path {model_url}: architectures {architectures!r} in config.json is not a causal "
-                          f"LM (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
-    try:
-        config = LlamaConfig.from_hf(data, source=url)
-    except UnsupportedModelError as err:
-        raise ConfigError(str(err)) from err
-    except KeyError as err:
-        raise StepFailed(f"{url} lacks {err.args[0]!r}, which a {data.get('model_type')} config needs") from err
-    except (TypeError, ValueError, ZeroDivisionError) as err:
-        raise StepFailed(f"{url} has an invalid value: {type(err).__name__}: {err}") from err
-    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim")
-    for key in sizes:
-        if getattr(config, key) <= 0:
-            raise StepFailed(f"{url}: {key} must be > 0, got {getattr(config, key)}")
-    return config
-
-
-def _weight_files(fs: Any, root: str, model_url: str, names: set[str]) -> tuple[dict[str, str], list[str]]:
+def _weight_files(folder: _Folder) -> tuple[dict[str, str], list[str]]:
     """(tensor name -> file name from the index, or {} without one; the safetensors files to read)."""
+    names = folder.names
     safetensors = sorted(n for n in names if n.endswith(".safetensors") and not n.startswith("consolidated"))
     if INDEX_FILE not in names:
         if not safetensors:
             pickles = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
             if pickles:
-                raise ConfigError(
-                    f"model.path {model_url} holds only pickle weights ({', '.join(pickles[:3])}): they can run "
+                raise NotACheckpoint(
+                    f"model.path {folder.url} holds only pickle weights ({', '.join(pickles[:3])}): they can run "
                     f"code when loaded, so only *.safetensors are read (convert the checkpoint, e.g. load it in "
                     f"transformers and save_pretrained(..., safe_serialization=True))")
-            raise ConfigError(f"model.path {model_url} has no *.safetensors files ({HINT})")
+            raise NotACheckpoint(f"model.path {folder.url} has no *.safetensors files ({HINT})")
         return {}, safetensors
-    url = storage.join(model_url, INDEX_FILE)
+    url = folder.url_of(INDEX_FILE)
     try:
-        with fs.open(f"{root}/{INDEX_FILE}", "rb") as f:
+        with folder.fs.open(f"{folder.root}/{INDEX_FILE}", "rb") as f:
             weight_map = json.loads(f.read().decode("utf-8"))["weight_map"]
     except (ValueError, UnicodeDecodeError, KeyError, TypeError) as err:
-        raise StepFailed(f"{url} is not a valid safetensors index (a JSON object with a weight_map): "
-                         f"{type(err).__name__}: {err}") from err
+        raise BrokenCheckpoint(f"{url} is not a valid safetensors index (a JSON object with a weight_map): "
+                               f"{type(err).__name__}: {err}") from err
     if not isinstance(weight_map, dict) or not weight_map:
-        raise StepFailed(f"{url}: weight_map must be a non-empty object of tensor name -> file name")
+        raise BrokenCheckpoint(f"{url}: weight_map must be a non-empty object of tensor name -> file name")
     for tensor, file in weight_map.items():
         if not isinstance(file, str) or "/" in file or "\\" in file or file in ("", ".", ".."):
-            raise StepFailed(f"{url}: tensor {tensor} maps to {file!r}; entries must be file names in the folder")
+            raise BrokenCheckpoint(f"{url}: tensor {tensor} maps to {file!r}; entries must be file names in the folder")
         if file not in names:
-            raise StepFailed(f"{url}: tensor {tensor} is in {file}, which is not in model.path {model_url}")
+            raise BrokenCheckpoint(f"{url}: tensor {tensor} is in {file}, which is not in model.path {folder.url}")
     return dict(weight_map), sorted(set(weight_map.values()))
 
 
-def _header(fs: Any, path: str, url: str) -> dict[str, dict[str, Any]]:
+def _header(folder: _Folder, name: str) -> dict[str, Tensor]:
     """A safetensors header, checked: every tensor's dtype, shape and offsets fit the file."""
-    size = fs.size(path)
+    path, url = f"{folder.root}/{name}", folder.url_of(name)
+    size = folder.fs.size(path)
     corrupt = f"{url} is not a valid safetensors file"
     if size < 8:
-        raise StepFailed(f"{corrupt}: {size} bytes, shorter than the 8-byte header length")
-    with fs.open(path, "rb") as f:
+        raise BrokenCheckpoint(f"{corrupt}: {size} bytes, shorter than the 8-byte header length")
+    with folder.fs.open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         if not 2 <= length <= min(MAX_HEADER_BYTES, size - 8):
-            raise StepFailed(f"{corrupt}: the header length field says {length} bytes, the file has {size}")
+            raise BrokenCheckpoint(f"{corrupt}: the header length field says {length} bytes, the file has {size}")
         raw = f.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as err:
-        raise StepFailed(f"{corrupt}: its header is not valid JSON ({err})") from err
+        raise BrokenCheckpoint(f"{corrupt}: its header is not valid JSON ({err})") from err
     if not isinstance(header, dict):
-        raise StepFailed(f"{corrupt}: its header must be a JSON object, got {type(header).__name__}")
+        raise BrokenCheckpoint(f"{corrupt}: its header must be a JSON object, got {type(header).__name__}")
     header.pop("__metadata__", None)
     data_bytes = size - 8 - length
-    for name, info in header.items():
+    for tensor, info in header.items():
         problem = _tensor_problem(info, data_bytes)
         if problem:
-            raise StepFailed(f"{corrupt}: tensor {name} {problem}")
-    return header
+            raise BrokenCheckpoint(f"{corrupt}: tensor {tensor} {problem}")
+    return {tensor: Tensor(tensor, url, folder.fs, path, info["dtype"], tuple(info["shape"]),
+                           8 + length + info["data_offsets"][0]) for tensor, info in header.items()}
 
 
 def _tensor_problem(info: Any, data_bytes: int) -> str | None:
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
         return "needs dtype, shape and data_offsets"
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in HEADER_DTYPES:
+    if dtype not in HEADER_DTYPE_BYTES:
         return f"has unknown dtype {dtype!r}"
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         return f"has an invalid shape {shape!r}"
@@ -180,13 +280,70 @@ def _tensor_problem(info: Any, data_bytes: int) -> str | None:
         return f"has invalid data_offsets {offsets!r}"
     if offsets[1] > data_bytes:
         return f"ends at byte {offsets[1]} of the data, but the file holds {data_bytes} (truncated?)"
-    if offsets[1] - offsets[0] != math.prod(shape) * HEADER_DTYPES[dtype]:
-        return f"has {offsets[1] - offsets[0]} bytes, but {dtype} {shape} needs {math.prod(shape) * HEADER_DTYPES[dtype]}"
+    need = math.prod(shape) * HEADER_DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != need:
+        return f"has {offsets[1] - offsets[0]} bytes, but {dtype} {shape} needs {need}"
     return None
 
 
-def _expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+# ------------------------------------------------------------------------------ pre-flight check
+
+
+def check_checkpoint(url: str) -> dict[str, Any]:
+    """Raise NotACheckpoint/BrokenCheckpoint naming the problem, or return what was found."""
+    folder = _Folder.open(url)
+    config = _llama_config(folder)
+    if not any(name in folder.names for name in TOKENIZER_REQUIRED):
+        raise NotACheckpoint(f"model.path {url} has no tokenizer ({' or '.join(TOKENIZER_REQUIRED)} missing; {HINT})")
+    tensors, files = _tensors(folder)
+    expected = _expected_shapes(config)
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise BrokenCheckpoint(f"model.path {url}: the checkpoint lacks {len(missing)} tensor(s) a "
+                               f"{config.model_type} with this config.json needs, e.g. {', '.join(missing[:3])}")
+    for name, shape in expected.items():
+        tensor = tensors[name]
+        _numpy_dtype(tensor)
+        if list(tensor.shape) != list(shape):
+            raise BrokenCheckpoint(f"{tensor.url}: tensor {name} has shape {list(tensor.shape)}, "
+                                   f"config.json implies {list(shape)}")
+    return {"model_type": config.model_type, "files": files, "tensors": len(tensors),
+            "layers": config.num_hidden_layers}
+
+
+def _llama_config(folder: _Folder):
+    # engine/llama.py reads its tensors through this module: it is imported here, not at the top
+    # (which also keeps JAX out of the pipeline's config-time imports of the constants above).
+    from engine.llama import LlamaConfig, UnsupportedModelError
+
+    url = folder.url_of(CONFIG_FILE)
+    if CONFIG_FILE not in folder.names:
+        raise NotACheckpoint(f"model.path {folder.url} has no config.json ({HINT})")
+    data = folder.read_json(CONFIG_FILE)
+    architectures = data.get("architectures") or []
+    if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") for a in architectures):
+        raise NotACheckpoint(f"model.path {folder.url}: architectures {architectures!r} in config.json is not a "
+                             f"causal LM (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
+    try:
+        config = LlamaConfig.from_hf(data, source=url)
+    except UnsupportedModelError as err:
+        raise NotACheckpoint(str(err)) from err
+    except KeyError as err:
+        raise BrokenCheckpoint(f"{url} lacks {err.args[0]!r}, which a {data.get('model_type')} config needs") from err
+    except (TypeError, ValueError, ZeroDivisionError) as err:
+        raise BrokenCheckpoint(f"{url} has an invalid value: {type(err).__name__}: {err}") from err
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim")
+    for key in sizes:
+        if getattr(config, key) <= 0:
+            raise BrokenCheckpoint(f"{url}: {key} must be > 0, got {getattr(config, key)}")
+    return config
+
+
+def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
     """Every tensor the loader reads (engine/llama.py's mapping) and its shape as transformers saves it."""
+    from engine.llama import checkpoint_mapping
+
     hidden, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, \
         config.num_key_value_heads * config.head_dim
     by_suffix = {

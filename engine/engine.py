@@ -26,15 +26,14 @@ import bisect
 import collections
 import dataclasses
 import functools
-import json
 import time
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
-import fsspec
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine import checkpoint
 from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
 from engine.decode import DecodeSpec, decode_chunk, init_caches, init_state, prefill_into_slots
 from engine.llama import LlamaConfig, UnsupportedModelError, load_checkpoint
@@ -98,19 +97,6 @@ def length_buckets(limit: int, *, fine: bool) -> list[int]:
     return sorted(set(buckets)) + [limit]
 
 
-def _read_json(fs, path: str) -> dict[str, Any] | None:
-    if not fs.exists(path):
-        return None
-    with fs.open(path, "r") as f:
-        return json.load(f)
-
-
-def _as_ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-
-
 @dataclasses.dataclass
 class _Row:
     prompt_index: int
@@ -169,15 +155,10 @@ class Engine:
         if dtype not in DTYPES:
             raise InvalidConfig(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         require(max_prompt_tokens > 0, "prompts.max_prompt_tokens", max_prompt_tokens, "an integer > 0")
-        fs, root = fsspec.core.url_to_fs(model_path)
-        root = root.rstrip("/")
         config_path = f"{model_path.rstrip('/')}/config.json"
-        hf_config = _read_json(fs, f"{root}/config.json")
-        if hf_config is None:
-            raise FileNotFoundError(f"model.path {config_path} does not exist (expected a Hugging Face checkpoint folder)")
+        hf_config = checkpoint.read_config(model_path)
         config = LlamaConfig.from_hf(hf_config, source=config_path)
-        generation_config = _read_json(fs, f"{root}/generation_config.json") or {}
-        eos = _as_ids(generation_config.get("eos_token_id", hf_config.get("eos_token_id")))
+        eos = checkpoint.eos_token_ids(model_path, hf_config)
 
         seq_len = max_prompt_tokens + sampling.max_new_tokens
         if seq_len > config.max_position_embeddings:

@@ -2,8 +2,8 @@
 
 Owns: the config read from a Hugging Face `config.json` (refusing values the code does not
 implement), the blocks (RMS norm, rotary with llama3 scaling, grouped-query attention with an
-optional q/k/v bias, gated MLP, decoder layer), the LM head, and reading `*.safetensors` (one
-file or sharded with `model.safetensors.index.json`) from any fsspec URL tensor by tensor.
+optional q/k/v bias, gated MLP, decoder layer), the LM head, and the checkpoint mapping that
+places each tensor of a Hugging Face checkpoint (read by engine/checkpoint.py) in the model.
 Refuses: other architectures, sliding-window attention, rope types other than default/llama3.
 It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/engine.py`).
 
@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import struct
 from typing import Any, Callable
 
 import equinox as eqx
-import fsspec
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from haliax import Axis, NamedArray
 
+from engine import checkpoint
 from engine.jax_compat import hax
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -438,89 +435,36 @@ def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM
     return mapping
 
 
-_SAFETENSORS_DTYPES = {
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "F64": np.float64,
-}
-
-
-MAX_HEADER_BYTES = 100 << 20
-"""safetensors' own limit on a header; a larger length field means a corrupt file."""
-
-
-def _safetensors_header(f) -> tuple[dict, int]:
-    (header_len,) = struct.unpack("<Q", f.read(8))
-    if header_len > MAX_HEADER_BYTES:
-        raise ValueError(f"{getattr(f, 'path', getattr(f, 'name', 'a safetensors file'))}: header length "
-                         f"{header_len} is impossible (corrupt file)")
-    header = json.loads(f.read(header_len))
-    header.pop("__metadata__", None)
-    return header, 8 + header_len
-
-
-def checkpoint_files(fs, root: str) -> dict[str, str]:
-    """Tensor name -> safetensors file path, from the index when sharded."""
-    index = f"{root}/model.safetensors.index.json"
-    if fs.exists(index):
-        with fs.open(index, "r") as f:
-            weight_map = json.load(f)["weight_map"]
-        bad = sorted({file for file in weight_map.values() if "/" in file or "\\" in file or file.startswith(".")})
-        if bad:  # the index names files in this folder, never paths elsewhere
-            raise ValueError(f"{index}: weight_map names {bad[0]!r}, not a file name in the model folder")
-        return {name: f"{root}/{file}" for name, file in weight_map.items()}
-    files = [p for p in fs.glob(f"{root}/*.safetensors") if not p.rsplit("/", 1)[-1].startswith("consolidated")]
-    if not files:
-        raise FileNotFoundError(f"model.path {root}: no *.safetensors files (only safetensors checkpoints are read)")
-    names = {}
-    for path in sorted(files):
-        with fs.open(path, "rb") as f:
-            header, _ = _safetensors_header(f)
-        names.update({name: path for name in header})
-    return names
-
-
 def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> LlamaLM:
     """Reads every weight into `dtype`, tensor by tensor, straight into its sharding.
 
+    The files are engine/checkpoint.py's to read; this places each tensor by the mapping above.
     sharding: one `jax.sharding.Sharding` for every weight, a function (weight's axes) ->
     Sharding, or None (the first local device). For each of this host's devices only the rows of
     the tensor's first axis its block spans are read (once per distinct row range), so a host
     reads about its own share of a sharded model (all of it when replicated) and holds at most
     one tensor's worth of host memory beyond what is on its devices."""
-    fs, root = fsspec.core.url_to_fs(path)
-    root = root.rstrip("/")
-    files = checkpoint_files(fs, root)
+    tensors = checkpoint.read_tensors(path)
     skeleton = eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0))
     mapping = checkpoint_mapping(config)
-    missing = [name for name, _ in mapping if name not in files]
+    missing = [name for name, _ in mapping if name not in tensors]
     if missing:
         raise UnsupportedModelError(f"model.path {path}: checkpoint lacks {missing[:3]} ({len(missing)} missing tensors)")
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     sharding_for = sharding if callable(sharding) else lambda axes: sharding
 
-    headers = {}
     wheres, values = [], []
     for name, where in mapping:
-        file = files[name]
-        if file not in headers:
-            with fs.open(file, "rb") as f:
-                headers[file] = _safetensors_header(f)
-        header, data_start = headers[file]
-        info = header[name]
+        tensor = tensors[name]
         target = where(skeleton)
         shape = tuple(target.array.shape)
-        if info["dtype"] not in _SAFETENSORS_DTYPES:
-            raise UnsupportedModelError(f"model.path {file}: tensor {name} has dtype {info['dtype']} (only float tensors are read)")
-        if math.prod(info["shape"]) != math.prod(shape):
+        if math.prod(tensor.shape) != math.prod(shape):
             raise UnsupportedModelError(
-                f"model.path {file}: tensor {name} has shape {info['shape']}, config.json implies {shape}"
+                f"model.path {tensor.url}: tensor {name} has shape {list(tensor.shape)}, config.json implies {shape}"
             )
         # Devices holding different columns of the same rows share one read of those rows.
-        rows = functools.lru_cache(maxsize=None)(functools.partial(
-            _read_rows, fs, file, data_start + info["data_offsets"][0], np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]), shape))
+        rows = functools.lru_cache(maxsize=None)(functools.partial(checkpoint.read_rows, tensor, shape))
 
         def block(index, rows=rows, shape=shape):
             first = range(shape[0])[index[0]]
@@ -531,12 +475,3 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> 
         wheres.append(where)
         values.append(hax.named(array, target.axes))
     return eqx.tree_at(lambda m: [w(m) for w in wheres], skeleton, values)
-
-
-def _read_rows(fs, file: str, offset: int, source_dtype: np.dtype, shape: tuple[int, ...], start: int, stop: int) -> np.ndarray:
-    """Rows [start, stop) of the first axis of the row-major tensor at byte `offset` of `file`."""
-    row_bytes = math.prod(shape[1:]) * source_dtype.itemsize
-    with fs.open(file, "rb") as f:
-        f.seek(offset + start * row_bytes)
-        data = np.frombuffer(f.read((stop - start) * row_bytes), dtype=source_dtype)
-    return data.reshape((stop - start,) + shape[1:])

@@ -7,13 +7,20 @@ process that must end where no exception can reach):
     ConfigError  -> 2   a config file, --set value or command line is wrong
     StepFailed   -> 1   a step could not finish (bad data, missing upstream, storage)
     Interrupted  -> 75  SIGTERM/SIGINT or a preemption notice: rerun the same command
+
+The engine imports nothing from the pipeline, so its checkpoint errors are plain ValueErrors;
+`checkpoint_errors()` gives them their kind here:
+
+    with checkpoint_errors():
+        check_checkpoint(cfg.model.path)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from typing import NoReturn
+from typing import Iterator, NoReturn
 
 
 class PipelineError(Exception):
@@ -58,3 +65,16 @@ def exit_now(code: int, message: str | None = None) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+@contextlib.contextmanager
+def checkpoint_errors() -> Iterator[None]:
+    """engine/checkpoint.py's errors as ours: NotACheckpoint -> ConfigError, BrokenCheckpoint -> StepFailed."""
+    from engine.checkpoint import BrokenCheckpoint, NotACheckpoint
+
+    try:
+        yield
+    except NotACheckpoint as err:
+        raise ConfigError(str(err)) from err
+    except BrokenCheckpoint as err:
+        raise StepFailed(str(err)) from err

@@ -59,7 +59,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: demo/ is not installed
     from demo.checkpoint import build_checkpoint
     from pipeline.run.config import build_config
-    from pipeline.hf import load_tokenizer
+    from engine.checkpoint import load_tokenizer
     from pipeline.run.step import StepOutput
     from steps.tokenize import BATCH_ROWS, tokenize
 

@@ -40,8 +40,8 @@ from pipeline import storage
 from pipeline.pod import hosts, preemption
 from pipeline.run import status
 from pipeline.run.config import Config
-from pipeline.errors import StepFailed
-from pipeline.hf import load_tokenizer
+from engine.checkpoint import load_tokenizer
+from pipeline.errors import StepFailed, checkpoint_errors
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
 
@@ -315,7 +315,8 @@ def _agree_on_todo(out: StepOutput, todo: list[_ShardTodo]) -> None:
 def _load_engine(cfg: Config, todo: list[_ShardTodo]):
     from engine import Engine
 
-    tokenizer = load_tokenizer(cfg.model.path)
+    with checkpoint_errors():
+        tokenizer = load_tokenizer(cfg.model.path)
     longest = max(max(t.longest_prompt() for t in todo), 1)
     engine = Engine.load(cfg.model.path, dtype=cfg.model.dtype, sampling=cfg.sampling, engine=cfg.engine,
                          max_prompt_tokens=longest, tokenizer=tokenizer)

@@ -63,10 +63,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine.checkpoint import load_tokenizer
 from pipeline import storage
 from pipeline.pod import hosts, preemption
 from pipeline.run.config import Config, PromptsConfig
-from pipeline.errors import ConfigError, StepFailed
+from pipeline.errors import ConfigError, StepFailed, checkpoint_errors
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
 from steps.prompt_files import BATCH_ROWS, BLANK, Row, format_of, input_files, read_rows
@@ -177,9 +178,8 @@ class _Encoder:
     """Chat formatting + batched fast tokenization, with the model's BOS rule."""
 
     def __init__(self, cfg: Config):
-        from pipeline.hf import load_tokenizer
-
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        with checkpoint_errors():
+            self.tokenizer = load_tokenizer(cfg.model.path)
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:
             from tokenizers import Tokenizer

@@ -1,26 +1,72 @@
-"""Shared fixtures: a tiny demo checkpoint, configs in temp folders, hermetic environment.
+"""Shared fixtures and helpers: the tiny demo checkpoint, configs in temp folders, `pipeline`
+processes (one-shot, or in the background to signal or kill, pods included), a fake run for
+merge and upload, hermetic W&B, and the GCS emulator.
 
-Each step's test module may add its own fixtures below its own heading.
+The environment every test runs in is set once, in `pytest_configure`, before any test module
+is imported; a test that needs another value sets it with `monkeypatch`. Each step's test
+module may add its own fixtures below its own heading.
 """
 
 from __future__ import annotations
 
+import glob
+import importlib
+import json
 import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
-# Keep every test hermetic: no W&B network, no user settings, one CPU device per process.
-os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("WANDB_SILENT", "true")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-# Unreachable test URLs (http://127.0.0.1:1/...) should fail in seconds, not after the
-# production retry budget; tests of the retries set their own.
-os.environ.setdefault("PIPELINE_STORAGE_RETRY_S", "5")
+from pipeline import storage
+from pipeline.run import status
+from pipeline.run.config import build_config
+from pipeline.run.step import StepInput, StepOutput, ancestors
+from steps import PIPELINE
+from steps.generate import SCHEMA
 
 REPO = Path(__file__).resolve().parent.parent
+
+HERMETIC_ENV = {
+    "WANDB_MODE": "offline",
+    "WANDB_SILENT": "true",
+    "TOKENIZERS_PARALLELISM": "false",
+    # Else every gcsfs open/write first probes a gRPC bucket-type service the GCS emulator
+    # lacks (a ~60 s stall each); gcsfs reads it when imported, hence before collection.
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    # Unreachable test URLs (http://127.0.0.1:1/...) should fail in seconds, not after the
+    # production retry budget; tests of the retries set their own.
+    "PIPELINE_STORAGE_RETRY_S": "5",
+    # Pods of local processes notice a killed or stopped host after 5 s instead of 30 s.
+    "PIPELINE_HEARTBEAT_TIMEOUT_S": "5",
+}
+"""The session's environment, unless the caller set a value: no W&B network, no user settings."""
+_SESSION_ENV = pytest.StashKey[pytest.MonkeyPatch]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    patch = config.stash[_SESSION_ENV] = pytest.MonkeyPatch()
+    for var, value in HERMETIC_ENV.items():
+        if var not in os.environ:
+            patch.setenv(var, value)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    config.stash[_SESSION_ENV].undo()
+
+
+# --- the demo checkpoint and configs ------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -34,27 +80,12 @@ def demo_model(tmp_path_factory) -> str:
 
 
 def write_prompts(path: Path, texts: list[str]) -> Path:
-    import json
-
     path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
     return path
 
 
-def pipeline(*args: str, env: dict | None = None, timeout: float = 400):
-    """Run `pipeline ARGS...` in a fresh process (extra `env` on top of ours); returns CompletedProcess."""
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
-
-
 def generated_rows(root) -> dict[tuple[int, int], tuple]:
     """Every committed generate row under `root`, by (prompt_index, sample_index); fails on a row written twice."""
-    import glob
-
-    import pyarrow.parquet as pq
-
     rows: dict[tuple[int, int], tuple] = {}
     for path in sorted(glob.glob(f"{root}/generate-*/shard-*/part-*.parquet")):
         for r in pq.read_table(path).to_pylist():
@@ -98,22 +129,124 @@ def make_config(tmp_path, demo_model):
     return make
 
 
+# --- pipeline processes ----------------------------------------------------------------------
+
+
+def pipeline(*args: str, env: dict | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
+    """Run `pipeline ARGS...` in a fresh process (extra `env` on top of ours); returns CompletedProcess."""
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+class Process:
+    """A command running in the background, in its own session so that a test can signal it and
+    the hosts it launches; stdout and stderr merged, collected line by line as they come.
+    Start one with the `start_pipeline` or `start_process` fixture."""
+
+    def __init__(self, argv: list[str], env: dict | None = None):
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.lines: list[str] = []
+        self._new_line = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._new_line:
+                self.lines.append(line)
+                self._new_line.notify_all()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit code once ended (after `finish`), else None."""
+        return self.proc.returncode
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, needle: str, timeout_s: float = 300) -> bool:
+        """True as soon as a line holds `needle` (tests act at that moment: stop the storage, kill
+        a host); False if the process ended first."""
+        deadline, seen = time.monotonic() + timeout_s, 0
+        with self._new_line:
+            while time.monotonic() < deadline:
+                if any(needle in line for line in self.lines[seen:]):
+                    return True
+                seen = len(self.lines)
+                if self.proc.poll() is not None:
+                    break
+                self._new_line.wait(timeout=0.1)
+            else:
+                raise AssertionError(f"no {needle!r} after {timeout_s}s:\n{self.output[-3000:]}")
+        self._reader.join(timeout=5)
+        return any(needle in line for line in self.lines)
+
+    def wait_for_files(self, pattern: str, at_least: int = 1, timeout_s: float = 240) -> None:
+        """Wait until `pattern` (a glob) matches `at_least` files; fail if the process ended first."""
+        deadline = time.monotonic() + timeout_s
+        while len(glob.glob(pattern)) < at_least:
+            assert self.proc.poll() is None, f"finished before it could be interrupted: {self.output[-3000:]}"
+            assert time.monotonic() < deadline, f"no {pattern} appeared"
+            time.sleep(0.05)
+
+    def hosts(self) -> list[int]:
+        """The process ids of its direct children (the hosts of a `pipeline launch`), in start order."""
+        found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        return sorted(int(p) for p in found.stdout.split())
+
+    def send_signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL to its whole session: the process and every host it started."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def finish(self, timeout_s: float = 400) -> int:
+        """Its exit code once it ends and its output is read; killed, and the test failed, after timeout_s."""
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running after {timeout_s}s:\n{self.output[-3000:]}")
+        self._reader.join(timeout=10)
+        return code
+
+
+@pytest.fixture
+def start_process():
+    """start_process(argv, env=None) -> Process. Whatever is still running when the test ends is
+    killed, hosts included, so a test that fails half way leaves no pod behind."""
+    started: list[Process] = []
+
+    def start(argv: list[str], env: dict | None = None) -> Process:
+        started.append(Process(argv, env))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.kill()
+
+
+@pytest.fixture
+def start_pipeline(start_process):
+    """start_pipeline(*args, env=None) -> Process running `pipeline ARGS...` (extra `env` on top of ours)."""
+
+    def start(*args: str, env: dict | None = None) -> Process:
+        return start_process([sys.executable, "-m", "pipeline.cli", *args], env)
+
+    return start
+
+
 # --- merge and upload (issue 7): upstream outputs as tokenize/generate leave them, hermetic W&B ---
-
-import glob  # noqa: E402 - this section's own imports, kept with it
-import importlib  # noqa: E402
-import json  # noqa: E402
-import struct  # noqa: E402
-import sys  # noqa: E402
-
-import pyarrow as pa  # noqa: E402
-
-from pipeline import storage  # noqa: E402
-from pipeline.run import status  # noqa: E402
-from pipeline.run.config import build_config  # noqa: E402
-from pipeline.run.step import StepInput, StepOutput, ancestors  # noqa: E402
-from steps import PIPELINE  # noqa: E402
-from steps.generate import SCHEMA  # noqa: E402
 
 
 def _generation_row(prompt_index: int, sample_index: int, completion: str | None = None) -> dict:
@@ -227,7 +360,7 @@ def fake_run(tmp_path):
 
 @pytest.fixture
 def wandb_env(tmp_path, monkeypatch):
-    """Hermetic W&B as ../shared/docs/wandb-offline.md describes: offline, every folder under tmp_path."""
+    """Hermetic W&B: offline, no account or network, every folder W&B writes under tmp_path."""
     base = tmp_path / "wandb-env"
     for var, sub in {"WANDB_DIR": "dir", "WANDB_DATA_DIR": "data", "WANDB_CACHE_DIR": "cache",
                      "WANDB_CONFIG_DIR": "config", "WANDB_ARTIFACT_DIR": "artifacts", "HOME": "home",
@@ -311,14 +444,6 @@ def _read_wandb_run(run_dir: str) -> dict:
 
 
 # --- GCS emulator (tokenize, issue 4): a local fake-gcs-server for real gs:// I/O through gcsfs ---
-# See ../shared/docs/gcs-emulator.md for why these settings. GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is
-# set at the top of this file, before anything imports gcsfs.
-
-import socket  # noqa: E402 - this section's own imports, kept with it
-import subprocess  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-import uuid  # noqa: E402
 
 
 def free_port() -> int:
@@ -359,19 +484,15 @@ def gcs_emulator():
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_fake_gcs(port)
-    saved = os.environ.get("STORAGE_EMULATOR_HOST")
-    os.environ["STORAGE_EMULATOR_HOST"] = url
-    gcsfs.GCSFileSystem.clear_instance_cache()  # an instance made before now would talk to real GCS
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        if saved is None:
-            os.environ.pop("STORAGE_EMULATOR_HOST", None)
-        else:
-            os.environ["STORAGE_EMULATOR_HOST"] = saved
-        gcsfs.GCSFileSystem.clear_instance_cache()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STORAGE_EMULATOR_HOST", url)
+        gcsfs.GCSFileSystem.clear_instance_cache()  # an instance made before now would talk to real GCS
+        try:
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+    gcsfs.GCSFileSystem.clear_instance_cache()
 
 
 @pytest.fixture

@@ -18,16 +18,13 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import write_config, write_prompts
+from tests.conftest import Process, pipeline, write_config, write_prompts
 
 PHASES = ("tokenize", "generate", "merge")
 
@@ -39,57 +36,17 @@ def chaos_config(folder: Path, demo_model: str) -> str:
                         sampling={"max_new_tokens": 12, "n": 2}, engine={"batch_size": 8, "part_rows": 8})
 
 
-class Pod:
-    """One `pipeline launch --hosts 3 -- run all` with its output collected line by line."""
-
-    def __init__(self, config: str):
-        env = {**os.environ, "PIPELINE_HEARTBEAT_TIMEOUT_S": "5", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "launch", "--hosts", "3", "--", "run", "all", "--config", config],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def wait_for(self, needle: str, timeout_s: float = 300) -> bool:
-        """True once a line holds `needle`; False if the pod ended first."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if any(needle in line for line in list(self.lines)):
-                return True
-            if self.proc.poll() is not None:
-                self.reader.join(timeout=5)
-                return any(needle in line for line in self.lines)
-            time.sleep(0.05)
-        raise AssertionError(f"no {needle!r} after {timeout_s}s:\n{self.output[-3000:]}")
-
-    def hosts(self) -> list[int]:
-        found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
-        return [int(p) for p in found.stdout.split()]
-
-    def finish(self, timeout_s: float = 400) -> int:
-        try:
-            code = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise AssertionError(f"pod still running after {timeout_s}s:\n{self.output[-3000:]}")
-        self.reader.join(timeout=10)
-        return code
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
+def launch(start_pipeline, config: str) -> Process:
+    """One `pipeline launch --hosts 3 -- run all`, its output collected line by line."""
+    return start_pipeline("launch", "--hosts", "3", "--", "run", "all", "--config", config,
+                          env={"PIPELINE_HEARTBEAT_TIMEOUT_S": "5"})
 
 
 DELAY_S = {"tokenize": 1.5, "generate": 4.0, "merge": 0.5}
 """Upper bound of the random wait between a step's start line and the kill."""
 
 
-def storm(config: str, root: Path, kills: int, seed: int) -> tuple[list[str], int]:
+def storm(start_pipeline, config: str, root: Path, kills: int, seed: int) -> tuple[list[str], int]:
     """Kill up to `kills` hosts at random moments of tokenize, generate and merge, until the run
     gets past merge; returns the log and the kills delivered."""
     rng = random.Random(seed)
@@ -102,7 +59,7 @@ def storm(config: str, root: Path, kills: int, seed: int) -> tuple[list[str], in
             break
         wanted = PHASES[done % len(PHASES)]
         phase = wanted if wanted in left else rng.choice(left)
-        pod = Pod(config)
+        pod = launch(start_pipeline, config)
         if pod.wait_for(f"[{phase}]"):
             time.sleep(rng.uniform(0, DELAY_S[phase]))
             victims = pod.hosts()
@@ -121,9 +78,9 @@ def storm(config: str, root: Path, kills: int, seed: int) -> tuple[list[str], in
     return log, done
 
 
-def finish_run(config: str, log: list[str]) -> None:
+def finish_run(start_pipeline, config: str, log: list[str]) -> None:
     for _ in range(3):
-        pod = Pod(config)
+        pod = launch(start_pipeline, config)
         code = pod.finish()
         log.append(f"final rerun exited {code}")
         if code == 0:
@@ -155,15 +112,14 @@ def check_complete_steps(root: Path) -> None:
 def reference(tmp_path_factory, demo_model) -> list[tuple]:
     folder = tmp_path_factory.mktemp("clean")
     config = chaos_config(folder, demo_model)
-    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", config],
-                            capture_output=True, text=True, timeout=600)
+    result = pipeline("run", "all", "--config", config, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = merged(folder / "runs")
     assert [(p, s) for p, s, *_ in rows] == [(p, s) for p in range(48) for s in range(2)]
     return rows
 
 
-def run_storm(tmp_path: Path, demo_model: str, reference: list[tuple], kills: int) -> None:
+def run_storm(start_pipeline, tmp_path: Path, demo_model: str, reference: list[tuple], kills: int) -> None:
     """Storms on fresh run roots until `kills` kills were delivered; each run must end exact."""
     seed = int(os.environ.get("CHAOS_SEED", random.randrange(1 << 30)))
     delivered, run = 0, 0
@@ -171,23 +127,22 @@ def run_storm(tmp_path: Path, demo_model: str, reference: list[tuple], kills: in
         folder = tmp_path / f"storm-{run}"
         folder.mkdir()
         config = chaos_config(folder, demo_model)
-        log, done = storm(config, folder / "runs", kills - delivered, seed + run)
-        finish_run(config, log)
+        log, done = storm(start_pipeline, config, folder / "runs", kills - delivered, seed + run)
+        finish_run(start_pipeline, config, log)
         print("\n".join(log))
         assert merged(folder / "runs") == reference, "\n".join(log)
         check_complete_steps(folder / "runs")
-        states = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--config", config, "--json"],
-                                capture_output=True, text=True)
+        states = pipeline("status", "--config", config, "--json")
         assert [s["state"] for s in json.loads(states.stdout)["steps"]] == ["complete"] * 4
         delivered, run = delivered + done, run + 1
         assert run <= kills, "the storm delivers no kills"
     print(f"{delivered} kills over {run} run(s), every result exact")
 
 
-def test_short_preemption_storm_on_a_3_host_pod(tmp_path, demo_model, reference):
-    run_storm(tmp_path, demo_model, reference, kills=3)
+def test_short_preemption_storm_on_a_3_host_pod(tmp_path, demo_model, reference, start_pipeline):
+    run_storm(start_pipeline, tmp_path, demo_model, reference, kills=3)
 
 
 @pytest.mark.chaos
-def test_long_preemption_storm_on_a_3_host_pod(tmp_path, demo_model, reference):
-    run_storm(tmp_path, demo_model, reference, kills=24)
+def test_long_preemption_storm_on_a_3_host_pod(tmp_path, demo_model, reference, start_pipeline):
+    run_storm(start_pipeline, tmp_path, demo_model, reference, kills=24)

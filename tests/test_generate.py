@@ -7,24 +7,13 @@ import glob
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.conftest import generated_rows, pipeline
 
-
 GREEDY = {"sampling": {"max_new_tokens": 12, "temperature": 0.0, "n": 2}, "engine": {"batch_size": 4, "part_rows": 4}}
-
-
-# Notice a killed host after 5 s instead of the default 30 s.
-os.environ["PIPELINE_HEARTBEAT_TIMEOUT_S"] = "5"
-
-
-
-
 
 
 @pytest.fixture
@@ -60,31 +49,23 @@ def test_any_host_count_gives_the_same_rows(make_config, tmp_path, many_prompts,
     assert len(metrics) == hosts
 
 
-def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+PARTS = "generate-*/shard-*/part-*.parquet"
 
 
-def _wait_for_parts(root, at_least: int, proc: subprocess.Popen, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while len(glob.glob(f"{root}/generate-*/shard-*/part-*.parquet")) < at_least:
-        assert proc.poll() is None, f"finished before it could be interrupted: {proc.stdout.read()[-2000:]}"
-        assert time.monotonic() < deadline, "no parts appeared"
-        time.sleep(0.05)
-
-
-def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp_path, many_prompts, reference):
+def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp_path, many_prompts, reference,
+                                                                start_pipeline):
     """A hard kill loses only uncommitted rows; the rerun (now 1 host instead of 2) fills exactly the gaps."""
     root = tmp_path / "killed"
     config = make_config("killed.yaml", run={"root": str(root)}, prompts={"path": many_prompts}, **GREEDY)
     assert pipeline("run", "tokenize", "--config", config).returncode == 0
-    pod = _start(["launch", "--hosts", "2", "--", "run", "generate", "--config", config])
-    _wait_for_parts(root, 2, pod)
-    victim = [p for p in _children(pod.pid)]
+    pod = start_pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config)
+    pod.wait_for_files(f"{root}/{PARTS}", at_least=2)
+    victim = pod.hosts()
     assert victim, "no host processes found"
     os.kill(victim[-1], signal.SIGKILL)
     started = time.monotonic()
-    output, _ = pod.communicate(timeout=240)
+    pod.finish(timeout_s=240)
+    output = pod.output
     assert pod.returncode == 75, output[-3000:]  # a killed host is a preemption: rerun to resume
     print(f"pod exited {pod.returncode} {time.monotonic() - started:.1f}s after the kill:\n{output[-1500:]}")
     partial = generated_rows(root)
@@ -97,14 +78,15 @@ def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp
     assert generated_rows(root) == reference
 
 
-def test_sigterm_commits_finished_rows_and_exits_75(make_config, tmp_path, many_prompts, reference):
+def test_sigterm_commits_finished_rows_and_exits_75(make_config, tmp_path, many_prompts, reference, start_pipeline):
     root = tmp_path / "termed"
     config = make_config("termed.yaml", run={"root": str(root)}, prompts={"path": many_prompts}, **GREEDY)
     assert pipeline("run", "tokenize", "--config", config).returncode == 0
-    proc = _start(["run", "generate", "--config", config])
-    _wait_for_parts(root, 1, proc)
+    proc = start_pipeline("run", "generate", "--config", config)
+    proc.wait_for_files(f"{root}/{PARTS}")
     proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=120)
+    proc.finish(timeout_s=120)
+    output = proc.output
     assert proc.returncode == 75, output[-3000:]
     assert output.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
     committed = generated_rows(root)
@@ -115,8 +97,3 @@ def test_sigterm_commits_finished_rows_and_exits_75(make_config, tmp_path, many_
     assert result.returncode == 0, result.stderr[-3000:]
     assert generated_rows(root) == reference
 
-
-def _children(pid: int) -> list[int]:
-    """Host processes started by a `pipeline launch` (direct children of pid)."""
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]

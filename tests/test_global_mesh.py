@@ -11,8 +11,6 @@ import glob
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,8 +20,6 @@ from engine.mesh import MeshShape, mesh_shape
 from tests.conftest import generated_rows, pipeline
 from pipeline.run.config import build_config
 from pipeline.errors import ConfigError
-
-os.environ["PIPELINE_HEARTBEAT_TIMEOUT_S"] = "5"
 
 SETTINGS = {"sampling": {"max_new_tokens": 8, "temperature": 0.0, "n": 2},
             "engine": {"batch_size": 4, "part_rows": 4}, "prompts": {"num_shards": 4}}
@@ -82,10 +78,6 @@ def test_engine_mode_and_mesh_config():
 # --- a 2-host pod on CPU ------------------------------------------------------------------
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
@@ -140,19 +132,15 @@ def test_two_host_global_mesh_equals_one_host_and_resumes_lost_parts(make_config
     assert generated_rows(tmp_path / "pod") == reference
 
 
-def test_sigterm_stops_every_host_together_then_resumes(make_config, tmp_path, prompts, reference):
+def test_sigterm_stops_every_host_together_then_resumes(make_config, tmp_path, prompts, reference, start_pipeline):
     root = tmp_path / "termed"
     config = _pod_config(make_config, tmp_path, prompts, "termed")
-    pod = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "launch", "--hosts", "2", "--", "run", "generate",
-                            "--config", config, *GLOBAL, "--set", "engine.batch_size=2"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while not glob.glob(f"{root}/generate-*/shard-*/part-*.parquet"):
-        assert pod.poll() is None, f"finished before it could be interrupted: {pod.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, "no parts appeared"
-        time.sleep(0.05)
-    os.kill(_children(pod.pid)[0], signal.SIGTERM)  # the leader only: the other host must stop too
-    output, _ = pod.communicate(timeout=180)
+    pod = start_pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL,
+                         "--set", "engine.batch_size=2")
+    pod.wait_for_files(f"{root}/generate-*/shard-*/part-*.parquet", timeout_s=300)
+    os.kill(pod.hosts()[0], signal.SIGTERM)  # the leader only: the other host must stop too
+    pod.finish(timeout_s=180)
+    output = pod.output
     assert pod.returncode == 75, output[-4000:]
     assert "stopped by a stop signal on another host" in output, output[-3000:]
     committed = generated_rows(root)
@@ -164,27 +152,18 @@ def test_sigterm_stops_every_host_together_then_resumes(make_config, tmp_path, p
     assert generated_rows(root) == reference
 
 
-def test_a_host_killed_mid_collective_does_not_hang_the_pod(make_config, tmp_path, prompts):
+def test_a_host_killed_mid_collective_does_not_hang_the_pod(make_config, tmp_path, prompts, start_pipeline):
     """The survivor waits inside a collective no exception reaches: its watchdog ends it (exit 75)."""
     root = tmp_path / "killed"
     config = _pod_config(make_config, tmp_path, prompts, "killed")
-    pod = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "launch", "--hosts", "2", "--", "run", "generate",
-                            "--config", config, *GLOBAL, "--set", "engine.batch_size=2"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                           env={**os.environ, "PIPELINE_HEARTBEAT_TIMEOUT_S": "5"})
-    deadline = time.monotonic() + 300
-    while not glob.glob(f"{root}/generate-*/shard-*/part-*.parquet"):
-        assert pod.poll() is None, f"finished before it could be killed: {pod.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, "no parts appeared"
-        time.sleep(0.05)
-    os.kill(_children(pod.pid)[1], signal.SIGKILL)
+    pod = start_pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL,
+                         "--set", "engine.batch_size=2")
+    pod.wait_for_files(f"{root}/generate-*/shard-*/part-*.parquet", timeout_s=300)
+    os.kill(pod.hosts()[1], signal.SIGKILL)
     killed_at = time.monotonic()
-    output, _ = pod.communicate(timeout=180)
+    pod.finish(timeout_s=180)
+    output = pod.output
     assert pod.returncode == 75, output[-4000:]
     assert time.monotonic() - killed_at < 60, "the survivor hung until launch killed it"
     assert "still running" not in output and "host 1 stopped responding" in output, output[-3000:]
 
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return sorted(int(x) for x in out.split())

@@ -3,14 +3,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.pod.launch import free_port
 from tests.conftest import pipeline
-
-
 
 
 def test_launch_two_hosts_meet_at_a_barrier_and_agree_on_the_plan(make_config):
@@ -25,14 +21,16 @@ def test_hosts_with_different_configs_fail_fast_naming_the_difference(make_confi
     port = str(free_port())
     env = {"PIPELINE_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "PIPELINE_NUM_PROCESSES": "2"}
     config = make_config()
-    procs = [subprocess.Popen([sys.executable, "-m", "pipeline.cli", "preflight", "--config", config,
-                               *(["--set", "sampling.temperature=0.9"] if i else [])],
-                              env={**os.environ, **env, "PIPELINE_PROCESS_ID": str(i)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outputs = [p.communicate(timeout=120) for p in procs]
+
+    def host(i: int):
+        return pipeline("preflight", "--config", config, *(["--set", "sampling.temperature=0.9"] if i else []),
+                        env={**env, "PIPELINE_PROCESS_ID": str(i)}, timeout=120)
+
+    with ThreadPoolExecutor(2) as pool:  # both hosts at once: they meet in jax.distributed
+        procs = list(pool.map(host, range(2)))
     assert procs[1].returncode == 2
-    assert "host 1/2: code version and plan differs from the leader's" in outputs[1][1]
-    assert "plan" in outputs[1][1].strip().splitlines()[-1]
+    assert "host 1/2: code version and plan differs from the leader's" in procs[1].stderr
+    assert "plan" in procs[1].stderr.strip().splitlines()[-1]
 
 
 def test_a_missing_host_fails_in_bounded_time_with_a_clear_message(make_config):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -18,9 +17,7 @@ import pytest
 
 from pipeline import storage
 from pipeline.storage.lease import Lease, LeaseBusy, LeaseLost
-from tests.conftest import pipeline
-
-
+from tests.conftest import Process, pipeline
 
 
 def step_hash(config: str, step: str) -> str:
@@ -29,7 +26,7 @@ def step_hash(config: str, step: str) -> str:
     return next(s["hash"] for s in json.loads(result.stdout)["steps"] if s["name"] == step)
 
 
-def hold_lease(root: str, step: str, step_hash_: str) -> subprocess.Popen:
+def hold_lease(start_process, root: str, step: str, step_hash_: str) -> Process:
     """Another runner: a process that takes the lease and then hangs (until killed)."""
     code = textwrap.dedent(f"""
         import time
@@ -39,15 +36,16 @@ def hold_lease(root: str, step: str, step_hash_: str) -> subprocess.Popen:
         print("held", flush=True)
         time.sleep(600)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "held"
-    return proc
+    holder = start_process([sys.executable, "-c", code])
+    assert holder.wait_for("held"), holder.output
+    return holder
 
 
-def test_local_second_runner_refuses_or_waits_and_takes_over_when_the_holder_dies(make_config, tmp_path):
+def test_local_second_runner_refuses_or_waits_and_takes_over_when_the_holder_dies(make_config, tmp_path, start_process,
+                                                                                  start_pipeline):
     config = make_config()
     root = str(tmp_path / "runs")
-    holder = hold_lease(root, "tokenize", step_hash(config, "tokenize"))
+    holder = hold_lease(start_process, root, "tokenize", step_hash(config, "tokenize"))
     try:
         refused = pipeline("run", "all", "--config", config, "--no-wait")
         assert refused.returncode == 75, refused.stderr
@@ -56,17 +54,13 @@ def test_local_second_runner_refuses_or_waits_and_takes_over_when_the_holder_die
         assert all(s["state"] != "complete" for s in steps)
         assert f"pid {holder.pid}" in steps[0]["running"] and "running" not in steps[1]
 
-        waiting = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", config],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        seen = ""
-        while "waiting:" not in seen:
-            line = waiting.stdout.readline()
-            assert line, f"runner ended without waiting: {seen}"
-            seen += line
+        waiting = start_pipeline("run", "all", "--config", config)
+        assert waiting.wait_for("waiting:"), f"runner ended without waiting: {waiting.output}"
+        seen = waiting.output
         assert f"pid {holder.pid}" in seen and "as soon as its holder exits" in seen
         holder.send_signal(signal.SIGKILL)  # the holder dies without releasing anything
-        rest, _ = waiting.communicate(timeout=300)
-        assert waiting.returncode == 0, seen + rest
+        waiting.finish(timeout_s=300)
+        assert waiting.returncode == 0, waiting.output
     finally:
         holder.kill()
     states = json.loads(pipeline("status", "--config", config, "--json").stdout)["steps"]

@@ -93,5 +93,5 @@ def test_no_pickle_eval_or_remote_code_in_the_pipeline_source():
 
 def test_every_from_pretrained_call_refuses_remote_code():
     calls = [(p, m.group(0)) for p in SOURCES for m in re.finditer(r"from_pretrained\((?:[^()]|\([^()]*\))*\)", p.read_text())]
-    assert calls, "expected pipeline/hf.py to load the tokenizer with from_pretrained"
+    assert calls, "expected engine/checkpoint.py to load the tokenizer with from_pretrained"
     assert all("trust_remote_code=False" in call for _, call in calls), calls

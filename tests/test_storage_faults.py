@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -23,7 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import free_port, start_fake_gcs, write_config
+from tests.conftest import Process, free_port, pipeline, start_fake_gcs, write_config
 
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "proxy-connection"}
 
@@ -133,26 +131,16 @@ def emulator(tmp_path):
     emu.stop()
 
 
-def start_run(config: str, storage_host: str | None = None, **env: str) -> subprocess.Popen:
-    environment = {**os.environ, **env}
+def start_run(start_pipeline, config: str, storage_host: str | None = None, **env: str) -> Process:
+    """`pipeline run all` in the background; gs:// goes to storage_host when given."""
     if storage_host:
-        environment["STORAGE_EMULATOR_HOST"] = storage_host
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "all", "--config", config],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+        env["STORAGE_EMULATOR_HOST"] = storage_host
+    return start_pipeline("run", "all", "--config", config, env=env)
 
 
-def wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float = 240) -> str:
-    seen, deadline = "", time.monotonic() + timeout_s
-    while needle not in seen:
-        line = proc.stdout.readline()
-        assert line and time.monotonic() < deadline, f"no {needle!r} in:\n{seen}"
-        seen += line
-    return seen
-
-
-def finish(proc: subprocess.Popen, seen: str = "", timeout_s: float = 400) -> tuple[int, str]:
-    rest, _ = proc.communicate(timeout=timeout_s)
-    return proc.returncode, seen + rest
+def finish(run: Process, timeout_s: float = 400) -> tuple[int, str]:
+    """(exit code, everything it printed) once it ends."""
+    return run.finish(timeout_s), run.output
 
 
 def merged_rows(root: str, storage_host: str | None = None) -> list[tuple]:
@@ -180,18 +168,18 @@ def merged_rows(root: str, storage_host: str | None = None) -> list[tuple]:
 def reference(tmp_path_factory, demo_model) -> list[tuple]:
     """The merged rows of a clean run of the default test config on local disk (greedy decoding)."""
     folder = tmp_path_factory.mktemp("clean")
-    code, output = finish(start_run(write_config(folder, demo_model)))
-    assert code == 0, output
+    result = pipeline("run", "all", "--config", write_config(folder, demo_model))
+    assert result.returncode == 0, result.stdout + result.stderr
     return merged_rows(str(folder / "runs"))
 
 
-def test_flaky_gcs_requests_are_retried_and_the_result_is_exact(emulator, make_config, reference):
+def test_flaky_gcs_requests_are_retried_and_the_result_is_exact(emulator, make_config, reference, start_pipeline):
     proxy = FlakyProxy(emulator.port, every=6, max_failures=10)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
         root = f"{emulator.bucket()}/runs"
         config = make_config(run={"root": root, "name": "test"})
-        code, output = finish(start_run(config, proxy.url, PIPELINE_STORAGE_RETRY_S="60"))
+        code, output = finish(start_run(start_pipeline, config, proxy.url, PIPELINE_STORAGE_RETRY_S="60"))
     finally:
         proxy.shutdown()
     assert code == 0, output
@@ -199,36 +187,35 @@ def test_flaky_gcs_requests_are_retried_and_the_result_is_exact(emulator, make_c
     assert merged_rows(root, emulator.url) == reference
 
 
-def test_gcs_restarted_mid_generate_the_run_still_completes_exactly(emulator, make_config, reference):
+def test_gcs_restarted_mid_generate_the_run_still_completes_exactly(emulator, make_config, reference, start_pipeline):
     root = f"{emulator.bucket()}/runs"
     config = make_config(run={"root": root, "name": "test"})
-    run = start_run(config, emulator.url, PIPELINE_STORAGE_RETRY_S="60")
-    seen = wait_for_line(run, "[generate]")
+    run = start_run(start_pipeline, config, emulator.url, PIPELINE_STORAGE_RETRY_S="60")
+    assert run.wait_for("[generate]", timeout_s=240), run.output
     emulator.stop()
     time.sleep(3)
     emulator.start()
-    code, output = finish(run, seen)
+    code, output = finish(run)
     assert code == 0, output
     assert merged_rows(root, emulator.url) == reference
 
 
-def test_gcs_gone_for_good_fails_with_one_line_then_the_rerun_completes(emulator, make_config, reference):
+def test_gcs_gone_for_good_fails_with_one_line_then_the_rerun_completes(emulator, make_config, reference, start_pipeline):
     root = f"{emulator.bucket()}/runs"
     config = make_config(run={"root": root, "name": "test"})
-    run = start_run(config, emulator.url, PIPELINE_STORAGE_RETRY_S="2")
-    seen = wait_for_line(run, "[generate]")
+    run = start_run(start_pipeline, config, emulator.url, PIPELINE_STORAGE_RETRY_S="2")
+    assert run.wait_for("[generate]", timeout_s=240), run.output
     emulator.stop()
-    code, output = finish(run, seen)
+    code, output = finish(run)
     last = output.strip().splitlines()[-1]
     assert code == 1, output
     assert last.startswith("error: storage: could not") and root.split("/")[2] in last, output
 
     emulator.start()  # the objects written before the outage are still there: resume
-    status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--config", config, "--json"],
-                            capture_output=True, text=True, env={**os.environ, "STORAGE_EMULATOR_HOST": emulator.url})
+    status = pipeline("status", "--config", config, "--json", env={"STORAGE_EMULATOR_HOST": emulator.url})
     states = {s["name"]: s["state"] for s in json.loads(status.stdout)["steps"]}
     assert states["tokenize"] == "complete" and states["generate"] != "complete", states
-    code, output = finish(start_run(config, emulator.url))
+    code, output = finish(start_run(start_pipeline, config, emulator.url))
     assert code == 0, output
     assert merged_rows(root, emulator.url) == reference
 
@@ -249,7 +236,7 @@ def leftovers(root: Path) -> list[str]:
     return [str(p) for p in root.rglob("*") if ".tmp-" in p.name]
 
 
-def test_full_disk_fails_clearly_marks_nothing_and_the_rerun_completes(small_disk, make_config, reference):
+def test_full_disk_fails_clearly_marks_nothing_and_the_rerun_completes(small_disk, make_config, reference, start_pipeline):
     config = make_config(run={"root": str(small_disk / "runs"), "name": "test"})
     filler = small_disk / "filler"
     with open(filler, "wb") as f:  # leave no room at all
@@ -259,23 +246,23 @@ def test_full_disk_fails_clearly_marks_nothing_and_the_rerun_completes(small_dis
                 f.flush()
         except OSError:
             pass
-    code, output = finish(start_run(config))
+    code, output = finish(start_run(start_pipeline, config))
     last = output.strip().splitlines()[-1]
     assert code == 1, output
     assert "No space left on device" in last and "the disk is full" in last and str(small_disk) in last, last
     assert not list(small_disk.rglob("_SUCCESS.json")) and not leftovers(small_disk)
 
     filler.unlink()
-    code, output = finish(start_run(config))
+    code, output = finish(start_run(start_pipeline, config))
     assert code == 0, output
     assert merged_rows(str(small_disk / "runs")) == reference
     assert not leftovers(small_disk)
 
 
-def test_read_only_run_root_fails_with_one_line_naming_it(small_disk, make_config):
+def test_read_only_run_root_fails_with_one_line_naming_it(small_disk, make_config, start_pipeline):
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
     config = make_config(run={"root": str(small_disk / "runs"), "name": "test"})
-    code, output = finish(start_run(config))
+    code, output = finish(start_run(start_pipeline, config))
     last = output.strip().splitlines()[-1]
     assert code == 1, output
     assert "Read-only file system" in last and str(small_disk / "runs") in last, last

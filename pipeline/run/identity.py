@@ -16,6 +16,7 @@ import hashlib
 import json
 from typing import Any
 
+from engine.checkpoint import WEIGHT_SUFFIXES
 from pipeline import storage
 from pipeline.run.config import Config
 from pipeline.errors import StepFailed
@@ -53,9 +54,6 @@ CONTENT_INPUTS: dict[str, tuple[str, ...]] = {
     "upload": (),
 }
 """Input files whose content (not location) changes each step's output."""
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
-
 
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

@@ -23,8 +23,9 @@ from typing import Any, Callable, Literal
 
 import yaml
 
+from engine.checkpoint import check_checkpoint
 from pipeline import storage
-from pipeline.errors import ConfigError, StepFailed
+from pipeline.errors import ConfigError, StepFailed, checkpoint_errors
 from pipeline.pod import hosts, preemption
 from pipeline.run import identity, status
 from pipeline.run.config import Config
@@ -115,9 +116,8 @@ def preflight(cfg: Config, graph: tuple[Step, ...], expect_hosts: int | None = N
                           f"(--expect-hosts): {missing}; start the same command on every worker "
                           f"(gcloud ... ssh --worker=all), not on worker 0 only")
     plan = make_plan(cfg, graph)
-    from engine.checkpoint import check_checkpoint
-
-    check_checkpoint(cfg.model.path)
+    with checkpoint_errors():
+        check_checkpoint(cfg.model.path)
     hosts.agree("preflight", {"versions": status.package_versions(), "code": code_digest(),
                               "plan": [[p.name, p.hash] for p in plan]}, "code version and plan")
     hosts.barrier("preflight")
@@ -155,9 +155,8 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
     if blocked:
         raise StepFailed(f"cannot run {blocked[0].name}: {blocked[0].reason}")
     if any(p.action == "run" and p.name in ("tokenize", "generate") for p in plan):
-        from engine.checkpoint import check_checkpoint  # config.json and headers only: seconds
-
-        check_checkpoint(cfg.model.path)  # a bad model.path fails now, not after tokenize
+        with checkpoint_errors():  # config.json and headers only: seconds
+            check_checkpoint(cfg.model.path)  # a bad model.path fails now, not after tokenize
     if dry_run:
         return plan
     by_name = {p.name: p for p in plan}

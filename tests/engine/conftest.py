@@ -8,25 +8,27 @@ greedy tokens are not a coin toss between near-ties.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-# This folder is named like the package it tests. Under pytest's default (prepend) import mode
-# tests/ is on sys.path, so `import engine` would find this folder as a namespace package
-# before the editable install's finder; putting the repo root on sys.path makes the real
-# package win (a regular package beats a namespace portion wherever it sits on sys.path).
-# float32 reference comparisons mean float32 matmuls (GPUs default to TF32); no effect on CPU.
-os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+from engine_testlib import VOCAB
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.append(str(REPO))
-if getattr(sys.modules.get("engine"), "__file__", "") is None:
-    del sys.modules["engine"]
+# tests/engine/ is named like the package it tests; pyproject's `pythonpath = ["."]` puts the
+# repo root on sys.path, so `import engine` finds the real package, not this folder.
+_SESSION_ENV = pytest.StashKey[pytest.MonkeyPatch]()
 
-from engine_testlib import VOCAB  # noqa: E402
+
+def pytest_configure(config: pytest.Config) -> None:
+    # float32 reference comparisons mean float32 matmuls (GPUs default to TF32); no effect on
+    # CPU. Set before the engine tests import JAX, which reads it then.
+    patch = config.stash[_SESSION_ENV] = pytest.MonkeyPatch()
+    if "JAX_DEFAULT_MATMUL_PRECISION" not in os.environ:
+        patch.setenv("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    config.stash[_SESSION_ENV].undo()
 
 
 def _randomize(model, std: float = 0.3) -> None:
