@@ -59,7 +59,7 @@ SCHEMA = pa.schema([
     ("num_completion_tokens", pa.int32()),
     ("finish_reason", pa.string()),
 ])
-"""The merged output's columns (../shared/CONTRACT.md); parts already hold them."""
+"""The merged output's columns (docs/contract.md, "Result"); parts already hold them."""
 
 
 @dataclass(frozen=True)

@@ -227,7 +227,7 @@ def fake_run(tmp_path):
 
 @pytest.fixture
 def wandb_env(tmp_path, monkeypatch):
-    """Hermetic W&B as ../shared/docs/wandb-offline.md describes: offline, every folder under tmp_path."""
+    """Hermetic W&B: offline, every folder wandb writes (and HOME) under tmp_path, no key."""
     base = tmp_path / "wandb-env"
     for var, sub in {"WANDB_DIR": "dir", "WANDB_DATA_DIR": "data", "WANDB_CACHE_DIR": "cache",
                      "WANDB_CONFIG_DIR": "config", "WANDB_ARTIFACT_DIR": "artifacts", "HOME": "home",
@@ -311,7 +311,7 @@ def _read_wandb_run(run_dir: str) -> dict:
 
 
 # --- GCS emulator (tokenize, issue 4): a local fake-gcs-server for real gs:// I/O through gcsfs ---
-# See ../shared/docs/gcs-emulator.md for why these settings. GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is
+# fake-gcs-server speaks the JSON API gcsfs uses; GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is
 # set at the top of this file, before anything imports gcsfs.
 
 import socket  # noqa: E402 - this section's own imports, kept with it
