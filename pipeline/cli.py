@@ -8,6 +8,7 @@ pipeline/ops/tpu.py, where tests import it. It hands the runner the step graph (
 
     pipeline run all --config demo/config.yaml
     pipeline status --config demo/config.yaml --json
+    pipeline show --config demo/config.yaml -n 5
     pipeline launch --hosts 2 -- run all --config demo/config.yaml
     pipeline tpu run --tpu my-tpu --zone us-east5-a --spot -- run all --config configs/my-run.yaml
 """
@@ -155,18 +156,41 @@ def status_command(
     set_: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: {\"steps\": [...]}.")] = False,
 ) -> None:
-    """Show each step's hash, output URL, state (complete/partial/missing), rows, and why it would (not) run.
+    """Show each step's hash, output URL, state (complete/partial/missing), rows, why it would (not) run, and
+    where the merged result is.
 
     Example: pipeline status --config demo/config.yaml --json
     """
 
     def body() -> None:
         from pipeline.run.config import load_config
-        from pipeline.run.status_report import report, report_text
+        from pipeline.run.status_report import report, report_json, report_text, result_of
         from steps import PIPELINE
 
         rows = report(load_config(config, set_ or []), PIPELINE)
-        typer.echo(json.dumps({"steps": rows}, indent=2) if as_json else report_text(rows))
+        result = result_of(rows)
+        typer.echo(json.dumps(report_json(rows, result), indent=2) if as_json else report_text(rows, result))
+
+    _guard(body)
+
+
+@app.command("show")
+def show_command(
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    rows: Annotated[int, typer.Option("--rows", "-n", min=1, help="How many rows to show.")] = 5,
+) -> None:
+    """Show the first rows of this config's result as a table: prompt, completion, finish reason.
+
+    Example: pipeline show --config demo/config.yaml -n 3
+    """
+
+    def body() -> None:
+        from pipeline.run.config import load_config
+        from pipeline.run.result import show_text
+        from steps import PIPELINE
+
+        typer.echo(show_text(load_config(config, set_ or []), PIPELINE, config, rows))
 
     _guard(body)
 

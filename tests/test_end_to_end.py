@@ -66,6 +66,15 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     assert all(n == len(ids) for n, ids in zip(merged["num_completion_tokens"].to_pylist(),
                                                 merged["completion_token_ids"].to_pylist()))
 
+    text = invoke("status", "--config", config).output.splitlines()
+    merge_url = steps["merge"]["output"]
+    assert text[-1] == f"result: {merge_url}/merged-00000.parquet (24 rows in 1 file)"
+    shown = invoke("show", "--config", config, "-n", "3")
+    assert shown.exit_code == 0, shown.output
+    assert shown.output.splitlines()[0] == f"{merge_url}/merged-00000.parquet (24 rows in 1 file)"
+    assert "(p0, 0)" in shown.output and "(p0, 1)" in shown.output and "(p1, 0)" in shown.output
+    assert "(p1, 1)" not in shown.output and "3 of 24 rows" in shown.output
+
     before = snapshot(runs)
     second = invoke("run", "all", "--config", config)
     assert second.exit_code == 0 and second.output.count("skip") >= 4
@@ -81,3 +90,8 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     assert {p: t for p, t in after.items() if "/tokenize-" in p} == {p: t for p, t in before.items() if "/tokenize-" in p}
     new_dirs = {os.path.relpath(p, runs).split(os.sep)[0] for p in set(after) - set(before)}
     assert sorted(d.split("-")[0] for d in new_dirs) == ["generate", "merge", "upload"]
+    # Two results under one run root now: status names the one of this config (issue 14).
+    result = json.loads(invoke("status", "--config", config, "--set", "sampling.temperature=0.3",
+                               "--json").output)["result"]
+    assert result["rows"] == 24 and len(result["files"]) == 1 and merge_url not in result["files"][0]
+    assert os.path.relpath(result["files"][0], runs).split(os.sep)[0] in new_dirs
