@@ -246,12 +246,13 @@ def wandb_env(tmp_path, monkeypatch):
 
 @pytest.fixture
 def read_wandb_run():
-    """read_wandb_run(offline_run_dir) -> {run_id, config, summary, history, artifacts} as recorded."""
+    """read_wandb_run(offline_run_dir) -> {run_id, group, config, summary, history, artifacts, files} as recorded."""
     return _read_wandb_run
 
 
 def _read_wandb_run(run_dir: str) -> dict:
-    """What an offline run recorded, from its `.wandb` record log: config, summary, history, artifacts.
+    """What an offline run recorded, from its `.wandb` record log: config, summary, history, artifacts,
+    saved files.
 
     The log is LevelDB's format (7-byte header `:W&B`, 0xBEE1, 0; 32 KiB blocks of records with a
     crc32/length/type header, types full=1, first=2, middle=3, last=4), each record a wandb Record.
@@ -282,11 +283,12 @@ def _read_wandb_run(run_dir: str) -> dict:
             target = target.setdefault(k, {})
         target[keys[-1]] = json.loads(item.value_json)
 
-    run = {"config": {}, "summary": {}, "history": [], "artifacts": [], "run_id": None}
+    run = {"config": {}, "summary": {}, "history": [], "artifacts": [], "run_id": None, "group": None,
+           "files": []}
     for r in records:
         kind = r.WhichOneof("record_type")
         if kind == "run":
-            run["run_id"] = r.run.run_id
+            run["run_id"], run["group"] = r.run.run_id, r.run.run_group
             for item in r.run.config.update:
                 put(run["config"], item)
         elif kind == "config":
@@ -300,6 +302,8 @@ def _read_wandb_run(run_dir: str) -> dict:
             for item in r.history.item:
                 put(row, item)
             run["history"].append(row)
+        elif kind == "files":  # run.save(): paths relative to the run's files folder
+            run["files"].extend(f.path for f in r.files.files)
         elif kind == "artifact":
             a = r.artifact
             run["artifacts"].append({

@@ -176,3 +176,57 @@ def test_remote_root_writes_the_offline_run_to_the_local_cache(merged_run, wandb
         assert saved["run_id"] == result.summary.run_id
     finally:
         storage.remove("memory://upload-test", recursive=True)
+
+
+# --- issue 14: one W&B run per result, the table in the run, every step's metrics and logs ---------
+
+
+def test_one_run_per_result_grouped_by_run_name(merged_run, read_wandb_run):
+    """Issue 14: two samplings of one run.name landed in the same W&B run (its id came from root and name)."""
+    import dataclasses
+
+    from steps.upload import _run_id
+
+    run = merged_run()
+    result = run.run("upload")
+    assert result.summary["run_id"] == f"test-run-{run.HASHES['merge']}"
+    recorded = read_wandb_run(result.summary["offline_run_dir"])
+    assert recorded["group"] == "test run" and recorded["run_id"] == result.summary["run_id"]
+
+    out = run.out("upload")  # another result of the same run.name: merge's hash differs
+    other = dataclasses.replace(out, hash="0b1d0000000e", url=out.url + "x",
+                                upstream={"merge": dataclasses.replace(out.upstream["merge"], hash="3e7e0000000f")})
+    assert _run_id(run.cfg, other) == "test-run-3e7e0000000f"
+
+
+def test_the_table_is_logged_to_the_run_and_every_steps_metrics_and_logs_are_there(merged_run, read_wandb_run):
+    run = merged_run()
+    for step in ("tokenize", "generate", "merge"):
+        for host in range(2 if step == "generate" else 1):
+            storage.write_text(storage.join(run.url[step], "logs", f"host-{host:05d}.log"),
+                               f"{step} on host {host}\n")
+    result = run.run("upload")
+    run_dir = result.summary["offline_run_dir"]
+    recorded = read_wandb_run(run_dir)
+
+    (logged,) = [h["generations"] for h in recorded["history"] if "generations" in h]
+    assert logged["_type"] == "table-file" and logged["nrows"] == 20
+    table = json.loads(open(os.path.join(run_dir, "files", logged["path"])).read())
+    rows = [dict(zip(table["columns"], r)) for r in table["data"]]
+    assert [(r["prompt_index"], r["sample_index"], r["completion"]) for r in rows] == [
+        (r["prompt_index"], r["sample_index"], r["completion"]) for r in merged_rows(run)]
+
+    summary = recorded["summary"]
+    assert summary["tokenize/rows"] == 10 and summary["tokenize/rejected"] == 0 and summary["tokenize/tokens"] == 50
+    assert summary["generate/rows"] == 20 and summary["generate/generated_tokens"] == 60
+    assert summary["generate/hosts/host-1/tokens_per_s"] == 200 and summary["generate/compile_s"] == 0.5
+    assert summary["merge/rows"] == 20 and summary["merge/duplicates_dropped"] == 0 and summary["merge/files"] == 3
+    assert summary["merge/finish_reasons/eos"] == 10 and summary["upload/wall_s"] > 0
+    assert {k for k in summary if k.endswith("/wall_s")} >= {f"{s}/wall_s" for s in ("tokenize", "generate", "merge", "upload")}
+    assert recorded["config"]["pipeline"]["steps"] == {**run.HASHES}
+
+    expected = ["logs/tokenize/host-00000.log", "logs/generate/host-00000.log", "logs/generate/host-00001.log",
+                "logs/merge/host-00000.log"]
+    assert sorted(f for f in recorded["files"] if f.startswith("logs/")) == sorted(expected)
+    assert result.summary["logs"] == 4
+    assert open(os.path.join(run_dir, "files", "logs", "generate", "host-00001.log")).read() == "generate on host 1\n"
