@@ -215,10 +215,12 @@ class _Blame:
     source: str
     overrides: dict[str, str]
 
-    def __call__(self, key: str) -> str:
+    def __call__(self, key: str, unknown: bool = False) -> str:
+        """The source of `key`. For an unknown key the `--set` value is not repeated: it may be a
+        secret meant for a key that does not exist (`--set wandb.api_key=...`)."""
         for set_key in sorted(self.overrides, key=len, reverse=True):  # the most specific first
             if key == set_key or key.startswith(set_key + ".") or key.startswith(set_key + "["):
-                return f"--set {self.overrides[set_key]}"
+                return f"--set {set_key}=..." if unknown else f"--set {self.overrides[set_key]}"
         return self.source
 
 
@@ -234,7 +236,7 @@ def _build(cls: type, data: Any, prefix: str, blame: _Blame) -> Any:
     unknown = sorted((str(k) for k in data if k not in fields))  # YAML keys may be numbers, null, ...
     if unknown:
         raise ConfigError(
-            f"{blame(prefix + unknown[0])}: unknown key {prefix}{unknown[0]} (valid keys in {where}: {', '.join(fields)})"
+            f"{blame(prefix + unknown[0], unknown=True)}: unknown key {prefix}{unknown[0]} (valid keys in {where}: {', '.join(fields)})"
         )
     values = {}
     for name, f in fields.items():
