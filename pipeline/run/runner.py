@@ -27,6 +27,7 @@ from pipeline import storage
 from pipeline.errors import ConfigError, StepFailed
 from pipeline.pod import hosts, preemption
 from pipeline.run import identity, status
+from pipeline.run.checks import check_inputs
 from pipeline.run.config import Config
 from pipeline.run.step import Step, StepInput, StepOutput, StepResult, ancestors, in_order
 from pipeline.storage.lease import Lease
@@ -154,10 +155,9 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
     blocked = [p for p in plan if p.action == "blocked"]
     if blocked:
         raise StepFailed(f"cannot run {blocked[0].name}: {blocked[0].reason}")
-    if any(p.action == "run" and p.name in ("tokenize", "generate") for p in plan):
-        from engine.checkpoint import check_checkpoint  # config.json and headers only: seconds
-
-        check_checkpoint(cfg.model.path)  # a bad model.path fails now, not after tokenize
+    # Every input of the steps about to run (model headers, prompt files, run.root, W&B key): in
+    # seconds, before any step folder or lease exists, so a bad input leaves nothing behind.
+    check_inputs(cfg, {p.name for p in plan if p.action == "run"}, is_leader=hosts.is_leader(), dry_run=dry_run)
     if dry_run:
         return plan
     by_name = {p.name: p for p in plan}
