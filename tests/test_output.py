@@ -39,3 +39,33 @@ def test_a_resumed_progress_counts_what_was_already_done():
     bar.close()
     line = out.getvalue().strip().splitlines()[-1]
     assert line.startswith("generate: 25,857/200,000 samples (21,504 resumed), ")
+
+
+def test_a_step_log_keeps_clean_whole_lines_of_this_host(tmp_path, capsys):
+    from pipeline.run import steplog
+
+    step = str(tmp_path / "generate-abc")
+    with steplog.step_log(step, host=1):
+        print("generate: loading")
+        sys.stderr.write("\rbar 1/3\rbar 2/3\rbar 3/3\n\x1b[31mwarning\x1b[0m\npartial")
+    assert "generate: loading" in capsys.readouterr().out  # the terminal still sees everything
+    assert steplog.log_urls(step) == [f"{step}/logs/host-00001.log"]
+    assert open(f"{step}/logs/host-00001.log").read() == "generate: loading\nbar 3/3\nwarning\npartial\n"
+
+    with steplog.step_log(str(tmp_path / "merge-abc"), host=1):
+        pass  # a host with nothing to say leaves no log (and no folder)
+    assert not (tmp_path / "merge-abc").exists()
+
+
+def test_a_step_log_on_remote_storage_is_uploaded_when_the_step_ends():
+    from pipeline import storage
+    from pipeline.run import steplog
+
+    step = "memory://steplog-test/runs/tokenize-abc"
+    try:
+        for attempt in (1, 2):
+            with steplog.step_log(step, host=0):
+                print(f"attempt {attempt}")
+        assert storage.read_bytes(f"{step}/logs/host-00000.log") == b"attempt 1\nattempt 2\n"
+    finally:
+        storage.remove("memory://steplog-test", recursive=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import sys
 import tempfile
 from typing import Iterator, TextIO
@@ -37,20 +38,37 @@ def log_urls(step_url: str) -> list[str]:
     return storage.list_files(folder, suffix=".log") if storage.exists(folder) else []
 
 
+class _LazyFile:
+    """A log file opened (appending) on its first line: a host that prints nothing during a step
+    (a non-leader waiting through tokenize) leaves no empty log behind."""
+
+    def __init__(self, path: str):
+        self.path, self.file = path, None
+
+    def write_lines(self, lines: list[str]) -> None:
+        if self.file is None:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self.file = open(self.path, "a", encoding="utf-8", errors="replace")
+        self.file.write("".join(line + "\n" for line in lines))
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
 class _Tee:
     """A text stream that writes through to `stream` and keeps clean whole lines in `log`."""
 
-    def __init__(self, stream: TextIO, log: TextIO):
+    def __init__(self, stream: TextIO, log: _LazyFile):
         self.stream, self.log, self.pending = stream, log, ""
 
     def write(self, text: str) -> int:
         written = self.stream.write(text)
         self.pending += text
         *lines, self.pending = self.pending.split("\n")
-        for line in lines:
-            self.log.write(_ANSI.sub("", line.rsplit("\r", 1)[-1]) + "\n")
         if lines:
-            self.log.flush()
+            self.log.write_lines([_clean(line) for line in lines])
         return written
 
     def flush(self) -> None:
@@ -58,13 +76,17 @@ class _Tee:
 
     def close_line(self) -> None:
         """Keep a last line that never got its newline (an interrupted progress bar)."""
-        tail = _ANSI.sub("", self.pending.rsplit("\r", 1)[-1])
-        if tail.strip():
-            self.log.write(tail + "\n")
+        if _clean(self.pending).strip():
+            self.log.write_lines([_clean(self.pending)])
         self.pending = ""
 
     def __getattr__(self, name: str):  # isatty, fileno, encoding...: the real stream's
         return getattr(self.stream, name)
+
+
+def _clean(line: str) -> str:
+    """What a terminal shows last on the line: the text after the last carriage return, no colours."""
+    return _ANSI.sub("", line.rsplit("\r", 1)[-1])
 
 
 @contextlib.contextmanager
@@ -74,25 +96,26 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
     local = storage.is_local(url)
     if local:
         path = storage.filesystem(url)[1]
-        os.makedirs(os.path.dirname(path), exist_ok=True)
     else:
-        handle, path = tempfile.mkstemp(prefix="pipeline-steplog-", suffix=".log")
-        os.close(handle)
+        folder = tempfile.mkdtemp(prefix="pipeline-steplog-")
+        path = os.path.join(folder, log_name(host))
         if storage.exists(url):  # an earlier attempt's log: keep it, this attempt appends
             with open(path, "wb") as f:
                 f.write(storage.read_bytes(url))
     saved = sys.stdout, sys.stderr
-    with open(path, "a", encoding="utf-8", errors="replace") as log:
-        tees = _Tee(saved[0], log), _Tee(saved[1], log)
-        sys.stdout, sys.stderr = tees
-        try:
-            yield
-        finally:
-            sys.stdout, sys.stderr = saved
-            for tee in tees:
-                tee.close_line()
-    if not local:
-        try:
-            storage.put_file(path, url)
-        finally:
-            os.remove(path)
+    log = _LazyFile(path)
+    tees = _Tee(saved[0], log), _Tee(saved[1], log)
+    sys.stdout, sys.stderr = tees
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+        for tee in tees:
+            tee.close_line()
+        log.close()
+        if not local:
+            try:
+                if os.path.exists(path):
+                    storage.put_file(path, url)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
