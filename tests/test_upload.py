@@ -189,9 +189,9 @@ def test_one_run_per_result_grouped_by_run_name(merged_run, read_wandb_run):
 
     run = merged_run()
     result = run.run("upload")
-    assert result.summary["run_id"] == f"test-run-{run.HASHES['merge']}"
-    recorded = read_wandb_run(result.summary["offline_run_dir"])
-    assert recorded["group"] == "test run" and recorded["run_id"] == result.summary["run_id"]
+    assert result.summary.run_id == f"test-run-{run.HASHES['merge']}"
+    recorded = read_wandb_run(result.summary.offline_run_dir)
+    assert recorded["group"] == "test run" and recorded["run_id"] == result.summary.run_id
 
     out = run.out("upload")  # another result of the same run.name: merge's hash differs
     other = dataclasses.replace(out, hash="0b1d0000000e", url=out.url + "x",
@@ -206,7 +206,7 @@ def test_the_table_is_logged_to_the_run_and_every_steps_metrics_and_logs_are_the
             storage.write_text(storage.join(run.url[step], "logs", f"host-{host:05d}.log"),
                                f"{step} on host {host}\n")
     result = run.run("upload")
-    run_dir = result.summary["offline_run_dir"]
+    run_dir = result.summary.offline_run_dir
     recorded = read_wandb_run(run_dir)
 
     (logged,) = [h["generations"] for h in recorded["history"] if "generations" in h]
@@ -228,5 +228,5 @@ def test_the_table_is_logged_to_the_run_and_every_steps_metrics_and_logs_are_the
     expected = ["logs/tokenize/host-00000.log", "logs/generate/host-00000.log", "logs/generate/host-00001.log",
                 "logs/merge/host-00000.log"]
     assert sorted(f for f in recorded["files"] if f.startswith("logs/")) == sorted(expected)
-    assert result.summary["logs"] == 4
+    assert result.summary.logs == 4
     assert open(os.path.join(run_dir, "files", "logs", "generate", "host-00001.log")).read() == "generate on host 1\n"
