@@ -53,7 +53,20 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
 
     first = invoke("run", "all", "--config", config)
     assert first.exit_code == 0, first.output
+    # Quiet by default (issue 14): the plan, a summary line per step, where the result is; no config dump.
+    lines = first.output.strip().splitlines()
+    assert "resolved config" not in first.output and "batch_size:" not in first.output
+    assert lines[0] == f"plan (1 host, run root {runs}):"
+    assert [line.split()[0] for line in lines[1:5]] == ["tokenize", "generate", "merge", "upload"]
+    assert [line.split(":")[0] for line in lines if line.endswith(")") and "] complete: " in line] == [
+        "[tokenize] complete", "[generate] complete", "[merge] complete", "[upload] complete"]
+    assert not any(line.startswith("wandb:") for line in lines)  # no W&B banner or run history
     steps = status(config)
+    assert lines[-1] == f"result: {steps['merge']['output']}/merged-00000.parquet (24 rows in 1 file)"
+    for step in steps.values():  # each step's log of this host, as the terminal showed it
+        log = open(os.path.join(step["output"], "logs", "host-00000.log")).read()
+        assert log and "\r" not in log
+    assert "24/24 samples" in open(os.path.join(steps["generate"]["output"], "logs", "host-00000.log")).read()
     assert [s["state"] for s in steps.values()] == ["complete"] * 4
     assert steps["tokenize"]["rows"] == 12 and steps["merge"]["rows"] == 24
     assert not list((runs / ".leases").glob("*.json")), "every lease is released at the end"
@@ -80,8 +93,9 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     assert second.exit_code == 0 and second.output.count("skip") >= 4
     assert snapshot(runs) == before
 
-    dry = invoke("run", "all", "--config", config, "--set", "sampling.temperature=0.3", "--dry-run")
+    dry = invoke("run", "all", "--config", config, "--set", "sampling.temperature=0.3", "--dry-run", "--verbose")
     assert dry.exit_code == 0 and "generate" in dry.output
+    assert "resolved config:" in dry.output and "  temperature: 0.3" in dry.output  # --verbose shows it
     assert snapshot(runs) == before
 
     changed = invoke("run", "all", "--config", config, "--set", "sampling.temperature=0.3")

@@ -30,12 +30,13 @@ TEXT_CHARS = 500
 
 @dataclass(frozen=True)
 class MergedResult:
+    folder: str
     rows: int
     files: list[str]
     """URLs of the merged Parquet files, in order."""
 
     def describe(self) -> str:
-        where = self.files[0] if len(self.files) == 1 else f"{self.files[0].rsplit('/', 1)[0]}/merged-*.parquet"
+        where = self.files[0] if len(self.files) == 1 else f"{self.folder}/merged-*.parquet" if self.files else self.folder
         return f"{where} ({self.rows:,} rows in {len(self.files)} file{'s' if len(self.files) != 1 else ''})"
 
 
@@ -45,7 +46,7 @@ def merged_result(merge_url: str) -> MergedResult | None:
     if record is None:
         return None
     files = [storage.join(merge_url, f["path"]) for f in record.files if f["path"].endswith(".parquet")]
-    return MergedResult(rows=record.rows, files=files)
+    return MergedResult(folder=merge_url, rows=record.rows, files=files)
 
 
 def first_rows(result: MergedResult, count: int) -> list[dict[str, Any]]:
