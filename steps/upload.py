@@ -4,7 +4,7 @@ Owns the W&B run of a result: created here only (on the leader, where the runner
 `wandb` is imported nowhere else), with the resolved config, package versions, git commit and every
 step's hash; the summary metrics of every step (`tokenize/...`, `generate/...`, `merge/...`,
 `upload/...`) and three charts; the `generations` table logged to the run; every host's log of every
-step attached as run files (`logs/{step}/host-NNNNN.log`); and one artifact of type `generations`
+earlier step attached as run files (`logs/{step}/host-NNNNN.log`; upload's own is still being written); and one artifact of type `generations`
 holding the merged Parquet files (every row) and a `wandb.Table` named `generations` (the first
 `wandb.table_max_rows` rows). Refuses to touch the merged files, and never writes the API key
 anywhere: wandb reads WANDB_API_KEY itself; error messages are scrubbed of it.
@@ -140,7 +140,7 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
             version = logged.version
         digest = artifact.digest
         run.summary.update({"upload/wall_s": round(time.monotonic() - started, 3), "upload/table_rows": table_rows})
-        logs = _attach_logs(run, {**{name: url for name, (url, _) in steps.items()}, "upload": out.url})
+        logs = _attach_logs(run, {name: url for name, (url, _) in steps.items()})  # upload's own is still open
         run.finish()
         # finish() can return before W&B's service has flushed the offline run's record log; the
         # marker is written after every file of the step, so wait for the service to close it.
@@ -293,7 +293,7 @@ def _step_metrics(records: dict[str, status.StepRecord]) -> dict[str, float]:
 
 
 def _attach_logs(run: Any, step_urls: dict[str, str]) -> int:
-    """Copy every host's log of every step into the run's files (`logs/{step}/host-NNNNN.log`)."""
+    """Copy every host's log of each step into the run's files (`logs/{step}/host-NNNNN.log`)."""
     count = 0
     for step, url in step_urls.items():
         for log_url in steplog.log_urls(url):

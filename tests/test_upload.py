@@ -230,3 +230,36 @@ def test_the_table_is_logged_to_the_run_and_every_steps_metrics_and_logs_are_the
     assert sorted(f for f in recorded["files"] if f.startswith("logs/")) == sorted(expected)
     assert result.summary.logs == 4
     assert open(os.path.join(run_dir, "files", "logs", "generate", "host-00001.log")).read() == "generate on host 1\n"
+
+
+def test_a_two_host_run_attaches_every_hosts_log_of_every_step(make_config, tmp_path, read_wandb_run):
+    """Issue 14: the W&B run had no console log; now every host's log of every step is in it, as run files."""
+    from tests.conftest import pipeline
+
+    config = make_config()
+    result = pipeline("launch", "--hosts", "2", "--", "run", "all", "--config", config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (upload_dir,) = glob.glob(str(tmp_path / "runs" / "upload-*"))
+    (run_dir,) = glob.glob(os.path.join(upload_dir, "wandb", "offline-run-*"))
+    recorded = read_wandb_run(run_dir)
+
+    logs = sorted(f for f in recorded["files"] if f.startswith("logs/"))
+    assert {"logs/generate/host-00000.log", "logs/generate/host-00001.log"} <= set(logs)
+    assert {f"logs/{step}/host-00000.log" for step in ("tokenize", "merge")} <= set(logs)
+    for name in logs:  # upload's own log is still being written while it uploads: it is left out
+        step = name.split("/")[1]
+        assert step != "upload"
+        assert open(os.path.join(run_dir, "files", name)).read() == open(
+            glob.glob(str(tmp_path / "runs" / f"{step}-*" / "logs" / name.rsplit("/", 1)[1]))[0]).read()
+    generate_1 = open(os.path.join(run_dir, "files", "logs", "generate", "host-00001.log")).read()
+    assert "generate host 1/2" in generate_1  # host 1's own progress, not the leader's
+
+    assert any(h.get("generations", {}).get("nrows") == 24 for h in recorded["history"])  # the table, in the run
+    summary = recorded["summary"]
+    for key in ("tokenize/rows", "tokenize/rejected", "tokenize/tokens", "tokenize/wall_s", "generate/rows",
+                "generate/generated_tokens", "generate/compile_s", "generate/hosts/host-1/tokens_per_s",
+                "generate/wall_s", "merge/rows", "merge/duplicates_dropped", "merge/wall_s", "upload/wall_s"):
+        assert key in summary, key
+    assert summary["tokenize/rows"] == 12 and summary["merge/rows"] == 24
+    assert recorded["group"] == "test" and recorded["run_id"] == "test-" + os.path.basename(
+        glob.glob(str(tmp_path / "runs" / "merge-*"))[0]).split("-", 1)[1]
