@@ -69,3 +69,17 @@ def test_a_step_log_on_remote_storage_is_uploaded_when_the_step_ends():
         assert storage.read_bytes(f"{step}/logs/host-00000.log") == b"attempt 1\nattempt 2\n"
     finally:
         storage.remove("memory://steplog-test", recursive=True)
+
+
+def test_a_step_log_that_cannot_be_written_does_not_fail_the_step(tmp_path, capsys):
+    from pipeline.run import steplog
+
+    step = tmp_path / "merge-abc"
+    step.mkdir()
+    (step / "logs").write_text("")  # a file where the log folder should be
+    with steplog.step_log(str(step), host=0):
+        print("first")
+        print("second")
+    captured = capsys.readouterr()
+    assert captured.out == "first\nsecond\n"
+    assert captured.err.count("warning: the step log ") == 1 and "it stops here" in captured.err

@@ -277,6 +277,7 @@ def test_read_only_run_root_fails_with_one_line_naming_it(small_disk, make_confi
     config = make_config(run={"root": str(small_disk / "runs"), "name": "test"})
     code, output = finish(start_run(config))
     last = output.strip().splitlines()[-1]
-    assert code == 1, output
-    assert "Read-only file system" in last and str(small_disk / "runs") in last, last
+    assert code == 2, output  # checked before any step starts (issue 14)
+    assert last == (f"error: run.root {small_disk / 'runs'} is not writable ({small_disk}: Read-only file system); "
+                    f"choose another run.root or remount it read-write")
     assert "Traceback" not in output

@@ -80,6 +80,9 @@ def check_root(cfg: Config) -> None:
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing):
             raise ConfigError(f"run.root {cfg.run.root}: {existing} is a file, not a folder")
+        if os.statvfs(existing).f_flag & os.ST_RDONLY:
+            raise ConfigError(f"run.root {cfg.run.root} is not writable ({existing}: Read-only file system); "
+                              f"choose another run.root or remount it read-write")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ConfigError(f"run.root {cfg.run.root} is not writable ({existing}: permission denied); "
                               f"choose another run.root or fix its permissions")

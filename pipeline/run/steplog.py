@@ -40,21 +40,34 @@ def log_urls(step_url: str) -> list[str]:
 
 class _LazyFile:
     """A log file opened (appending) on its first line: a host that prints nothing during a step
-    (a non-leader waiting through tokenize) leaves no empty log behind."""
+    (a non-leader waiting through tokenize) leaves no empty log behind.
 
-    def __init__(self, path: str):
-        self.path, self.file = path, None
+    A log that cannot be written (disk full, read-only) must not fail the step, whose own writes
+    report the problem with the file they were writing: the log stops, saying so once."""
+
+    def __init__(self, path: str, terminal: TextIO):
+        self.path, self.terminal, self.file, self.broken = path, terminal, None, False
 
     def write_lines(self, lines: list[str]) -> None:
-        if self.file is None:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            self.file = open(self.path, "a", encoding="utf-8", errors="replace")
-        self.file.write("".join(line + "\n" for line in lines))
-        self.file.flush()
+        if self.broken:
+            return
+        try:
+            if self.file is None:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                self.file = open(self.path, "a", encoding="utf-8", errors="replace")
+            self.file.write("".join(line + "\n" for line in lines))
+            self.file.flush()
+        except OSError as err:
+            self.broken = True
+            self.terminal.write(f"warning: the step log {self.path} cannot be written ({err.strerror or err}); "
+                                f"it stops here\n")
 
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:
+                pass  # what could not be flushed was reported when it was written
 
 
 class _Tee:
@@ -103,7 +116,7 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
             with open(path, "wb") as f:
                 f.write(storage.read_bytes(url))
     saved = sys.stdout, sys.stderr
-    log = _LazyFile(path)
+    log = _LazyFile(path, saved[1])
     tees = _Tee(saved[0], log), _Tee(saved[1], log)
     sys.stdout, sys.stderr = tees
     try:
