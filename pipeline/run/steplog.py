@@ -1,11 +1,12 @@
 """Each host's log of each step: `{step folder}/logs/host-NNNNN.log`, written as the step runs.
 
 Owns the log files' names and the tee that fills them: while a step runs, every line this
-process prints (stdout and stderr: the runner's lines, progress, warnings, W&B's own output)
+process prints (stdout and stderr: the runner's lines, progress, warnings)
 also goes to the step's log of this host, with progress bars' carriage-return redraws reduced
 to their last state and colour codes removed. On local storage the file is appended line by
 line as the step runs; on remote storage (gs://) it is uploaded when the step ends, also when
-it fails. It refuses to capture what bypasses Python's streams (C libraries writing to fd 2).
+it fails (unless storage itself failed); a log that cannot be written or saved is a warning, never
+a step failure. It refuses to capture what bypasses Python's streams (C libraries writing to fd 2).
 
     with step_log(out.url, host=hosts.process_index()):
         run(cfg, out)
@@ -23,6 +24,7 @@ import tempfile
 from typing import Iterator, TextIO
 
 from pipeline import storage
+from pipeline.storage.retrying import StorageError
 
 LOG_FOLDER = "logs"
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
@@ -119,8 +121,12 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
     log = _LazyFile(path, saved[1])
     tees = _Tee(saved[0], log), _Tee(saved[1], log)
     sys.stdout, sys.stderr = tees
+    storage_failed = False
     try:
         yield
+    except StorageError:
+        storage_failed = True  # no point retrying the log's upload against the storage that just failed
+        raise
     finally:
         sys.stdout, sys.stderr = saved
         for tee in tees:
@@ -128,7 +134,9 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
         log.close()
         if not local:
             try:
-                if os.path.exists(path):
+                if os.path.exists(path) and not storage_failed:
                     storage.put_file(path, url)
+            except Exception as err:  # noqa: BLE001 - a lost log must not fail (or hide the error of) the step
+                saved[1].write(f"warning: the step log could not be saved to {url}: {err}\n")
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
