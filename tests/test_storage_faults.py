@@ -203,7 +203,7 @@ def test_gcs_restarted_mid_generate_the_run_still_completes_exactly(emulator, ma
     root = f"{emulator.bucket()}/runs"
     config = make_config(run={"root": root, "name": "test"})
     run = start_run(config, emulator.url, PIPELINE_STORAGE_RETRY_S="60")
-    seen = wait_for_line(run, "[generate]")
+    seen = wait_for_line(run, "generate: ")  # the engine is loaded: generate is under way
     emulator.stop()
     time.sleep(3)
     emulator.start()
@@ -216,7 +216,7 @@ def test_gcs_gone_for_good_fails_with_one_line_then_the_rerun_completes(emulator
     root = f"{emulator.bucket()}/runs"
     config = make_config(run={"root": root, "name": "test"})
     run = start_run(config, emulator.url, PIPELINE_STORAGE_RETRY_S="2")
-    seen = wait_for_line(run, "[generate]")
+    seen = wait_for_line(run, "generate: ")  # the engine is loaded: generate is under way
     emulator.stop()
     code, output = finish(run, seen)
     last = output.strip().splitlines()[-1]
