@@ -40,12 +40,14 @@ def chaos_config(folder: Path, demo_model: str) -> str:
 
 
 class Pod:
-    """One `pipeline launch --hosts 3 -- run all` with its output collected line by line."""
+    """One `pipeline launch --hosts 3 -- run all --verbose` with its output collected line by line
+    (--verbose: the `[step] ... ->` line each step starts with tells the storm when to strike)."""
 
     def __init__(self, config: str):
         env = {**os.environ, "PIPELINE_HEARTBEAT_TIMEOUT_S": "5", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "launch", "--hosts", "3", "--", "run", "all", "--config", config],
+            [sys.executable, "-m", "pipeline.cli", "launch", "--hosts", "3", "--", "run", "all", "--config", config,
+             "--verbose"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
