@@ -31,6 +31,7 @@ echo "setup: [2/3] installing $what with pip (a minute or two on a fresh machine
               -e 's/^Successfully installed \(.*\)/  installed: \1/p'
 
 echo "setup: [3/3] building the demo checkpoint in demo/model"
-.venv/bin/python demo/checkpoint.py demo/model
+# transformers' "PyTorch was not found" advice is noise here: it builds a config and a tokenizer only.
+TRANSFORMERS_NO_ADVISORY_WARNINGS=1 .venv/bin/python demo/checkpoint.py demo/model
 
 echo "setup: done in $((SECONDS - started)) s; try: .venv/bin/pipeline run all --config demo/config.yaml"
