@@ -110,3 +110,10 @@ def test_only_the_inputs_of_the_steps_that_run_are_checked(config_for, tmp_path)
     config = config_for(prompts={"path": str(tmp_path / "nope.jsonl")})
     result = run("run", "merge", "--config", config)
     assert result.exit_code == 1 and "cannot run merge: needs generate" in result.stderr
+
+
+def test_preflight_checks_the_same_inputs(config_for, tmp_path):
+    config = config_for(prompts={"path": str(tmp_path / "nope.jsonl")})
+    line = refused(run("preflight", "--config", config), tmp_path / "runs")
+    assert line.startswith(f"error: prompts.path {tmp_path / 'nope.jsonl'} matched no files")
+    assert run("preflight", "--config", config_for()).exit_code == 0

@@ -118,9 +118,7 @@ def preflight(cfg: Config, graph: tuple[Step, ...], expect_hosts: int | None = N
                           f"(--expect-hosts): {missing}; start the same command on every worker "
                           f"(gcloud ... ssh --worker=all), not on worker 0 only")
     plan = make_plan(cfg, graph)
-    from engine.checkpoint import check_checkpoint
-
-    check_checkpoint(cfg.model.path)
+    check_inputs(cfg, {p.name for p in plan}, is_leader=hosts.is_leader())  # what `run all` will need
     hosts.agree("preflight", {"versions": status.package_versions(), "code": code_digest(),
                               "plan": [[p.name, p.hash] for p in plan]}, "code version and plan")
     hosts.barrier("preflight")
