@@ -201,6 +201,8 @@ def test_one_run_per_result_grouped_by_run_name(merged_run, read_wandb_run):
 
 def test_the_table_is_logged_to_the_run_and_every_steps_metrics_and_logs_are_there(merged_run, read_wandb_run):
     run = merged_run()
+    run._mark("tokenize", [], {"rows_in": 13, "rows": 10, "rejected": 3, "tokens": 50, "num_shards": 3,
+                               "rejected_reasons": {"too_long": 2, "invalid_json": 1}}, {})
     for step in ("tokenize", "generate", "merge"):
         for host in range(2 if step == "generate" else 1):
             storage.write_text(storage.join(run.url[step], "logs", f"host-{host:05d}.log"),
@@ -217,7 +219,9 @@ def test_the_table_is_logged_to_the_run_and_every_steps_metrics_and_logs_are_the
         (r["prompt_index"], r["sample_index"], r["completion"]) for r in merged_rows(run)]
 
     summary = recorded["summary"]
-    assert summary["tokenize/rows"] == 10 and summary["tokenize/rejected"] == 0 and summary["tokenize/tokens"] == 50
+    assert summary["tokenize/rows"] == 10 and summary["tokenize/rows_in"] == 13 and summary["tokenize/tokens"] == 50
+    assert summary["tokenize/rejected"] == 3 and summary["tokenize/num_shards"] == 3
+    assert summary["tokenize/rejected_reasons/too_long"] == 2 and summary["tokenize/rejected_reasons/invalid_json"] == 1
     assert summary["generate/rows"] == 20 and summary["generate/generated_tokens"] == 60
     assert summary["generate/hosts/host-1/tokens_per_s"] == 200 and summary["generate/compile_s"] == 0.5
     assert summary["merge/rows"] == 20 and summary["merge/duplicates_dropped"] == 0 and summary["merge/files"] == 3
