@@ -43,12 +43,22 @@ def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: 
 
 
 def check_prompts(cfg: Config) -> None:
-    from steps.prompt_files import input_files
+    prompt_files(cfg.prompts.path)
 
+
+def prompt_files(pattern: str) -> list[str]:
+    """The files `prompts.path` names (sorted), or a ConfigError saying why there are none.
+
+    tokenize lists its input with this too (steps/prompt_files.py), so both say the same."""
     try:
-        input_files(cfg.prompts.path)
-    except Exception as err:  # StepFailed from the reader: the same message, but a config error now
-        raise ConfigError(str(err)) from err
+        urls = storage.expand(pattern)
+    except Exception as err:  # noqa: BLE001 - any filesystem's error: add which setting it was
+        raise ConfigError(f"prompts.path {pattern} could not be listed: {type(err).__name__}: {err}") from err
+    if not urls:
+        hint = "check the bucket and glob" if any(ch in pattern for ch in "*?[") else \
+            "no such file, or an empty folder"
+        raise ConfigError(f"prompts.path {pattern} matched no files ({hint})")
+    return urls
 
 
 def check_model(cfg: Config, positions: bool) -> None:
