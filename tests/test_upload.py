@@ -106,7 +106,7 @@ def test_deleting_the_upload_output_and_rerunning_resumes_the_same_run(merged_ru
     shutil.rmtree(run.url["upload"])
     second = run.run("upload")
     assert second.summary.run_id == first.summary.run_id
-    assert second.summary.run_id.startswith("test-run-")  # run.name as a slug, then a hash of root and name
+    assert second.summary.run_id.startswith("test-run-")  # run.name as a slug, then merge's hash
     saved = storage.read_json(storage.join(run.url["upload"], "wandb_run.json"))
     assert saved["run_id"] == first.summary.run_id
 

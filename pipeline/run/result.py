@@ -12,6 +12,8 @@ marker, not the files.
 from __future__ import annotations
 
 import io
+import shutil
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +90,9 @@ def _table(rows: list[dict[str, Any]], total: int) -> str:
         table.add_row(f"{_cut(r['prompt'])}\n[dim]({r['prompt_id']}, {r['sample_index']})[/dim]",
                       _cut(r["completion"]), r["finish_reason"])
     buffer = io.StringIO()
-    Console(file=buffer, width=120, highlight=False, emoji=False).print(table)
+    # The terminal's width when there is one; 120 columns in a pipe or a log.
+    width = shutil.get_terminal_size((120, 24)).columns if sys.stdout.isatty() else 120
+    Console(file=buffer, width=width, highlight=False, emoji=False).print(table)
     return buffer.getvalue().rstrip()
 
 
