@@ -9,3 +9,9 @@
 The steps themselves live in the top-level `steps` package; the engine in `engine`. README
 ("Layout") draws which package may import which; tests/test_layers.py enforces it.
 """
+
+import os as _os
+
+# transformers warns "PyTorch was not found" on import: we use it for tokenizers and configs only,
+# where torch is never needed, so the advice is noise in every run (issue 14).
+_os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

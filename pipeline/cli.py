@@ -8,6 +8,7 @@ pipeline/ops/tpu.py, where tests import it. It hands the runner the step graph (
 
     pipeline run all --config demo/config.yaml
     pipeline status --config demo/config.yaml --json
+    pipeline show --config demo/config.yaml -n 5
     pipeline launch --hosts 2 -- run all --config demo/config.yaml
     pipeline tpu run --tpu my-tpu --zone us-east5-a --spot -- run all --config configs/my-run.yaml
 """
@@ -48,6 +49,8 @@ SetOpt = Annotated[Optional[list[str]], typer.Option(
     "--set", help="Override a config value: dotted key=YAML value, e.g. --set sampling.n=4 (repeatable).")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Run the step(s) again even if complete.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan with reasons; change nothing.")]
+VerboseOpt = Annotated[bool, typer.Option(
+    "--verbose", "-v", help="Also print the resolved config and each step's output URL.")]
 NoWaitOpt = Annotated[bool, typer.Option(
     "--no-wait", help="If another runner is executing a step on this run root, exit 75 at once instead of waiting.")]
 
@@ -87,66 +90,66 @@ def _fail(message: str, code: int) -> None:
 
 
 def _run(targets: tuple[str, ...], config: str, overrides: list[str] | None, force: bool, dry_run: bool,
-         no_wait: bool) -> None:
+         no_wait: bool, verbose: bool) -> None:
     def body() -> None:
         from pipeline.run.config import load_config
         from pipeline.run.runner import run_steps
         from steps import PIPELINE
 
         cfg = load_config(config, overrides or [])
-        run_steps(cfg, PIPELINE, targets, force=force, dry_run=dry_run, wait=not no_wait)
+        run_steps(cfg, PIPELINE, targets, force=force, dry_run=dry_run, wait=not no_wait, verbose=verbose)
 
     _guard(body)
 
 
 @run_app.command("all")
 def run_all(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
-        no_wait: NoWaitOpt = False) -> None:
+        no_wait: NoWaitOpt = False, verbose: VerboseOpt = False) -> None:
     """Run tokenize -> generate -> merge -> upload, skipping every complete step.
 
     Example: pipeline run all --config demo/config.yaml
     """
-    _run(("tokenize", "generate", "merge", "upload"), config, set_, force, dry_run, no_wait)
+    _run(("tokenize", "generate", "merge", "upload"), config, set_, force, dry_run, no_wait, verbose)
 
 
 @run_app.command("tokenize")
 def run_tokenize(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
-        no_wait: NoWaitOpt = False) -> None:
+        no_wait: NoWaitOpt = False, verbose: VerboseOpt = False) -> None:
     """Read prompts (JSONL/Parquet/.txt, local or gs://), tokenize, write balanced shards (leader).
 
     Example: pipeline run tokenize --config demo/config.yaml --set prompts.on_invalid=skip
     """
-    _run(("tokenize",), config, set_, force, dry_run, no_wait)
+    _run(("tokenize",), config, set_, force, dry_run, no_wait, verbose)
 
 
 @run_app.command("generate")
 def run_generate(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
-        no_wait: NoWaitOpt = False) -> None:
+        no_wait: NoWaitOpt = False, verbose: VerboseOpt = False) -> None:
     """Generate completions for every shard (all hosts; resumes what a preempted run left).
 
     Example: pipeline launch --hosts 2 -- run generate --config demo/config.yaml
     """
-    _run(("generate",), config, set_, force, dry_run, no_wait)
+    _run(("generate",), config, set_, force, dry_run, no_wait, verbose)
 
 
 @run_app.command("merge")
 def run_merge(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
-        no_wait: NoWaitOpt = False) -> None:
+        no_wait: NoWaitOpt = False, verbose: VerboseOpt = False) -> None:
     """Check every (prompt, sample) exists once, order them, write the result (leader).
 
     Example: pipeline run merge --config demo/config.yaml
     """
-    _run(("merge",), config, set_, force, dry_run, no_wait)
+    _run(("merge",), config, set_, force, dry_run, no_wait, verbose)
 
 
 @run_app.command("upload")
 def run_upload(config: ConfigOpt, set_: SetOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
-        no_wait: NoWaitOpt = False) -> None:
+        no_wait: NoWaitOpt = False, verbose: VerboseOpt = False) -> None:
     """Log the merged result to W&B as a `generations` artifact, resuming the same W&B run.
 
     Example: pipeline run upload --config demo/config.yaml --force
     """
-    _run(("upload",), config, set_, force, dry_run, no_wait)
+    _run(("upload",), config, set_, force, dry_run, no_wait, verbose)
 
 
 @app.command("status")
@@ -155,18 +158,41 @@ def status_command(
     set_: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: {\"steps\": [...]}.")] = False,
 ) -> None:
-    """Show each step's hash, output URL, state (complete/partial/missing), rows, and why it would (not) run.
+    """Show each step's hash, output URL, state (complete/partial/missing), rows, why it would (not) run, and
+    where the merged result is.
 
     Example: pipeline status --config demo/config.yaml --json
     """
 
     def body() -> None:
         from pipeline.run.config import load_config
-        from pipeline.run.status_report import report, report_text
+        from pipeline.run.status_report import report, report_json, report_text, result_of
         from steps import PIPELINE
 
         rows = report(load_config(config, set_ or []), PIPELINE)
-        typer.echo(json.dumps({"steps": rows}, indent=2) if as_json else report_text(rows))
+        result = result_of(rows)
+        typer.echo(json.dumps(report_json(rows, result), indent=2) if as_json else report_text(rows, result))
+
+    _guard(body)
+
+
+@app.command("show")
+def show_command(
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    rows: Annotated[int, typer.Option("--rows", "-n", min=1, help="How many rows to show.")] = 5,
+) -> None:
+    """Show the first rows of this config's result as a table: prompt, completion, finish reason.
+
+    Example: pipeline show --config demo/config.yaml -n 3
+    """
+
+    def body() -> None:
+        from pipeline.run.config import load_config
+        from pipeline.run.result import show_text
+        from steps import PIPELINE
+
+        typer.echo(show_text(load_config(config, set_ or []), PIPELINE, config, rows))
 
     _guard(body)
 

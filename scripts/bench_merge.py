@@ -142,7 +142,7 @@ def _config(work: str, step: str = "merge"):
 
 
 def _offline_wandb(work: str) -> None:
-    """W&B offline with every folder it writes under the work folder (../shared/docs/wandb-offline.md)."""
+    """W&B offline with every folder it writes under the work folder (as tests/conftest.py's wandb_env does)."""
     for var in ("WANDB_DIR", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):
         os.makedirs(os.path.join(work, "wandb-env", var.lower()), exist_ok=True)
         os.environ[var] = os.path.join(work, "wandb-env", var.lower())

@@ -3,15 +3,35 @@
 # the demo checkpoint (a tiny random-weight Llama built locally, nothing downloaded).
 #   bash scripts/setup.sh          # to run the pipeline
 #   bash scripts/setup.sh --test   # also the test and benchmark tools (pytest, torch CPU, GCS emulator)
+# It says what it is doing: one line per phase, one per package pip collects (pip's errors
+# and warnings come through as they are), and how long it took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
-fi
+started=$SECONDS
 extras=""
+what="the pipeline"
 if [ "${1:-}" = "--test" ]; then
   extras="[test]"
+  what="the pipeline and the test tools"
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
-.venv/bin/python demo/checkpoint.py demo/model
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: [1/3] creating the virtual environment .venv ($("$PYTHON" --version 2>&1))"
+  "$PYTHON" -m venv .venv
+else
+  echo "setup: [1/3] using the virtual environment .venv ($(.venv/bin/python --version 2>&1))"
+fi
+
+echo "setup: [2/3] installing $what with pip (a minute or two on a fresh machine)"
+# pip's own lines, one per package it collects; everything else it prints to stdout is dropped.
+.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off -e ".${extras}" \
+  | sed -u -n -e 's/^Collecting \([^ ;]*\).*/  collecting \1/p' \
+              -e 's/^Installing collected packages: .*/  installing the collected packages/p' \
+              -e 's/^Successfully installed \(.*\)/  installed: \1/p'
+
+echo "setup: [3/3] building the demo checkpoint in demo/model"
+# transformers' "PyTorch was not found" advice is noise here: it builds a config and a tokenizer only.
+TRANSFORMERS_NO_ADVISORY_WARNINGS=1 .venv/bin/python demo/checkpoint.py demo/model
+
+echo "setup: done in $((SECONDS - started)) s; try: .venv/bin/pipeline run all --config demo/config.yaml"

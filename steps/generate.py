@@ -59,7 +59,7 @@ SCHEMA = pa.schema([
     ("num_completion_tokens", pa.int32()),
     ("finish_reason", pa.string()),
 ])
-"""The merged output's columns (../shared/CONTRACT.md); parts already hold them."""
+"""The merged output's columns (docs/contract.md, "Result"); parts already hold them."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,9 @@ def generate(cfg: Config, out: StepOutput) -> None:
         engine = _load_engine(cfg, todo)
         writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine))
         watch = hosts.watchdog("generating on the global mesh") if lockstep else contextlib.nullcontext()
-        with watch, Progress(total=n_missing, desc=f"generate {hosts.describe()}", unit="sample") as bar:
+        n_total = sum(t.wanted.size for t in todo)  # every (prompt, sample) of these shards
+        with watch, Progress(total=n_total, desc=f"generate {hosts.describe()}", unit="sample",
+                             resumed=n_total - n_missing) as bar:
             try:
                 for c, source in _completions(engine, todo):
                     if writer.add(source.shard, _row(source, c)):

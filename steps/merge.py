@@ -1,6 +1,6 @@
 """merge: check that every (prompt, sample) is there exactly once, order the rows, write the result.
 
-Owns the merged output of ../shared/CONTRACT.md ("Data"): `merged-00000.parquet`, ... ordered by
+Owns the merged output of docs/contract.md ("Result"): `merged-00000.parquet`, ... ordered by
 (prompt_index, sample_index), each file at most `file_rows` rows and about `file_bytes` bytes of
 in-memory (Arrow) data. Refuses to write anything when a row is missing, unexpected, or present
 twice with different content: the error names the first rows, their count and the command that

@@ -40,6 +40,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from pipeline import storage
+from pipeline.run.checks import prompt_files
 from pipeline.run.config import PromptsConfig
 from pipeline.errors import ConfigError, StepFailed
 
@@ -58,15 +59,12 @@ _MISSING = object()
 
 
 def input_files(pattern: str) -> list[str]:
+    """The prompt files, as the runner checked them before the step (pipeline/run/checks.py); gone
+    since then, it is this step that fails."""
     try:
-        urls = storage.expand(pattern)
-    except Exception as err:  # noqa: BLE001 - any filesystem's error: add which setting it was
-        raise StepFailed(f"prompts.path {pattern} could not be listed: {type(err).__name__}: {err}") from err
-    if not urls:
-        hint = "check the bucket and glob" if any(ch in pattern for ch in "*?[") else \
-            "no such file, or an empty folder"
-        raise StepFailed(f"prompts.path {pattern} matched no files ({hint})")
-    return urls
+        return prompt_files(pattern)
+    except ConfigError as err:
+        raise StepFailed(str(err)) from err
 
 
 def format_of(url: str, options: PromptsConfig) -> str:

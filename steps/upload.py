@@ -1,16 +1,18 @@
-"""upload: log the merged result to W&B as a `generations` artifact, resuming the same W&B run.
+"""upload: log the merged result to W&B as a `generations` artifact, in one W&B run per result.
 
-Owns the W&B run of a pipeline run: created here only (on the leader, where the runner calls this
-step; `wandb` is imported nowhere else), with the resolved config, package versions and git commit;
-generate's metrics and three charts; and one artifact of type `generations` holding the merged
-Parquet files (every row) and a `wandb.Table` named `generations` (the first `wandb.table_max_rows`
-rows). Refuses to touch the merged files, and never writes the API key anywhere: wandb reads
-WANDB_API_KEY itself; error messages are scrubbed of it.
+Owns the W&B run of a result: created here only (on the leader, where the runner calls this step;
+`wandb` is imported nowhere else), with the resolved config, package versions, git commit and every
+step's hash; the summary metrics of every step (`tokenize/...`, `generate/...`, `merge/...`,
+`upload/...`) and three charts; the `generations` table logged to the run; every host's log of every
+earlier step attached as run files (`logs/{step}/host-NNNNN.log`; upload's own is still being written); and one artifact of type `generations`
+holding the merged Parquet files (every row) and a `wandb.Table` named `generations` (the first
+`wandb.table_max_rows` rows). Refuses to touch the merged files, and never writes the API key
+anywhere: wandb reads WANDB_API_KEY itself; error messages are scrubbed of it.
 
-Run id rule: `{run.name as a slug}-{sha256(run.root normalized + newline + run.name)[:12]}`, unless
-the upload folder holds `wandb_run.json` from an earlier attempt (then that id). A rerun (`--force`),
-a rerun after deleting the upload folder, or from another machine resumes the same W&B run
-(`resume="allow"`); a changed config of the same run logs a new version of the same artifact.
+Run identity (docs/contract.md, "W&B"): one W&B run per result. The id is `{run.name as a
+slug}-{merge hash12}` and the group is `run.name`: a rerun, `--force`, a resume or a rerun after
+deleting the upload folder continues the same run (`resume="allow"`); a changed sampling, model or
+prompt set changes merge's hash, so it is a new run in the same group.
 
 Modes (`wandb.mode`): online (W&B down or refusing fails the step, exit 1; the merged files stay, and
 `pipeline run upload` retries only this step); offline (default without an API key: the run is
@@ -18,6 +20,7 @@ written to `{upload folder}/wandb/` for a local root, else to a local cache fold
 sync` command that pushes it is printed; an earlier offline folder of the same id there is replaced,
 because syncing two folders of one id misbehaves upstream); disabled (logs nothing, says so in the
 marker). An unchanged result re-uploaded has the same artifact digest, so W&B makes no new version.
+W&B's own terminal output is silenced: the pipeline prints where the run is.
 
     result = upload(cfg, out)   # out.upstream["merge"] complete
 """
@@ -32,6 +35,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import storage
-from pipeline.run import status
+from pipeline.run import status, steplog
 from pipeline.run.config import Config
 from pipeline.errors import StepFailed
 from pipeline.run.step import StepOutput, StepResult
@@ -72,6 +76,8 @@ class UploadSummary:
     table_rows: int = 0
     """Rows in the browsable table (at most wandb.table_max_rows)."""
     table_truncated: bool = False
+    logs: int = 0
+    """Step logs attached to the run (every host's log of every step)."""
     offline_run_dir: str | None = None
     sync_command: str | None = None
     """The `wandb sync` command that pushes an offline run."""
@@ -92,21 +98,22 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
 
     import wandb  # only here: no other step or host pays for it, or starts its service
 
+    started = time.monotonic()
     run_id = _run_id(cfg, out)
     local = _local_folder(out, run_id)
     wandb_dir = os.path.join(local, "wandb")
     if mode == "offline":
         for earlier in glob.glob(os.path.join(wandb_dir, f"offline-run-*-{run_id}")):
             shutil.rmtree(earlier)
-    generate = status.read_marker(out.upstream["generate"].url)
+    steps = _upstream_steps(out)
+    generate = steps["generate"][1] if "generate" in steps else None
     config = {**cfg.to_dict(), "pipeline": {
         "versions": status.package_versions(), "git": _git_commit(),
-        "steps": {"generate": out.upstream["generate"].hash, "merge": out.upstream["merge"].hash,
-                  "upload": out.hash}}}
+        "steps": {**{name: record.hash for name, (_, record) in steps.items()}, "upload": out.hash}}}
     try:
-        run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, id=run_id, name=cfg.run.name,
-                         resume="allow", mode=mode, dir=local, config=config, job_type="upload",
-                         settings=wandb.Settings(console="off"))
+        run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, id=run_id, name=run_id,
+                         group=cfg.run.name, resume="allow", mode=mode, dir=local, config=config,
+                         job_type="upload", settings=wandb.Settings(console="off", silent=True))
     except Exception as err:  # wandb raises CommError, UsageError, AuthenticationError, timeouts...
         raise StepFailed(_failed("could not start the W&B run", run_id, mode, merge_url, err)) from err
     run_dir = str(Path(run.dir).parent)
@@ -114,10 +121,16 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
                                             "entity": cfg.wandb.entity, "mode": mode, "run_dir": run_dir})
     try:
         paths = _local_copies(merge_url, merged.files, local)
-        _log_metrics(wandb, run, generate.summary if generate else {}, MergeSummary(**merged.summary).finish_reasons, paths)
-        table, table_rows = _table(wandb, paths, min(cfg.wandb.table_max_rows, wandb.Table.MAX_ARTIFACT_ROWS))
+        _log_metrics(wandb, run, generate.summary if generate else {}, MergeSummary(**merged.summary).finish_reasons,
+                     paths)
+        run.summary.update(_step_metrics({name: record for name, (_, record) in steps.items()}))
+        columns, data = _table_data(paths, min(cfg.wandb.table_max_rows, wandb.Table.MAX_ARTIFACT_ROWS))
+        table_rows = len(data)
         truncated = table_rows < merged.rows
-        artifact = _artifact(wandb, cfg, run_id, merged, out.upstream["merge"].hash, paths, table, table_rows)
+        # Two Table objects: an artifact given a Table already logged to the run stores a reference only.
+        run.log({TABLE_NAME: wandb.Table(columns=columns, data=data)})
+        artifact = _artifact(wandb, cfg, run_id, merged, out.upstream["merge"].hash, paths,
+                             wandb.Table(columns=columns, data=data), table_rows)
         run.summary.update({"rows": merged.rows, "table_rows": table_rows, "table_truncated": truncated,
                             "merged_files": len(paths)})
         logged = run.log_artifact(artifact)
@@ -126,6 +139,8 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
             logged.wait()  # raises if W&B refuses it; gives the version number
             version = logged.version
         digest = artifact.digest
+        run.summary.update({"upload/wall_s": round(time.monotonic() - started, 3), "upload/table_rows": table_rows})
+        logs = _attach_logs(run, {name: url for name, (url, _) in steps.items()})  # upload's own is still open
         run.finish()
         # finish() can return before W&B's service has flushed the offline run's record log; the
         # marker is written after every file of the step, so wait for the service to close it.
@@ -138,7 +153,7 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
     summary = UploadSummary(
         mode=mode, rows=merged.rows, merged_rows=merged.rows, run_id=run_id, project=cfg.wandb.project,
         entity=cfg.wandb.entity, artifact=f"{ARTIFACT_TYPE}-{run_id}", artifact_version=version,
-        artifact_digest=digest, table_rows=table_rows, table_truncated=truncated,
+        artifact_digest=digest, table_rows=table_rows, table_truncated=truncated, logs=logs,
         offline_run_dir=run_dir if mode == "offline" else None,
         sync_command=f"wandb sync {run_dir}" if mode == "offline" else None,
     )
@@ -154,12 +169,12 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
 
 
 def _run_id(cfg: Config, out: StepOutput) -> str:
+    """`{run.name as a slug}-{merge hash12}`: one W&B run per result (an earlier attempt's id if recorded)."""
     earlier = out.path(RUN_FILE)
     if storage.exists(earlier):
         return storage.read_json(earlier)["run_id"]
     slug = re.sub(r"[^a-z0-9_-]+", "-", cfg.run.name.lower()).strip("-")[:40] or "run"
-    digest = hashlib.sha256(f"{storage.normalize(cfg.run.root)}\n{cfg.run.name}".encode()).hexdigest()
-    return f"{slug}-{digest[:12]}"
+    return f"{slug}-{out.upstream['merge'].hash[:storage.HASH_CHARS]}"
 
 
 def _local_folder(out: StepOutput, run_id: str) -> str:
@@ -187,6 +202,16 @@ def _local_copies(merge_url: str, files: list[dict[str, Any]], local: str) -> li
             storage.write_bytes(path, data)
         paths.append(path)
     return paths
+
+
+def _upstream_steps(out: StepOutput) -> dict[str, tuple[str, status.StepRecord]]:
+    """Every earlier step's output URL and marker, in run order (a step deleted since is left out)."""
+    found = {}
+    for name, given in out.upstream.items():
+        record = status.read_marker(given.url)
+        if record is not None:
+            found[name] = (given.url, record)
+    return found
 
 
 def _git_commit() -> dict[str, Any] | None:
@@ -245,6 +270,42 @@ def _log_metrics(wandb: Any, run: Any, generate: dict[str, Any], finish_reasons:
     run.log(charts)
 
 
+def _step_metrics(records: dict[str, status.StepRecord]) -> dict[str, float]:
+    """`{step}/{figure}` for every number in every step's summary (nested counts flattened with `/`),
+    plus each step's rows and wall time: rows read, rejected by reason, tokens, shards, duplicates..."""
+    metrics: dict[str, float] = {}
+
+    def add(prefix: str, value: Any) -> None:
+        if _is_number(value):
+            metrics[prefix] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                add(f"{prefix}/{key}", item)
+        elif isinstance(value, list) and all(isinstance(v, dict) and "host" in v for v in value):
+            for item in value:  # generate's per-host figures: generate/hosts/host-1/tokens_per_s
+                add(f"{prefix}/host-{item['host']}", {k: v for k, v in item.items() if k != "host"})
+
+    for step, record in records.items():
+        add(step, record.summary)
+        metrics[f"{step}/rows"] = record.rows
+        metrics.setdefault(f"{step}/wall_s", record.wall_s)  # the runner's timing, unless the step kept its own
+    return metrics
+
+
+def _attach_logs(run: Any, step_urls: dict[str, str]) -> int:
+    """Copy every host's log of each step into the run's files (`logs/{step}/host-NNNNN.log`)."""
+    count = 0
+    for step, url in step_urls.items():
+        for log_url in steplog.log_urls(url):
+            path = os.path.join(run.dir, steplog.LOG_FOLDER, step, log_url.rsplit("/", 1)[-1])
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(storage.read_bytes(log_url))
+            run.save(path, base_path=run.dir, policy="end")
+            count += 1
+    return count
+
+
 def _artifact(wandb: Any, cfg: Config, run_id: str, merged: status.StepRecord, merge_hash: str,
               paths: list[str], table: Any, table_rows: int) -> Any:
     """The `generations` artifact: every merged Parquet file and the browsable table."""
@@ -262,8 +323,8 @@ def _artifact(wandb: Any, cfg: Config, run_id: str, merged: status.StepRecord, m
     return artifact
 
 
-def _table(wandb: Any, paths: list[str], max_rows: int) -> tuple[Any, int]:
-    """A wandb.Table of the first `max_rows` merged rows, every column.
+def _table_data(paths: list[str], max_rows: int) -> tuple[list[str], list[list[Any]]]:
+    """Columns and rows of a wandb.Table of the first `max_rows` merged rows, every column.
 
     List columns (completion_token_ids) go in as compact JSON text: W&B types and converts a list
     element by element, which took ~5 s for 10k rows of ~50 ids (~0.5 s as text) and grows with
@@ -282,7 +343,7 @@ def _table(wandb: Any, paths: list[str], max_rows: int) -> tuple[Any, int]:
             data.extend(list(row) for row in zip(*values))
         if len(data) >= max_rows:
             break
-    return wandb.Table(columns=columns, data=data), len(data)
+    return columns, data
 
 
 def _as_text(lists: pa.Array) -> list[str | None]:

@@ -360,7 +360,7 @@ def fake_run(tmp_path):
 
 @pytest.fixture
 def wandb_env(tmp_path, monkeypatch):
-    """Hermetic W&B: offline, no account or network, every folder W&B writes under tmp_path."""
+    """Hermetic W&B: offline, every folder wandb writes (and HOME) under tmp_path, no key."""
     base = tmp_path / "wandb-env"
     for var, sub in {"WANDB_DIR": "dir", "WANDB_DATA_DIR": "data", "WANDB_CACHE_DIR": "cache",
                      "WANDB_CONFIG_DIR": "config", "WANDB_ARTIFACT_DIR": "artifacts", "HOME": "home",
@@ -379,12 +379,13 @@ def wandb_env(tmp_path, monkeypatch):
 
 @pytest.fixture
 def read_wandb_run():
-    """read_wandb_run(offline_run_dir) -> {run_id, config, summary, history, artifacts} as recorded."""
+    """read_wandb_run(offline_run_dir) -> {run_id, group, config, summary, history, artifacts, files} as recorded."""
     return _read_wandb_run
 
 
 def _read_wandb_run(run_dir: str) -> dict:
-    """What an offline run recorded, from its `.wandb` record log: config, summary, history, artifacts.
+    """What an offline run recorded, from its `.wandb` record log: config, summary, history, artifacts,
+    saved files.
 
     The log is LevelDB's format (7-byte header `:W&B`, 0xBEE1, 0; 32 KiB blocks of records with a
     crc32/length/type header, types full=1, first=2, middle=3, last=4), each record a wandb Record.
@@ -415,11 +416,12 @@ def _read_wandb_run(run_dir: str) -> dict:
             target = target.setdefault(k, {})
         target[keys[-1]] = json.loads(item.value_json)
 
-    run = {"config": {}, "summary": {}, "history": [], "artifacts": [], "run_id": None}
+    run = {"config": {}, "summary": {}, "history": [], "artifacts": [], "run_id": None, "group": None,
+           "files": []}
     for r in records:
         kind = r.WhichOneof("record_type")
         if kind == "run":
-            run["run_id"] = r.run.run_id
+            run["run_id"], run["group"] = r.run.run_id, r.run.run_group
             for item in r.run.config.update:
                 put(run["config"], item)
         elif kind == "config":
@@ -433,6 +435,8 @@ def _read_wandb_run(run_dir: str) -> dict:
             for item in r.history.item:
                 put(row, item)
             run["history"].append(row)
+        elif kind == "files":  # run.save(): paths relative to the run's files folder
+            run["files"].extend(f.path for f in r.files.files)
         elif kind == "artifact":
             a = r.artifact
             run["artifacts"].append({

@@ -226,11 +226,11 @@ def test_the_demo_checkpoint_passes_and_a_sharded_one_too(demo_model, tmp_path):
 # --- prompt files: exit 1 naming file and line ----------------------------------------------
 
 
-def test_missing_prompt_file_and_bad_prompt_line_exit_1(config_for, tmp_path):
+def test_missing_prompt_file_exits_2_and_a_bad_prompt_line_exits_1(config_for, tmp_path):
     missing = config_for(prompts={"path": str(tmp_path / "nope.jsonl")})
-    result = run_all(missing)
-    assert result.exit_code == 1 and error_line(result).startswith(f"error: prompts.path {tmp_path / 'nope.jsonl'} matched no files")
-    assert markers(tmp_path) == []
+    result = run_all(missing)  # checked before any step starts (issue 14): a config error, nothing written
+    assert result.exit_code == 2 and error_line(result).startswith(f"error: prompts.path {tmp_path / 'nope.jsonl'} matched no files")
+    assert not (tmp_path / "runs").exists()
     bad = config_for(prompts_text='{"id": "a", "prompt": "fine"}\n{"id": "b", "prompt": \n')
     result = run_all(bad)
     assert result.exit_code == 1

@@ -38,7 +38,7 @@ def chaos_config(folder: Path, demo_model: str) -> str:
 
 def launch(start_pipeline, config: str) -> Process:
     """One `pipeline launch --hosts 3 -- run all`, its output collected line by line."""
-    return start_pipeline("launch", "--hosts", "3", "--", "run", "all", "--config", config,
+    return start_pipeline("launch", "--hosts", "3", "--", "run", "all", "--config", config, "--verbose",
                           env={"PIPELINE_HEARTBEAT_TIMEOUT_S": "5"})
 
 

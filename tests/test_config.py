@@ -122,3 +122,28 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path):
     bad = runner.invoke(app, ["status", "--config", str(REPO / "demo" / "config.yaml"), "--set", "sampling.top_p=2"])
     assert bad.exit_code == 2
     assert bad.output.strip().splitlines()[-1].startswith("error: ") and "sampling.top_p" in bad.output
+
+
+@pytest.mark.parametrize("override, line", [
+    ("sampling.temprature=0.2", "error: --set sampling.temprature=...: unknown key sampling.temprature "
+     "(valid keys in sampling: max_new_tokens, temperature, top_p, top_k, n, seed, stop, stop_token_ids)"),
+    ("sampling.n=two", "error: --set sampling.n=two: sampling.n must be an integer, got 'two' (str)"),
+    ("sampling.top_p=2", "error: --set sampling.top_p=2: sampling.top_p must be a number in (0, 1], got 2.0"),
+    ("engine.mesh={data: x}", "error: --set engine.mesh={data: x}: engine.mesh.data must be an integer or auto, "
+     "got 'x' (str)"),
+    ("sampling=3", "error: --set sampling=3: sampling must be a mapping, got 3 (int)"),
+])
+def test_a_set_mistake_names_the_set_argument_not_the_file(override, line):
+    """Issue 14: `--set sampling.temprature=0.2` was reported as `demo/config.yaml: unknown key ...`.
+    An unknown key's value is not repeated: it may be a secret (`--set wandb.api_key=...`)."""
+    result = CliRunner().invoke(app, ["run", "all", "--dry-run", "--config", str(REPO / "demo" / "config.yaml"),
+                                      "--set", override])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == line
+
+
+def test_a_mistake_in_the_file_still_names_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run: {root: /tmp/x, name: a}\nmodel: {path: /m}\nprompts: {path: /p}\nsampling: {temprature: 1}\n")
+    with pytest.raises(ConfigError, match=f"^{path}: unknown key sampling.temprature "):
+        load_config(str(path), ["sampling.n=2"])

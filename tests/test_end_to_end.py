@@ -53,7 +53,20 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
 
     first = invoke("run", "all", "--config", config)
     assert first.exit_code == 0, first.output
+    # Quiet by default (issue 14): the plan, a summary line per step, where the result is; no config dump.
+    lines = first.output.strip().splitlines()
+    assert "resolved config" not in first.output and "batch_size:" not in first.output
+    assert lines[0] == f"plan (1 host, run root {runs}):"
+    assert [line.split()[0] for line in lines[1:5]] == ["tokenize", "generate", "merge", "upload"]
+    assert [line.split(":")[0] for line in lines if line.endswith(")") and "] complete: " in line] == [
+        "[tokenize] complete", "[generate] complete", "[merge] complete", "[upload] complete"]
+    assert not any(line.startswith("wandb:") for line in lines)  # no W&B banner or run history
     steps = status(config)
+    assert lines[-1] == f"result: {steps['merge']['output']}/merged-00000.parquet (24 rows in 1 file)"
+    for step in steps.values():  # each step's log of this host, as the terminal showed it
+        log = open(os.path.join(step["output"], "logs", "host-00000.log")).read()
+        assert log and "\r" not in log
+    assert "24/24 samples" in open(os.path.join(steps["generate"]["output"], "logs", "host-00000.log")).read()
     assert [s["state"] for s in steps.values()] == ["complete"] * 4
     assert steps["tokenize"]["rows"] == 12 and steps["merge"]["rows"] == 24
     assert not list((runs / ".leases").glob("*.json")), "every lease is released at the end"
@@ -66,13 +79,23 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     assert all(n == len(ids) for n, ids in zip(merged["num_completion_tokens"].to_pylist(),
                                                 merged["completion_token_ids"].to_pylist()))
 
+    text = invoke("status", "--config", config).output.splitlines()
+    merge_url = steps["merge"]["output"]
+    assert text[-1] == f"result: {merge_url}/merged-00000.parquet (24 rows in 1 file)"
+    shown = invoke("show", "--config", config, "-n", "3")
+    assert shown.exit_code == 0, shown.output
+    assert shown.output.splitlines()[0] == f"{merge_url}/merged-00000.parquet (24 rows in 1 file)"
+    assert "(p0, 0)" in shown.output and "(p0, 1)" in shown.output and "(p1, 0)" in shown.output
+    assert "(p1, 1)" not in shown.output and "3 of 24 rows" in shown.output
+
     before = snapshot(runs)
     second = invoke("run", "all", "--config", config)
     assert second.exit_code == 0 and second.output.count("skip") >= 4
     assert snapshot(runs) == before
 
-    dry = invoke("run", "all", "--config", config, "--set", "sampling.temperature=0.3", "--dry-run")
+    dry = invoke("run", "all", "--config", config, "--set", "sampling.temperature=0.3", "--dry-run", "--verbose")
     assert dry.exit_code == 0 and "generate" in dry.output
+    assert "resolved config:" in dry.output and "  temperature: 0.3" in dry.output  # --verbose shows it
     assert snapshot(runs) == before
 
     changed = invoke("run", "all", "--config", config, "--set", "sampling.temperature=0.3")
@@ -81,3 +104,8 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     assert {p: t for p, t in after.items() if "/tokenize-" in p} == {p: t for p, t in before.items() if "/tokenize-" in p}
     new_dirs = {os.path.relpath(p, runs).split(os.sep)[0] for p in set(after) - set(before)}
     assert sorted(d.split("-")[0] for d in new_dirs) == ["generate", "merge", "upload"]
+    # Two results under one run root now: status names the one of this config (issue 14).
+    result = json.loads(invoke("status", "--config", config, "--set", "sampling.temperature=0.3",
+                               "--json").output)["result"]
+    assert result["rows"] == 24 and len(result["files"]) == 1 and merge_url not in result["files"][0]
+    assert os.path.relpath(result["files"][0], runs).split(os.sep)[0] in new_dirs

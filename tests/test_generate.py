@@ -96,4 +96,6 @@ def test_sigterm_commits_finished_rows_and_exits_75(make_config, tmp_path, many_
     result = pipeline("run", "generate", "--config", config)
     assert result.returncode == 0, result.stderr[-3000:]
     assert generated_rows(root) == reference
+    # Issue 14: the resumed bar counts what was committed before (it started at 0 of what was left).
+    assert f": 80/80 samples ({len(committed)} resumed), " in result.stderr, result.stderr[-2000:]
 

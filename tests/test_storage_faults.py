@@ -191,7 +191,7 @@ def test_gcs_restarted_mid_generate_the_run_still_completes_exactly(emulator, ma
     root = f"{emulator.bucket()}/runs"
     config = make_config(run={"root": root, "name": "test"})
     run = start_run(start_pipeline, config, emulator.url, PIPELINE_STORAGE_RETRY_S="60")
-    assert run.wait_for("[generate]", timeout_s=240), run.output
+    assert run.wait_for("generate: ", timeout_s=240), run.output
     emulator.stop()
     time.sleep(3)
     emulator.start()
@@ -204,7 +204,7 @@ def test_gcs_gone_for_good_fails_with_one_line_then_the_rerun_completes(emulator
     root = f"{emulator.bucket()}/runs"
     config = make_config(run={"root": root, "name": "test"})
     run = start_run(start_pipeline, config, emulator.url, PIPELINE_STORAGE_RETRY_S="2")
-    assert run.wait_for("[generate]", timeout_s=240), run.output
+    assert run.wait_for("generate: ", timeout_s=240), run.output
     emulator.stop()
     code, output = finish(run)
     last = output.strip().splitlines()[-1]
@@ -264,6 +264,7 @@ def test_read_only_run_root_fails_with_one_line_naming_it(small_disk, make_confi
     config = make_config(run={"root": str(small_disk / "runs"), "name": "test"})
     code, output = finish(start_run(start_pipeline, config))
     last = output.strip().splitlines()[-1]
-    assert code == 1, output
-    assert "Read-only file system" in last and str(small_disk / "runs") in last, last
+    assert code == 2, output  # checked before any step starts (issue 14)
+    assert last == (f"error: run.root {small_disk / 'runs'} is not writable ({small_disk}: Read-only file system); "
+                    f"choose another run.root or remount it read-write")
     assert "Traceback" not in output

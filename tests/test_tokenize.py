@@ -423,7 +423,8 @@ def test_whole_input_problems_fail_in_both_modes_naming_the_url(tmp_path, demo_m
     url = make(tmp_path)
     config = write_config(tmp_path, demo_model, path=url, on_invalid=on_invalid)
     result = cli("run", "tokenize", "--config", config)
-    assert result.exit_code == 1, result.stderr
+    # A path matching no files is a config error found before tokenize starts (issue 14): exit 2.
+    assert result.exit_code == (2 if "matched no files" in expected else 1), result.stderr
     if case == "every row bad" and on_invalid == "fail":
         expected = "line 1: invalid JSON"  # fail mode names the first bad row
     message = error_line(result)
@@ -681,6 +682,6 @@ def test_gcs_round_trip_prompts_model_and_output_on_gs(tmp_path, demo_model, gcs
     nothing = write_config(tmp_path, model, root=f"{gcs_bucket}/runs", name="nothing.yaml",
                            path=f"{gcs_bucket}/nowhere/*.jsonl")
     result = cli("run", "tokenize", "--config", nothing)
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # checked before tokenize starts (issue 14)
     assert error_line(result) == (f"error: prompts.path {gcs_bucket}/nowhere/*.jsonl matched no files "
                                   "(check the bucket and glob)")

@@ -106,7 +106,7 @@ def test_deleting_the_upload_output_and_rerunning_resumes_the_same_run(merged_ru
     shutil.rmtree(run.url["upload"])
     second = run.run("upload")
     assert second.summary.run_id == first.summary.run_id
-    assert second.summary.run_id.startswith("test-run-")  # run.name as a slug, then a hash of root and name
+    assert second.summary.run_id.startswith("test-run-")  # run.name as a slug, then merge's hash
     saved = storage.read_json(storage.join(run.url["upload"], "wandb_run.json"))
     assert saved["run_id"] == first.summary.run_id
 
@@ -176,3 +176,94 @@ def test_remote_root_writes_the_offline_run_to_the_local_cache(merged_run, wandb
         assert saved["run_id"] == result.summary.run_id
     finally:
         storage.remove("memory://upload-test", recursive=True)
+
+
+# --- issue 14: one W&B run per result, the table in the run, every step's metrics and logs ---------
+
+
+def test_one_run_per_result_grouped_by_run_name(merged_run, read_wandb_run):
+    """Issue 14: two samplings of one run.name landed in the same W&B run (its id came from root and name)."""
+    import dataclasses
+
+    from steps.upload import _run_id
+
+    run = merged_run()
+    result = run.run("upload")
+    assert result.summary.run_id == f"test-run-{run.HASHES['merge']}"
+    recorded = read_wandb_run(result.summary.offline_run_dir)
+    assert recorded["group"] == "test run" and recorded["run_id"] == result.summary.run_id
+
+    out = run.out("upload")  # another result of the same run.name: merge's hash differs
+    other = dataclasses.replace(out, hash="0b1d0000000e", url=out.url + "x",
+                                upstream={"merge": dataclasses.replace(out.upstream["merge"], hash="3e7e0000000f")})
+    assert _run_id(run.cfg, other) == "test-run-3e7e0000000f"
+
+
+def test_the_table_is_logged_to_the_run_and_every_steps_metrics_and_logs_are_there(merged_run, read_wandb_run):
+    run = merged_run()
+    run._mark("tokenize", [], {"rows_in": 13, "rows": 10, "rejected": 3, "tokens": 50, "num_shards": 3,
+                               "rejected_reasons": {"too_long": 2, "invalid_json": 1}}, {})
+    for step in ("tokenize", "generate", "merge"):
+        for host in range(2 if step == "generate" else 1):
+            storage.write_text(storage.join(run.url[step], "logs", f"host-{host:05d}.log"),
+                               f"{step} on host {host}\n")
+    result = run.run("upload")
+    run_dir = result.summary.offline_run_dir
+    recorded = read_wandb_run(run_dir)
+
+    (logged,) = [h["generations"] for h in recorded["history"] if "generations" in h]
+    assert logged["_type"] == "table-file" and logged["nrows"] == 20
+    table = json.loads(open(os.path.join(run_dir, "files", logged["path"])).read())
+    rows = [dict(zip(table["columns"], r)) for r in table["data"]]
+    assert [(r["prompt_index"], r["sample_index"], r["completion"]) for r in rows] == [
+        (r["prompt_index"], r["sample_index"], r["completion"]) for r in merged_rows(run)]
+
+    summary = recorded["summary"]
+    assert summary["tokenize/rows"] == 10 and summary["tokenize/rows_in"] == 13 and summary["tokenize/tokens"] == 50
+    assert summary["tokenize/rejected"] == 3 and summary["tokenize/num_shards"] == 3
+    assert summary["tokenize/rejected_reasons/too_long"] == 2 and summary["tokenize/rejected_reasons/invalid_json"] == 1
+    assert summary["generate/rows"] == 20 and summary["generate/generated_tokens"] == 60
+    assert summary["generate/hosts/host-1/tokens_per_s"] == 200 and summary["generate/compile_s"] == 0.5
+    assert summary["merge/rows"] == 20 and summary["merge/duplicates_dropped"] == 0 and summary["merge/files"] == 3
+    assert summary["merge/finish_reasons/eos"] == 10 and summary["upload/wall_s"] > 0
+    assert {k for k in summary if k.endswith("/wall_s")} >= {f"{s}/wall_s" for s in ("tokenize", "generate", "merge", "upload")}
+    assert recorded["config"]["pipeline"]["steps"] == {**run.HASHES}
+
+    expected = ["logs/tokenize/host-00000.log", "logs/generate/host-00000.log", "logs/generate/host-00001.log",
+                "logs/merge/host-00000.log"]
+    assert sorted(f for f in recorded["files"] if f.startswith("logs/")) == sorted(expected)
+    assert result.summary.logs == 4
+    assert open(os.path.join(run_dir, "files", "logs", "generate", "host-00001.log")).read() == "generate on host 1\n"
+
+
+def test_a_two_host_run_attaches_every_hosts_log_of_every_step(make_config, tmp_path, read_wandb_run):
+    """Issue 14: the W&B run had no console log; now every host's log of every step is in it, as run files."""
+    from tests.conftest import pipeline
+
+    config = make_config()
+    result = pipeline("launch", "--hosts", "2", "--", "run", "all", "--config", config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (upload_dir,) = glob.glob(str(tmp_path / "runs" / "upload-*"))
+    (run_dir,) = glob.glob(os.path.join(upload_dir, "wandb", "offline-run-*"))
+    recorded = read_wandb_run(run_dir)
+
+    logs = sorted(f for f in recorded["files"] if f.startswith("logs/"))
+    assert {"logs/generate/host-00000.log", "logs/generate/host-00001.log"} <= set(logs)
+    assert {f"logs/{step}/host-00000.log" for step in ("tokenize", "merge")} <= set(logs)
+    for name in logs:  # upload's own log is still being written while it uploads: it is left out
+        step = name.split("/")[1]
+        assert step != "upload"
+        assert open(os.path.join(run_dir, "files", name)).read() == open(
+            glob.glob(str(tmp_path / "runs" / f"{step}-*" / "logs" / name.rsplit("/", 1)[1]))[0]).read()
+    generate_1 = open(os.path.join(run_dir, "files", "logs", "generate", "host-00001.log")).read()
+    assert "generate host 1/2" in generate_1  # host 1's own progress, not the leader's
+
+    assert any(h.get("generations", {}).get("nrows") == 24 for h in recorded["history"])  # the table, in the run
+    summary = recorded["summary"]
+    for key in ("tokenize/rows", "tokenize/rejected", "tokenize/tokens", "tokenize/wall_s", "generate/rows",
+                "generate/generated_tokens", "generate/compile_s", "generate/hosts/host-1/tokens_per_s",
+                "generate/wall_s", "merge/rows", "merge/duplicates_dropped", "merge/wall_s", "upload/wall_s"):
+        assert key in summary, key
+    assert summary["tokenize/rows"] == 12 and summary["merge/rows"] == 24
+    assert recorded["group"] == "test" and recorded["run_id"] == "test-" + os.path.basename(
+        glob.glob(str(tmp_path / "runs" / "merge-*"))[0]).split("-", 1)[1]

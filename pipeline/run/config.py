@@ -168,9 +168,11 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must be a mapping of sections, got {type(data).__name__}")
+    by_key: dict[str, str] = {}
     for override in overrides:
         data = apply_override(data, override)
-    return build_config(data, source=path)
+        by_key[override.partition("=")[0].strip()] = override
+    return build_config(data, source=path, overrides=by_key)
 
 
 def apply_override(data: dict, override: str) -> dict:
@@ -197,42 +199,62 @@ def apply_override(data: dict, override: str) -> dict:
     return result
 
 
-def build_config(data: dict, source: str = "config") -> Config:
-    """Validate plain data into a `Config`; every error names its key path."""
-    return _build(Config, data, prefix="", source=source)
+def build_config(data: dict, source: str = "config", overrides: dict[str, str] | None = None) -> Config:
+    """Validate plain data into a `Config`; every error names its key path.
+
+    An error about a key that an override set (`overrides`: key path -> the `--set` argument)
+    is blamed on that `--set` argument, not on `source`, the file the rest came from.
+    """
+    return _build(Config, data, prefix="", blame=_Blame(source, overrides or {}))
+
+
+@dataclass(frozen=True)
+class _Blame:
+    """Who gave the value at a key path: the config file, or the `--set` argument that set it."""
+
+    source: str
+    overrides: dict[str, str]
+
+    def __call__(self, key: str, unknown: bool = False) -> str:
+        """The source of `key`. For an unknown key the `--set` value is not repeated: it may be a
+        secret meant for a key that does not exist (`--set wandb.api_key=...`)."""
+        for set_key in sorted(self.overrides, key=len, reverse=True):  # the most specific first
+            if key == set_key or key.startswith(set_key + ".") or key.startswith(set_key + "["):
+                return f"--set {set_key}=..." if unknown else f"--set {self.overrides[set_key]}"
+        return self.source
 
 
 # --- typed conversion -----------------------------------------------------------------
 
 
-def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
+def _build(cls: type, data: Any, prefix: str, blame: _Blame) -> Any:
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: {where} must be a mapping, got {_describe(data)}")
+        raise ConfigError(f"{blame(prefix.rstrip('.'))}: {where} must be a mapping, got {_describe(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted((str(k) for k in data if k not in fields))  # YAML keys may be numbers, null, ...
     if unknown:
         raise ConfigError(
-            f"{source}: unknown key {prefix}{unknown[0]} (valid keys in {where}: {', '.join(fields)})"
+            f"{blame(prefix + unknown[0], unknown=True)}: unknown key {prefix}{unknown[0]} (valid keys in {where}: {', '.join(fields)})"
         )
     values = {}
     for name, f in fields.items():
         key = f"{prefix}{name}"
         if name not in data:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{source}: missing required key {key}")
+                raise ConfigError(f"{blame(key)}: missing required key {key}")
             continue
-        values[name] = _convert(hints[name], data[name], key, source)
+        values[name] = _convert(hints[name], data[name], key, blame)
     try:
         return cls(**values)
-    except ValueError as err:  # a dataclass's own check (engine.config.InvalidConfig): names the key
-        raise ConfigError(f"{source}: {err}") from None
+    except ValueError as err:  # a dataclass's own check (engine.config.InvalidConfig): names the key first
+        raise ConfigError(f"{blame(str(err).split(' ', 1)[0])}: {err}") from None
 
 
-def _convert(tp: Any, value: Any, key: str, source: str) -> Any:
+def _convert(tp: Any, value: Any, key: str, blame: _Blame) -> Any:
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value if value is not None else {}, prefix=f"{key}.", source=source)
+        return _build(tp, value if value is not None else {}, prefix=f"{key}.", blame=blame)
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         options = typing.get_args(tp)
@@ -243,21 +265,21 @@ def _convert(tp: Any, value: Any, key: str, source: str) -> Any:
             if option is type(None):
                 continue
             try:
-                return _convert(option, value, key, source)
+                return _convert(option, value, key, blame)
             except ConfigError as err:
                 if dataclasses.is_dataclass(option) and isinstance(value, dict):
                     raise  # a mapping meant for this section: its own error names the inner key
                 errors.append(err)
-        raise ConfigError(f"{source}: {key} must be {_expected(tp)}, got {_describe(value)}")
+        raise ConfigError(f"{blame(key)}: {key} must be {_expected(tp)}, got {_describe(value)}")
     if origin is Literal:
         if value in typing.get_args(tp) and type(value) is not bool:
             return value
-        raise ConfigError(f"{source}: {key} must be {_expected(tp)}, got {_describe(value)}")
+        raise ConfigError(f"{blame(key)}: {key} must be {_expected(tp)}, got {_describe(value)}")
     if origin is tuple:
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{source}: {key} must be {_expected(tp)}, got {_describe(value)}")
+            raise ConfigError(f"{blame(key)}: {key} must be {_expected(tp)}, got {_describe(value)}")
         (item_tp, _) = typing.get_args(tp)
-        return tuple(_convert(item_tp, v, f"{key}[{i}]", source) for i, v in enumerate(value))
+        return tuple(_convert(item_tp, v, f"{key}[{i}]", blame) for i, v in enumerate(value))
     ok = {
         bool: lambda v: type(v) is bool,
         int: lambda v: type(v) is int,
@@ -265,16 +287,16 @@ def _convert(tp: Any, value: Any, key: str, source: str) -> Any:
         str: lambda v: type(v) is str,
     }[tp]
     if not ok(value):
-        raise ConfigError(f"{source}: {key} must be {_expected(tp)}, got {_describe(value)}")
+        raise ConfigError(f"{blame(key)}: {key} must be {_expected(tp)}, got {_describe(value)}")
     if tp is int and not -2**63 <= value < 2**63:  # numpy, Arrow and JAX hold 64 bits at most
-        raise ConfigError(f"{source}: {key} must be an integer between -2**63 and 2**63, got {_describe(value)}")
+        raise ConfigError(f"{blame(key)}: {key} must be an integer between -2**63 and 2**63, got {_describe(value)}")
     if tp is float:
         try:
             number = float(value)
         except OverflowError:  # an integer beyond float's range
             number = math.inf
         if not math.isfinite(number):
-            raise ConfigError(f"{source}: {key} must be a finite number, got {_describe(value)}")
+            raise ConfigError(f"{blame(key)}: {key} must be a finite number, got {_describe(value)}")
         return number
     return value
 

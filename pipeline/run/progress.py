@@ -2,9 +2,11 @@
 
 On a TTY: a tqdm bar (count, rate, ETA, and extra figures such as tokens/s). Elsewhere
 (a pod's log, CI): one plain line every `log_every_s` seconds and a last line at the end,
-never carriage-return spam. Only counts; it refuses to know what is being counted.
+never carriage-return spam. Only counts; it refuses to know what is being counted. Work done
+by an earlier attempt is counted too (`resumed`): a resumed bar reads
+`25,857/200,000 (21,504 resumed)`, and its rate and ETA are of this attempt's work only.
 
-    with Progress(total=1000, desc="host 0 generate", unit="sample") as bar:
+    with Progress(total=1000, desc="host 0 generate", unit="sample", resumed=200) as bar:
         bar.update(8, tokens=1024)
 """
 
@@ -19,16 +21,18 @@ from tqdm import tqdm
 
 class Progress:
     def __init__(self, total: int | None, desc: str, unit: str, log_every_s: float = 30.0,
-                 file: Any = None):
-        self.total, self.desc, self.unit = total, desc, unit
+                 file: Any = None, resumed: int = 0):
+        self.total, self.desc, self.unit, self.resumed = total, desc, unit, resumed
         self.file = file or sys.stderr
-        self.count = 0
+        self.count = resumed
         self.extra: dict[str, float] = {}
         self.started = time.monotonic()
         self.last_log = self.started
         self.log_every_s = log_every_s
         is_tty = hasattr(self.file, "isatty") and self.file.isatty()
-        self.bar = tqdm(total=total, desc=desc, unit=unit, file=self.file, dynamic_ncols=True) if is_tty else None
+        label = f"{desc} ({resumed:,} resumed)" if resumed else desc
+        self.bar = (tqdm(total=total, initial=resumed, desc=label, unit=unit, file=self.file, dynamic_ncols=True)
+                    if is_tty else None)
 
     def update(self, n: int = 1, **extra: float) -> None:
         self.count += n
@@ -48,11 +52,12 @@ class Progress:
     def _log(self) -> None:
         self.last_log = time.monotonic()
         elapsed = self.last_log - self.started
-        rate = self.count / elapsed if elapsed > 0 else 0.0
+        rate = (self.count - self.resumed) / elapsed if elapsed > 0 else 0.0
         total = f"/{self.total:,}" if self.total else ""
+        resumed = f" ({self.resumed:,} resumed)" if self.resumed else ""
         eta = f", ETA {(self.total - self.count) / rate:,.0f}s" if self.total and rate > 0 else ""
         extras = f", {self._extras()}" if self.extra else ""
-        print(f"{self.desc}: {self.count:,}{total} {self.unit}s, {rate:,.1f}/s{extras}{eta}",
+        print(f"{self.desc}: {self.count:,}{total} {self.unit}s{resumed}, {rate:,.1f}/s{extras}{eta}",
               file=self.file, flush=True)
 
     def close(self) -> None:

@@ -23,11 +23,11 @@ from typing import Any, Callable, Literal
 
 import yaml
 
-from engine.checkpoint import check_checkpoint
 from pipeline import storage
-from pipeline.errors import ConfigError, StepFailed, checkpoint_errors
+from pipeline.errors import ConfigError, StepFailed
 from pipeline.pod import hosts, preemption
-from pipeline.run import identity, status
+from pipeline.run import identity, status, steplog
+from pipeline.run.checks import check_inputs
 from pipeline.run.config import Config
 from pipeline.run.step import Step, StepInput, StepOutput, StepResult, ancestors, in_order
 from pipeline.storage.lease import Lease
@@ -97,11 +97,13 @@ def _decide(step: Step, state: str, rows: int | None, targeted: bool, force: boo
     return "run", "no output for this hash: run"
 
 
-def format_plan(plan: list[PlannedStep]) -> str:
+def format_plan(plan: list[PlannedStep], with_urls: bool = False) -> str:
+    """One line per step: its hash, what a run does and why (`with_urls`: a second line, its output)."""
     lines = []
     for p in plan:
         lines.append(f"  {p.name:<9} {p.hash[:12]}  {p.action:<7} {p.reason}")
-        lines.append(f"  {'':<9} {'':<12}  -> {p.url}")
+        if with_urls:
+            lines.append(f"  {'':<9} {'':<12}  -> {p.url}")
     return "\n".join(lines)
 
 
@@ -116,8 +118,7 @@ def preflight(cfg: Config, graph: tuple[Step, ...], expect_hosts: int | None = N
                           f"(--expect-hosts): {missing}; start the same command on every worker "
                           f"(gcloud ... ssh --worker=all), not on worker 0 only")
     plan = make_plan(cfg, graph)
-    with checkpoint_errors():
-        check_checkpoint(cfg.model.path)
+    check_inputs(cfg, {p.name for p in plan}, is_leader=hosts.is_leader())  # what `run all` will need
     hosts.agree("preflight", {"versions": status.package_versions(), "code": code_digest(),
                               "plan": [[p.name, p.hash] for p in plan]}, "code version and plan")
     hosts.barrier("preflight")
@@ -136,11 +137,14 @@ def code_digest() -> str:
 
 def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], force: bool = False,
               dry_run: bool = False, echo: Callable[[str], None] | None = None,
-              wait: bool = True) -> list[PlannedStep]:
+              wait: bool = True, verbose: bool = False) -> list[PlannedStep]:
     """Run `targets` of `graph` in order on this host (every host calls this); return the plan used.
 
     Each step runs under a lease on its output (pipeline/storage/lease.py): while another runner
-    holds it, wait (or with wait=False raise LeaseBusy, exit 75).
+    holds it, wait (or with wait=False raise LeaseBusy, exit 75). The leader prints the plan, one
+    summary line per step and where the result is; `verbose` adds the resolved config (it is in
+    every step folder as config.yaml anyway) and output URLs. Each host's lines during a step also
+    go to the step's log (pipeline/run/steplog.py).
     """
     say = echo or _say
     hosts.initialize()
@@ -148,15 +152,17 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
     hosts.agree("plan", [[p.name, p.hash] for p in plan], "the plan (step hashes)")
     if hosts.is_leader():
         everything = set(targets) == {p.name for p in plan}
-        say(f"pipeline run {'all' if everything else ' '.join(targets)} ({hosts.process_count()} host(s)), resolved config:")
-        say(_indent(yaml.safe_dump(cfg.to_dict(), sort_keys=False)))
-        say("plan:\n" + format_plan(plan))
+        command = f"pipeline run {'all' if everything else ' '.join(targets)}"
+        if verbose:
+            say(f"{command}, resolved config:\n{_indent(yaml.safe_dump(cfg.to_dict(), sort_keys=False))}")
+        say(f"plan ({hosts.process_count()} host{'s' if hosts.process_count() != 1 else ''}, run root "
+            f"{cfg.run.root}):\n" + format_plan(plan, with_urls=verbose))
     blocked = [p for p in plan if p.action == "blocked"]
     if blocked:
         raise StepFailed(f"cannot run {blocked[0].name}: {blocked[0].reason}")
-    if any(p.action == "run" and p.name in ("tokenize", "generate") for p in plan):
-        with checkpoint_errors():  # config.json and headers only: seconds
-            check_checkpoint(cfg.model.path)  # a bad model.path fails now, not after tokenize
+    # Every input of the steps about to run (model headers, prompt files, run.root, W&B key): in
+    # seconds, before any step folder or lease exists, so a bad input leaves nothing behind.
+    check_inputs(cfg, {p.name for p in plan if p.action == "run"}, is_leader=hosts.is_leader(), dry_run=dry_run)
     if dry_run:
         return plan
     by_name = {p.name: p for p in plan}
@@ -167,7 +173,7 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
         upstream = {s.name: by_name[s.name].as_input() for s in ancestors(planned.step)}
         out = StepOutput(planned.name, planned.hash, planned.url, upstream)
         started = time.time()
-        if hosts.is_leader():
+        if hosts.is_leader() and verbose:
             say(f"[{planned.name}] {planned.reason} -> {planned.url}")
         result = _execute(cfg, planned, out, wait, say)
         if hosts.is_leader() and result is not None:
@@ -175,7 +181,19 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
                 f"{_summary_line(result.summary_dict())}")
         by_name[planned.name] = dataclasses.replace(planned, state="complete", rows=result.rows if result else None)
     hosts.barrier("end", "every host to finish")  # nobody leaves while the leader still works
+    if hosts.is_leader():
+        _say_result(by_name, say)
     return plan
+
+
+def _say_result(by_name: dict[str, PlannedStep], say: Callable[[str], None]) -> None:
+    """The last line: where the merged result of this config is (two samplings: two results)."""
+    from pipeline.run.result import merged_result
+
+    merge = by_name.get("merge")
+    merged = merged_result(merge.url) if merge is not None and merge.state == "complete" else None
+    if merged is not None:
+        say(f"result: {merged.describe()}")
 
 
 def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
@@ -193,12 +211,14 @@ def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
                 say(f"[{step.name}] completed by another runner while this one waited: skipped")
             return None
         out = dataclasses.replace(out, lease=lease if hosts.is_leader() else Lease.follow(lease.url, lease.what, token))
-        if step.on == "leader":
-            return hosts.on_leader(tag, lambda: _mark(cfg, planned, out, started, step.run(cfg, out)),
-                                   f"step {step.name}")
-        hosts.run_and_report(f"{tag}/host-{hosts.process_index()}", lambda: step.run(cfg, out))
-        return hosts.on_leader(f"{tag}/finish", lambda: _mark(cfg, planned, out, started, _finish(cfg, step, out, tag)),
-                               f"step {step.name} to be checked")
+        with steplog.step_log(out.url, hosts.process_index()):  # under the lease: one writer per log
+            if step.on == "leader":
+                return hosts.on_leader(tag, lambda: _mark(cfg, planned, out, started, step.run(cfg, out)),
+                                       f"step {step.name}")
+            hosts.run_and_report(f"{tag}/host-{hosts.process_index()}", lambda: step.run(cfg, out))
+            return hosts.on_leader(f"{tag}/finish",
+                                   lambda: _mark(cfg, planned, out, started, _finish(cfg, step, out, tag)),
+                                   f"step {step.name} to be checked")
     except BaseException as err:
         if hosts.is_leader():  # tell the pod before letting go, so no host takes it for a takeover
             hosts.abort(f"{type(err).__name__}: {err}", getattr(err, "exit_code", 1))

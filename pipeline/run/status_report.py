@@ -1,10 +1,11 @@
 """What `pipeline status` shows: one row per step, as data and as text.
 
 Owns the report's fields (the contract's name/hash/output/state/rows, plus why a run would
-or would not run the step, rejected prompt rows, and who is running it now). Changes nothing.
+or would not run the step, rejected prompt rows, and who is running it now) and the line
+saying where the merged result is. Changes nothing.
 
     rows = report(cfg, steps.PIPELINE)
-    print(report_text(rows))
+    print(report_text(rows, result_of(rows)))
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from pipeline.run import status
 from pipeline.run.config import Config
+from pipeline.run.result import MergedResult, merged_result
 from pipeline.run.runner import make_plan
 from pipeline.run.step import Step
 from pipeline.storage.lease import Lease
@@ -47,11 +49,22 @@ def _why(p: Any) -> str:
     return "missing: the next `run all` runs it"
 
 
-def report_text(rows: list[dict[str, Any]]) -> str:
+def result_of(rows: list[dict[str, Any]]) -> MergedResult | None:
+    """The merged files, when the report's merge step is complete."""
+    merge = next(r for r in rows if r["name"] == "merge")
+    return merged_result(merge["output"]) if merge["state"] == "complete" else None
+
+
+def report_json(rows: list[dict[str, Any]], result: MergedResult | None) -> dict[str, Any]:
+    return {"steps": rows, "result": None if result is None else {"rows": result.rows, "files": result.files}}
+
+
+def report_text(rows: list[dict[str, Any]], result: MergedResult | None = None) -> str:
     lines = [f"{'step':<9} {'hash':<12} {'state':<9} {'rows':>9}  output / why"]
     for r in rows:
         count = "-" if r["rows"] is None else str(r["rows"])
         extra = f" ({r['rejected']} rejected)" if r.get("rejected") else ""
         lines.append(f"{r['name']:<9} {r['hash'][:12]:<12} {r['state']:<9} {count:>9}  {r['output']}{extra}")
         lines.append(f"{'':<9} {'':<12} {'':<9} {'':>9}  {r['why']}")
+    lines.append(f"result: {result.describe()}" if result else "result: none yet (merge is not complete)")
     return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""Every input a user names, checked before any step folder or lease exists.
+
+Owns the up-front checks of a run: the prompt files `prompts.path` names exist, `model.path` is a
+checkpoint we can run (engine/checkpoint.py, headers only), a prompt of `max_prompt_tokens` plus
+`max_new_tokens` fits the checkpoint's positions, `run.root` can be written, and an online W&B
+run has a key. Each failure is a ConfigError naming the key (exit 2), and nothing is written: a
+check of `run.root` on remote storage writes a probe object and removes it, a local one only asks
+the operating system. It refuses to check what only the step can see (the rows of a prompt file).
+Only the inputs of steps that are about to run are checked (`pipeline run upload` needs no model):
+the runner calls this once, with the steps its plan runs, before any step folder or lease.
+
+    check_inputs(cfg, steps={"tokenize", "generate", "merge", "upload"}, is_leader=hosts.is_leader())
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import secrets
+from urllib.parse import urlparse
+
+from pipeline import storage
+from pipeline.errors import ConfigError, checkpoint_errors
+from pipeline.run.config import Config
+
+
+def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: bool = False) -> None:
+    """Raise ConfigError for the first input of `steps` that cannot work.
+
+    Leader-only steps' inputs (prompts for tokenize, the W&B key for upload) are checked on the
+    leader only: the other hosts never read them. A dry run does not probe `run.root` (it writes).
+    """
+    if not steps:
+        return
+    if "tokenize" in steps and is_leader:
+        check_prompts(cfg)
+    if steps & {"tokenize", "generate"}:
+        check_model(cfg, positions="generate" in steps)
+    if "upload" in steps and is_leader:
+        check_wandb(cfg)
+    if not dry_run:
+        check_root(cfg)
+
+
+def check_prompts(cfg: Config) -> None:
+    prompt_files(cfg.prompts.path)
+
+
+def prompt_files(pattern: str) -> list[str]:
+    """The files `prompts.path` names (sorted), or a ConfigError saying why there are none.
+
+    tokenize lists its input with this too (steps/prompt_files.py), so both say the same."""
+    try:
+        urls = storage.expand(pattern)
+    except Exception as err:  # noqa: BLE001 - any filesystem's error: add which setting it was
+        raise ConfigError(f"prompts.path {pattern} could not be listed: {type(err).__name__}: {err}") from err
+    if not urls:
+        hint = "check the bucket and glob" if any(ch in pattern for ch in "*?[") else \
+            "no such file, or an empty folder"
+        raise ConfigError(f"prompts.path {pattern} matched no files ({hint})")
+    return urls
+
+
+def check_model(cfg: Config, positions: bool) -> None:
+    """model.path is a checkpoint we run; a prompt plus its completion fits its positions."""
+    from engine.checkpoint import check_checkpoint, read_config
+    from engine.llama import LlamaConfig
+
+    with checkpoint_errors():
+        check_checkpoint(cfg.model.path)
+        hf_config = read_config(cfg.model.path)
+    if not positions:
+        return
+    url = storage.join(cfg.model.path, "config.json")
+    limit = LlamaConfig.from_hf(hf_config, source=url).max_position_embeddings
+    needed = cfg.prompts.max_prompt_tokens + cfg.sampling.max_new_tokens
+    if needed > limit:
+        raise ConfigError(
+            f"prompts.max_prompt_tokens + sampling.max_new_tokens = {cfg.prompts.max_prompt_tokens} + "
+            f"{cfg.sampling.max_new_tokens} = {needed} exceeds the checkpoint's max_position_embeddings {limit} "
+            f"({url}): lower one of them to fit")
+
+
+def check_root(cfg: Config) -> None:
+    """run.root can be written: locally the nearest existing folder is writable; elsewhere a probe
+    object is written and removed (it also checks credentials before any work)."""
+    root = storage.normalize(cfg.run.root)
+    if storage.is_local(root):
+        path = storage.filesystem(root)[1]
+        existing = path
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise ConfigError(f"run.root {cfg.run.root}: {existing} is a file, not a folder")
+        if os.statvfs(existing).f_flag & os.ST_RDONLY:
+            raise ConfigError(f"run.root {cfg.run.root} is not writable ({existing}: Read-only file system); "
+                              f"choose another run.root or remount it read-write")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"run.root {cfg.run.root} is not writable ({existing}: permission denied); "
+                              f"choose another run.root or fix its permissions")
+        return
+    probe = storage.join(root, f".write-check-{secrets.token_hex(6)}")
+    try:
+        storage.write_bytes(probe, b"")
+        storage.remove(probe)
+    except Exception as err:  # noqa: BLE001 - any filesystem's error: it is this setting that is wrong
+        raise ConfigError(f"run.root {cfg.run.root} is not writable: {' '.join(str(err).split())}") from err
+
+
+def check_wandb(cfg: Config) -> None:
+    if cfg.wandb.mode != "online" or _has_wandb_key():
+        return
+    raise ConfigError("wandb.mode is online but no W&B API key is set (WANDB_API_KEY, or `wandb login`): set "
+                      "WANDB_API_KEY, or --set wandb.mode=offline to write a run that `wandb sync` pushes later")
+
+
+def _has_wandb_key() -> bool:
+    """WANDB_API_KEY, or a ~/.netrc entry for the W&B host (what `wandb login` writes)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False

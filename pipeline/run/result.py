@@ -1,0 +1,103 @@
+"""Where a config's result is, and its first rows as a table a person can read.
+
+Owns finding the merged files of a config (merge's output for the config's hash, through its
+success marker's manifest) and `pipeline show`'s table: prompt, completion, finish reason.
+Reads only, and refuses to look into a merge output without its marker: a reader trusts the
+marker, not the files.
+
+    merged = merged_result(merge_url)         # None until merge is complete
+    print(show_text(cfg, steps.PIPELINE, "demo/config.yaml", rows=5))
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from pipeline import storage
+from pipeline.errors import StepFailed
+from pipeline.run import status
+from pipeline.run.config import Config
+from pipeline.run.step import Step
+
+SHOWN_COLUMNS = ["prompt_index", "prompt_id", "sample_index", "prompt", "completion", "finish_reason"]
+TEXT_CHARS = 500
+"""Longer prompts and completions are cut in the table (the Parquet files hold them whole)."""
+
+
+@dataclass(frozen=True)
+class MergedResult:
+    folder: str
+    rows: int
+    files: list[str]
+    """URLs of the merged Parquet files, in order."""
+
+    def describe(self) -> str:
+        where = self.files[0] if len(self.files) == 1 else f"{self.folder}/merged-*.parquet" if self.files else self.folder
+        return f"{where} ({self.rows:,} rows in {len(self.files)} file{'s' if len(self.files) != 1 else ''})"
+
+
+def merged_result(merge_url: str) -> MergedResult | None:
+    """The merged files of a complete merge output; None while it is not complete."""
+    record = status.read_marker(merge_url)
+    if record is None:
+        return None
+    files = [storage.join(merge_url, f["path"]) for f in record.files if f["path"].endswith(".parquet")]
+    return MergedResult(folder=merge_url, rows=record.rows, files=files)
+
+
+def first_rows(result: MergedResult, count: int) -> list[dict[str, Any]]:
+    """The first `count` rows of the result (reading no more than needed), the shown columns only."""
+    rows: list[dict[str, Any]] = []
+    for url in result.files:
+        if len(rows) >= count:
+            break
+        fs, path = storage.filesystem(url)
+        with fs.open(path, "rb") as f:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=max(count, 1), columns=SHOWN_COLUMNS):
+                rows.extend(batch.slice(0, count - len(rows)).to_pylist())
+                if len(rows) >= count:
+                    break
+    return rows
+
+
+def show_text(cfg: Config, graph: tuple[Step, ...], config_path: str, rows: int) -> str:
+    """`pipeline show`: where the result is, and its first rows as a table."""
+    from pipeline.run.runner import make_plan
+
+    (merge,) = [p for p in make_plan(cfg, graph) if p.name == "merge"]
+    result = merged_result(merge.url)
+    if result is None:
+        raise StepFailed(f"no result for this config yet: {merge.url} is {merge.state}; "
+                         f"run `pipeline run all --config {config_path}` first")
+    return f"{result.describe()}\n{_table(first_rows(result, rows), result.rows)}"
+
+
+def _table(rows: list[dict[str, Any]], total: int) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_lines=True, caption=f"{len(rows)} of {total:,} rows")
+    table.add_column("prompt (id, sample)", overflow="fold", ratio=2)
+    table.add_column("completion", overflow="fold", ratio=3)
+    table.add_column("finish", no_wrap=True)
+    for r in rows:
+        table.add_row(f"{_cut(r['prompt'])}\n[dim]({r['prompt_id']}, {r['sample_index']})[/dim]",
+                      _cut(r["completion"]), r["finish_reason"])
+    buffer = io.StringIO()
+    # The terminal's width when there is one; 120 columns in a pipe or a log.
+    width = shutil.get_terminal_size((120, 24)).columns if sys.stdout.isatty() else 120
+    Console(file=buffer, width=width, highlight=False, emoji=False).print(table)
+    return buffer.getvalue().rstrip()
+
+
+def _cut(text: str) -> str:
+    from rich.markup import escape
+
+    text = text if len(text) <= TEXT_CHARS else text[:TEXT_CHARS] + "..."
+    return escape(text)

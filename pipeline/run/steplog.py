@@ -1,0 +1,142 @@
+"""Each host's log of each step: `{step folder}/logs/host-NNNNN.log`, written as the step runs.
+
+Owns the log files' names and the tee that fills them: while a step runs, every line this
+process prints (stdout and stderr: the runner's lines, progress, warnings)
+also goes to the step's log of this host, with progress bars' carriage-return redraws reduced
+to their last state and colour codes removed. On local storage the file is appended line by
+line as the step runs; on remote storage (gs://) it is uploaded when the step ends, also when
+it fails (unless storage itself failed); a log that cannot be written or saved is a warning, never
+a step failure. It refuses to capture what bypasses Python's streams (C libraries writing to fd 2).
+
+    with step_log(out.url, host=hosts.process_index()):
+        run(cfg, out)
+    log_urls(out.url)   # every host's log of that step (upload attaches them to the W&B run)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import sys
+import tempfile
+from typing import Iterator, TextIO
+
+from pipeline import storage
+from pipeline.storage.retrying import StorageError
+
+LOG_FOLDER = "logs"
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def log_name(host: int) -> str:
+    return f"host-{host:05d}.log"
+
+
+def log_urls(step_url: str) -> list[str]:
+    """Every host's log of a step, in host order (none before the step has run)."""
+    folder = storage.join(step_url, LOG_FOLDER)
+    return storage.list_files(folder, suffix=".log") if storage.exists(folder) else []
+
+
+class _LazyFile:
+    """A log file opened (appending) on its first line: a host that prints nothing during a step
+    (a non-leader waiting through tokenize) leaves no empty log behind.
+
+    A log that cannot be written (disk full, read-only) must not fail the step, whose own writes
+    report the problem with the file they were writing: the log stops, saying so once."""
+
+    def __init__(self, path: str, terminal: TextIO):
+        self.path, self.terminal, self.file, self.broken = path, terminal, None, False
+
+    def write_lines(self, lines: list[str]) -> None:
+        if self.broken:
+            return
+        try:
+            if self.file is None:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                self.file = open(self.path, "a", encoding="utf-8", errors="replace")
+            self.file.write("".join(line + "\n" for line in lines))
+            self.file.flush()
+        except OSError as err:
+            self.broken = True
+            self.terminal.write(f"warning: the step log {self.path} cannot be written ({err.strerror or err}); "
+                                f"it stops here\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError:
+                pass  # what could not be flushed was reported when it was written
+
+
+class _Tee:
+    """A text stream that writes through to `stream` and keeps clean whole lines in `log`."""
+
+    def __init__(self, stream: TextIO, log: _LazyFile):
+        self.stream, self.log, self.pending = stream, log, ""
+
+    def write(self, text: str) -> int:
+        written = self.stream.write(text)
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        if lines:
+            self.log.write_lines([_clean(line) for line in lines])
+        return written
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close_line(self) -> None:
+        """Keep a last line that never got its newline (an interrupted progress bar)."""
+        if _clean(self.pending).strip():
+            self.log.write_lines([_clean(self.pending)])
+        self.pending = ""
+
+    def __getattr__(self, name: str):  # isatty, fileno, encoding...: the real stream's
+        return getattr(self.stream, name)
+
+
+def _clean(line: str) -> str:
+    """What a terminal shows last on the line: the text after the last carriage return, no colours."""
+    return _ANSI.sub("", line.rsplit("\r", 1)[-1])
+
+
+@contextlib.contextmanager
+def step_log(step_url: str, host: int) -> Iterator[None]:
+    """Tee this process's stdout and stderr into the step's log of `host` while the body runs."""
+    url = storage.join(step_url, LOG_FOLDER, log_name(host))
+    local = storage.is_local(url)
+    if local:
+        path = storage.filesystem(url)[1]
+    else:
+        folder = tempfile.mkdtemp(prefix="pipeline-steplog-")
+        path = os.path.join(folder, log_name(host))
+        if storage.exists(url):  # an earlier attempt's log: keep it, this attempt appends
+            with open(path, "wb") as f:
+                f.write(storage.read_bytes(url))
+    saved = sys.stdout, sys.stderr
+    log = _LazyFile(path, saved[1])
+    tees = _Tee(saved[0], log), _Tee(saved[1], log)
+    sys.stdout, sys.stderr = tees
+    storage_failed = False
+    try:
+        yield
+    except StorageError:
+        storage_failed = True  # no point retrying the log's upload against the storage that just failed
+        raise
+    finally:
+        sys.stdout, sys.stderr = saved
+        for tee in tees:
+            tee.close_line()
+        log.close()
+        if not local:
+            try:
+                if os.path.exists(path) and not storage_failed:
+                    storage.put_file(path, url)
+            except Exception as err:  # noqa: BLE001 - a lost log must not fail (or hide the error of) the step
+                saved[1].write(f"warning: the step log could not be saved to {url}: {err}\n")
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)

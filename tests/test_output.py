@@ -1,0 +1,85 @@
+"""What a user sees on the terminal (issue 14, items 5 and 6): quiet by default, and progress that
+counts what was already done."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+from pipeline.run.progress import Progress
+
+
+def test_no_pytorch_advice_from_transformers():
+    """Issue 14: `[transformers] PyTorch was not found` appeared in every normal run (torch is not installed
+    for users; we use transformers for tokenizers and configs only)."""
+    script = """
+import importlib.util
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a, **k: None if name.split(".")[0] == "torch" else real(name, *a, **k)
+if WITH_PIPELINE:
+    import pipeline.cli
+import transformers
+"""
+    env_free = {k: v for k, v in __import__("os").environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    plain = subprocess.run([sys.executable, "-c", "WITH_PIPELINE = False" + script], capture_output=True, text=True,
+                           env=env_free)
+    assert "PyTorch was not found" in plain.stderr  # what transformers says on its own: the check is real
+    ours = subprocess.run([sys.executable, "-c", "WITH_PIPELINE = True" + script], capture_output=True, text=True,
+                          env=env_free)
+    assert ours.returncode == 0 and "PyTorch was not found" not in ours.stderr
+
+
+def test_a_resumed_progress_counts_what_was_already_done():
+    """Issue 14: after 21,504 rows were committed a resumed bar read `4,353/178,496`; it now counts from
+    what was done: `25,857/200,000 (21,504 resumed)`."""
+    out = io.StringIO()
+    bar = Progress(total=200_000, desc="generate", unit="sample", file=out, resumed=21_504)
+    bar.update(4_353)
+    bar.close()
+    line = out.getvalue().strip().splitlines()[-1]
+    assert line.startswith("generate: 25,857/200,000 samples (21,504 resumed), ")
+
+
+def test_a_step_log_keeps_clean_whole_lines_of_this_host(tmp_path, capsys):
+    from pipeline.run import steplog
+
+    step = str(tmp_path / "generate-abc")
+    with steplog.step_log(step, host=1):
+        print("generate: loading")
+        sys.stderr.write("\rbar 1/3\rbar 2/3\rbar 3/3\n\x1b[31mwarning\x1b[0m\npartial")
+    assert "generate: loading" in capsys.readouterr().out  # the terminal still sees everything
+    assert steplog.log_urls(step) == [f"{step}/logs/host-00001.log"]
+    assert open(f"{step}/logs/host-00001.log").read() == "generate: loading\nbar 3/3\nwarning\npartial\n"
+
+    with steplog.step_log(str(tmp_path / "merge-abc"), host=1):
+        pass  # a host with nothing to say leaves no log (and no folder)
+    assert not (tmp_path / "merge-abc").exists()
+
+
+def test_a_step_log_on_remote_storage_is_uploaded_when_the_step_ends():
+    from pipeline import storage
+    from pipeline.run import steplog
+
+    step = "memory://steplog-test/runs/tokenize-abc"
+    try:
+        for attempt in (1, 2):
+            with steplog.step_log(step, host=0):
+                print(f"attempt {attempt}")
+        assert storage.read_bytes(f"{step}/logs/host-00000.log") == b"attempt 1\nattempt 2\n"
+    finally:
+        storage.remove("memory://steplog-test", recursive=True)
+
+
+def test_a_step_log_that_cannot_be_written_does_not_fail_the_step(tmp_path, capsys):
+    from pipeline.run import steplog
+
+    step = tmp_path / "merge-abc"
+    step.mkdir()
+    (step / "logs").write_text("")  # a file where the log folder should be
+    with steplog.step_log(str(step), host=0):
+        print("first")
+        print("second")
+    captured = capsys.readouterr()
+    assert captured.out == "first\nsecond\n"
+    assert captured.err.count("warning: the step log ") == 1 and "it stops here" in captured.err

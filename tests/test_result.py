@@ -1,0 +1,35 @@
+"""Where the result is and its first rows (issue 14, item 7): `pipeline status` and `pipeline show`.
+
+A run with two sampling settings under one root has two merged results; `status` and `show`
+name the one of the config given. The end-to-end test checks both on a real run.
+"""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.run.result import _table, first_rows, merged_result
+
+
+def test_show_before_any_run_exits_1_naming_the_command(make_config):
+    config = make_config()
+    result = CliRunner().invoke(app, ["show", "--config", config])
+    assert result.exit_code == 1
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("error: no result for this config yet: ") and "/merge-" in last
+    assert last.endswith(f"is missing; run `pipeline run all --config {config}` first")
+
+
+def test_first_rows_read_across_files_in_order(fake_run):
+    run = fake_run(prompts=10, n=2)
+    run.run("merge", file_rows=7)  # 20 rows in 3 files
+    merged = merged_result(run.url["merge"])
+    assert merged.rows == 20 and [f.rsplit("/", 1)[1] for f in merged.files] == [
+        f"merged-{i:05d}.parquet" for i in range(3)]
+    assert merged.describe() == f"{run.url['merge']}/merged-*.parquet (20 rows in 3 files)"
+    rows = first_rows(merged, 9)
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(p, s) for p in range(5) for s in range(2)][:9]
+    text = _table(rows[:2], merged.rows)
+    assert "prompt 00000" in text and "completion 00000.001" in text and "2 of 20 rows" in text
+    assert merged_result(run.url["upload"]) is None  # no marker: no result
