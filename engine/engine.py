@@ -1,8 +1,9 @@
 """The generation engine: load a checkpoint, then turn requests into completions.
 
 Owns: `Engine.load` (config checks, memory plan, weights), the host-side scheduler (sort rows
-by prompt length, bucket prompt and window lengths so few programs compile, refill finished
-slots from the queue), stop strings and detokenisation, and the run's statistics. It does not
+by prompt length, feed prompts to the fixed-size prefill chunk, refill finished slots from the
+queue), stop strings and detokenisation, and the run's statistics (programs compiled or loaded
+from the persistent compilation cache, per kind). It does not
 read prompt files or write results: the generate step does. Where arrays live is engine/mesh.py's:
 `mode="host_dp"` uses this host's devices only; `mode="global_mesh"` shards the weights over
 every device of the pod, and then every host must call `generate` with the same requests: the
@@ -16,16 +17,20 @@ scheduler is deterministic, so all hosts run the same compiled calls in the same
 
 Rows (prompt, sample) are scheduled in order of prompt length. A row's tokens depend only on
 (seed, prompt_index, sample_index): see sampler.py. Finished rows free their slot at the end of
-a decode chunk; once an eighth of the slots are free (or none is busy) they are refilled with
-one prefill of the next prompts, so finished rows stop costing work after at most a chunk.
+a decode chunk; once an eighth of the slots are free (or none is busy) the next prompts take
+them and are prefilled, `prefill_chunk_tokens` tokens per prompt per call, before decoding goes
+on, so finished rows stop costing work after at most a chunk. Every program's shapes come from
+the config (slots = batch_size, cache length, prefill rows x chunk, decode steps), so a run
+compiles four programs whatever its prompts, and JAX's persistent compilation cache
+(engine/compile_cache.py, on by default) lets a rerun or resume load them instead.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 import functools
+import itertools
 import json
 import time
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
@@ -35,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.decode import DecodeSpec, decode_chunk, init_caches, init_state, prefill_into_slots
+from engine import compile_cache
+from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state, prefill_chunk
 from engine.llama import LlamaConfig, UnsupportedModelError, load_checkpoint
 from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch
 from engine.mesh import Layout, mesh_shape
@@ -73,8 +79,14 @@ class EngineStats:
     batch_size: int
     """Slots decoded together (the plan's batch size)."""
     compilations: int = 0
-    """Programs compiled so far: one per (prefill rows, prompt bucket) and per decode window."""
+    """Programs XLA compiled for this engine (neither in this process's memory nor in the
+    persistent compilation cache); a run compiles at most four, whatever its prompts."""
+    cache_loads: int = 0
+    """Programs loaded from JAX's persistent compilation cache instead of compiled."""
     compile_time_s: float = 0.0
+    """Seconds getting programs: compiling, plus loading those found in the persistent cache."""
+    programs: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """Per program kind (init_cache, init_state, prefill, decode): compiled, loaded, seconds."""
     generated_tokens: int = 0
     """Tokens returned in completions plus the EOS/stop tokens they ended on."""
     peak_memory_bytes: int | None = None
@@ -84,7 +96,19 @@ class EngineStats:
     prompt_tokens: int = 0
     """Prompt tokens prefilled (each prompt once, however many samples share it)."""
     padded_prompt_tokens: int = 0
-    """Prompt positions computed including bucket padding; / prompt_tokens = padding overhead."""
+    """Prompt positions computed, padding of the prefill chunks included; / prompt_tokens = overhead."""
+    prefill_calls: int = 0
+    decode_calls: int = 0
+
+    def count_program(self, kind: str, seconds: float, *, loaded: bool) -> None:
+        entry = self.programs.setdefault(kind, {"compiled": 0, "loaded": 0, "seconds": 0.0})
+        entry["loaded" if loaded else "compiled"] += 1
+        entry["seconds"] += seconds
+        self.compile_time_s += seconds
+        if loaded:
+            self.cache_loads += 1
+        else:
+            self.compilations += 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +123,11 @@ class EngineConfig:
     """Share of one device's memory the weights + KV cache + prefill may plan to use."""
     decode_chunk_steps: int = 16
     """Decode steps per compiled call; finished slots are refilled between calls."""
+    prefill_chunk_tokens: int = 32
+    """Prompt tokens per row of one prefill call; a longer prompt takes several calls."""
+    prefill_tokens: int = 512
+    """Token budget of one prefill call: prefill_tokens // prefill_chunk_tokens prompts (at most
+    batch_size) advance by one chunk per call."""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -109,17 +138,11 @@ class EngineConfig:
             raise ValueError(f"engine.memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.decode_chunk_steps < 1:
             raise ValueError(f"engine.decode_chunk_steps must be >= 1, got {self.decode_chunk_steps}")
-
-
-def length_buckets(limit: int, *, fine: bool) -> list[int]:
-    """16, 24, 32, 48, 64, 96, ... (fine: padding <= 1/3) or 16, 32, 64, ... up to limit, limit included."""
-    buckets, size = [], 16
-    while size < limit:
-        buckets.append(size)
-        if fine and size * 3 // 2 < limit:
-            buckets.append(size * 3 // 2)
-        size *= 2
-    return sorted(set(buckets)) + [limit]
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"engine.prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        if self.prefill_tokens < self.prefill_chunk_tokens:
+            raise ValueError(f"engine.prefill_tokens must be >= engine.prefill_chunk_tokens ({self.prefill_chunk_tokens}),"
+                             f" got {self.prefill_tokens}")
 
 
 def _read_json(fs, path: str) -> dict[str, Any] | None:
@@ -141,6 +164,20 @@ class _Row:
     sample_index: int
     prompt: np.ndarray
     tokens: list[int] = dataclasses.field(default_factory=list)
+    decoding: bool = False
+    """False while its prompt is being prefilled into its slot."""
+
+
+@dataclasses.dataclass
+class _Prompt:
+    """A prompt being prefilled, chunk by chunk, into the slots of its samples."""
+
+    index: int
+    ids: np.ndarray
+    rows: list[_Row]
+    slots: list[int]
+    written: int = 0
+    """Prompt tokens already in the cache."""
 
 
 class Engine:
@@ -167,8 +204,12 @@ class Engine:
         self._spec = DecodeSpec(compiled_sampling, stop_ids, layout.batch_sharding, layout.cache_sharding, layout.host_sharding)
         self._seq_len = engine_config.max_prompt_tokens + sampling.max_new_tokens
         self._cache_dtype = jnp.float32 if self.devices[0].platform == "cpu" else DTYPES[engine_config.dtype]
-        self._prompt_buckets = length_buckets(engine_config.max_prompt_tokens, fine=True)
-        self._window_buckets = length_buckets(self._seq_len, fine=False)
+        n_dev = layout.data_size
+        rows = max(1, engine_config.prefill_tokens // engine_config.prefill_chunk_tokens)
+        self._prefill_rows = min(-(-rows // n_dev) * n_dev, plan.batch_size)
+        """Prompts advanced per prefill call (a multiple of the data-parallel devices)."""
+        self._group = min(sampling.n, plan.batch_size)
+        """Samples of one prompt that share one prefill (each needs a slot)."""
 
     @staticmethod
     def load(
@@ -183,13 +224,20 @@ class Engine:
         decode_chunk_steps: int = 16,
         mode: Literal["host_dp", "global_mesh"] = "host_dp",
         mesh: Any = "auto",
+        prefill_chunk_tokens: int = 32,
+        prefill_tokens: int = 512,
     ) -> "Engine":
         """Checks the checkpoint's config and the batch plan, then reads the weights.
 
         mode host_dp: this host's devices, weights replicated on each. global_mesh: every device
         of the pod, weights sharded by `mesh` ('auto' or {data, model}, see engine/mesh.py); every
-        host must make the same calls, and batch_size counts rows of the whole pod."""
-        engine_config = EngineConfig(dtype, batch_size, max_prompt_tokens, memory_fraction, decode_chunk_steps)
+        host must make the same calls, and batch_size counts rows of the whole pod.
+
+        Turns JAX's persistent compilation cache on (engine/compile_cache.py) unless the caller
+        already chose a folder for it."""
+        engine_config = EngineConfig(dtype, batch_size, max_prompt_tokens, memory_fraction, decode_chunk_steps,
+                                     prefill_chunk_tokens, prefill_tokens)
+        compile_cache.enable()
         fs, root = fsspec.core.url_to_fs(model_path)
         root = root.rstrip("/")
         config_path = f"{model_path.rstrip('/')}/config.json"
@@ -251,29 +299,49 @@ class Engine:
             f" {self.engine_config.dtype} on {where};"
             f" batch_size {p.batch_size} ({p.reason}); memory ~{need / GiB:.2f} GiB per device"
             f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row) of {p.limit_bytes / GiB:.2f} GiB allowed;"
-            f" prompts <= {self.engine_config.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new"
+            f" prompts <= {self.engine_config.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new;"
+            f" prefill {self._prefill_rows} prompts x {self.engine_config.prefill_chunk_tokens} tokens per call"
         )
 
     # ------------------------------------------------------------------ compiled programs
 
-    def _run(self, kind: str, fn, static: tuple, *args):
-        """Compiles once per program and input shapes (shared by engines in this process: a
-        reload with the same shapes compiles nothing) and runs; compile time is counted apart."""
+    def _program(self, kind: str, static: tuple, jitted, args: tuple):
+        """The compiled program for these input shapes: from this process's memory (shared by
+        engines: a reload with the same shapes compiles nothing), else compiled by XLA or loaded
+        from JAX's persistent cache (counted apart in the stats)."""
         leaves, treedef = jax.tree.flatten(args)
         key = (kind, static, self._spec, self.layout.is_global, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
         compiled = _COMPILED.get(key)
         if compiled is None:
+            hits = compile_cache.hits()
             start = time.perf_counter()
             with self.layout.tracing():
-                compiled = jax.jit(fn, donate_argnums=(1, 2)).lower(*args).compile()
-            self.stats.compile_time_s += time.perf_counter() - start
-            self.stats.compilations += 1
+                compiled = jitted.lower(*args).compile()
+            self.stats.count_program(kind, time.perf_counter() - start, loaded=compile_cache.hits() > hits)
             _COMPILED[key] = compiled
+        return compiled
+
+    def _run(self, kind: str, fn, static: tuple, *args):
+        """Runs fn(model, cache, state, ...) compiled, the cache and state donated (updated in place)."""
+        # Explicit output shardings: XLA would otherwise simplify them (P('data') on one device
+        # comes back as P()), and the next call's inputs would key another compile.
+        out_shardings = (self.layout.cache_sharding, self._batch_sharding, self.layout.host_sharding)
+        compiled = self._program(kind, static, jax.jit(fn, donate_argnums=(1, 2), out_shardings=out_shardings), args)
         start = time.perf_counter()
         out = compiled(*args)
         jax.block_until_ready(out)
         self.stats.decode_time_s += time.perf_counter() - start
         return out
+
+    def _init(self, slots: int):
+        """A zero cache and an all-empty decode state, made by compiled programs with their output
+        sharding, so each device (of every host on a global mesh) allocates only its own block."""
+        make_cache = functools.partial(new_cache, self.config, slots, self._seq_len, self._cache_dtype)
+        cache = self._program("init_cache", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name),
+                              jax.jit(make_cache, out_shardings=self.layout.cache_sharding), ())()
+        state = self._program("init_state", (slots,), jax.jit(functools.partial(new_state, slots),
+                                                                out_shardings=self._batch_sharding), ())()
+        return cache, state
 
     # ---------------------------------------------------------------------------- generate
 
@@ -303,45 +371,46 @@ class Engine:
         pending = collections.deque(self._rows(requests))
         if not pending:
             return
-        n_dev = self.layout.data_size
-        batch = self.plan.batch_size
-        # A small job gets fewer slots (power of two) instead of decoding empty ones.
-        slots = min(batch, -(-(1 << (len(pending) - 1).bit_length()) // n_dev) * n_dev)
+        # Always every slot of the plan, even for a small job: the shapes, hence the programs,
+        # stay the same for a resume of a few rows (compiling costs more than idle slots).
+        slots = self.plan.batch_size
         steps = self.engine_config.decode_chunk_steps
         refill_min = max(1, slots // 8)
-        caches = init_caches(self.config, slots, self._seq_len, self._cache_dtype, self.layout.cache_sharding)
-        state = init_state(slots, self._batch_sharding)
+        cache, state = self._init(slots)
         live: list[_Row | None] = [None] * slots
+        """A slot's row, from when it is taken (prefill) until the row finishes."""
+        prefilling: collections.deque[_Prompt] = collections.deque()
         kill = np.zeros(slots, bool)
         try:
-            while pending or any(live):
+            while pending or prefilling or any(live):
                 if stop is not None and self.layout.any_host(stop()):
                     self.stopped = True
                     return
+                decoding = [s for s in range(slots) if live[s] is not None and live[s].decoding]
                 free = [s for s in range(slots) if live[s] is None]
-                if pending and free and (len(free) >= refill_min or len(free) == slots):
-                    caches, state, (first, done), filled = self._refill(caches, state, pending, free, live, slots)
+                if pending and free and (len(free) >= refill_min or not decoding):
+                    self._admit(pending, free, live, prefilling)
+                if prefilling:
+                    # Prefill first: every taken slot joins the next decode chunk.
+                    cache, state, (first, done) = self._prefill(cache, state, prefilling)
                     first, done = np.asarray(first), np.asarray(done)
-                    for s in filled:
-                        kill[s] = False
-                        live[s].tokens.append(int(first[s]))
-                        completion = self._maybe_finish(live[s], device_done=bool(done[s]))
+                    for s in np.flatnonzero(first >= 0):
+                        row = live[s]
+                        row.decoding, kill[s] = True, False
+                        row.tokens.append(int(first[s]))
+                        completion = self._maybe_finish(row, device_done=bool(done[s]))
                         if completion is not None:
                             live[s], kill[s] = None, not done[s]
                             yield completion
                     continue
-                busy = [s for s in range(slots) if live[s] is not None]
-                reach = max(len(live[s].prompt) + len(live[s].tokens) - 1 for s in busy)
-                window = self._window_buckets[bisect.bisect_left(self._window_buckets, reach)]
-                caches, state, (out, done) = self._run(
-                    "decode",
-                    functools.partial(decode_chunk, spec=self._spec, window=window, steps=steps),
-                    (window, steps),
-                    self.model, caches, state, jax.device_put(kill, self._batch_sharding),
+                cache, state, (out, done) = self._run(
+                    "decode", functools.partial(decode_chunk, spec=self._spec, steps=steps), (steps,),
+                    self.model, cache, state, jax.device_put(kill, self._batch_sharding),
                 )
+                self.stats.decode_calls += 1
                 kill[:] = False
                 out, done = np.asarray(out), np.asarray(done)
-                for s in busy:
+                for s in decoding:
                     row = live[s]
                     row.tokens += [int(t) for t in out[s] if t >= 0]
                     completion = self._maybe_finish(row, device_done=bool(done[s]))
@@ -351,45 +420,52 @@ class Engine:
         finally:
             self.stats.peak_memory_bytes = peak_memory_bytes(self.devices)
 
-    def _refill(self, caches, state, pending, free, live, slots):
-        """One prefill of the next prompts into free slots; samples of a prompt share it."""
-        taken = [pending.popleft() for _ in range(min(len(free), len(pending)))]
-        prompts: dict[int, int] = {}
-        for row in taken:
-            prompts.setdefault(row.prompt_index, len(prompts))
-        n_dev = self.layout.data_size
-        sizes = sorted({-(-max(1, slots // d) // n_dev) * n_dev for d in (8, 4, 2, 1)})
-        rows_p = sizes[bisect.bisect_left(sizes, len(prompts))] if len(prompts) <= sizes[-1] else len(prompts)
-        longest = max(len(row.prompt) for row in taken)
-        length = self._prompt_buckets[bisect.bisect_left(self._prompt_buckets, longest)]
-        tokens = np.zeros((rows_p, length), np.int32)
-        lengths = np.ones(rows_p, np.int32)
-        src = np.full(slots, -1, np.int32)
-        prompt_index = np.zeros(slots, np.int32)
-        sample_index = np.zeros(slots, np.int32)
-        seen = set()
-        for row, s in zip(taken, free):
-            p = prompts[row.prompt_index]
-            if p not in seen:
-                seen.add(p)
-                tokens[p, : len(row.prompt)] = row.prompt
-                lengths[p] = len(row.prompt)
+    def _admit(self, pending: collections.deque, free: list[int], live: list, prefilling: collections.deque) -> None:
+        """The next rows take free slots; samples of one prompt taken together share its prefill."""
+        for s in free:
+            if not pending:
+                break
+            row = pending.popleft()
+            job = prefilling[-1] if prefilling else None
+            if job is not None and job.index == row.prompt_index and job.written == 0 and len(job.rows) < self._group:
+                job.rows.append(row)
+                job.slots.append(s)
+            else:
+                prefilling.append(_Prompt(row.prompt_index, row.prompt, [row], [s]))
                 self.stats.prompt_tokens += len(row.prompt)
-            src[s], prompt_index[s], sample_index[s] = p, row.prompt_index, row.sample_index
             live[s] = row
-        self.stats.padded_prompt_tokens += rows_p * length
-        put = functools.partial(jax.device_put, device=self._batch_sharding)
-        replicated = self.layout.replicated
-        caches, state, host = self._run(
-            "prefill",
-            functools.partial(prefill_into_slots, spec=self._spec),
-            (),
-            self.model, caches, state,
-            jax.device_put(tokens, self._batch_sharding if rows_p % n_dev == 0 else replicated),
-            jax.device_put(lengths, replicated),
-            put(src), put(prompt_index), put(sample_index),
+
+    def _prefill(self, cache, state, prefilling: collections.deque):
+        """One prefill call: the next chunk of each of the first `_prefill_rows` prompts."""
+        R, C, n, slots = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group, self.plan.batch_size
+        tokens = np.zeros((R, C), np.int32)
+        slot_ids = np.full((R, n), slots, np.int32)  # out of range: none
+        starts = np.zeros(R, np.int32)
+        lengths = np.ones(R, np.int32)
+        is_last = np.zeros(R, bool)
+        prompt_index = np.zeros(R, np.int32)
+        sample_index = np.zeros((R, n), np.int32)
+        jobs = list(itertools.islice(prefilling, R))
+        for r, job in enumerate(jobs):
+            piece = job.ids[job.written : job.written + C]
+            tokens[r, : len(piece)] = piece
+            starts[r], lengths[r] = job.written, len(piece)
+            job.written += len(piece)
+            is_last[r] = job.written == len(job.ids)
+            slot_ids[r, : len(job.slots)] = job.slots
+            prompt_index[r] = job.index
+            sample_index[r, : len(job.rows)] = [row.sample_index for row in job.rows]
+        for job in jobs:
+            if job.written == len(job.ids):
+                prefilling.remove(job)
+        self.stats.padded_prompt_tokens += R * C
+        self.stats.prefill_calls += 1
+        rows = functools.partial(jax.device_put, device=self._batch_sharding)
+        return self._run(
+            "prefill", functools.partial(prefill_chunk, spec=self._spec), (),
+            self.model, cache, state, rows(tokens), rows(slot_ids), rows(starts), rows(lengths), rows(is_last),
+            rows(prompt_index), rows(sample_index),
         )
-        return caches, state, host, free[: len(taken)]
 
     # ------------------------------------------------------------------------- finishing
 

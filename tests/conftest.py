@@ -5,7 +5,10 @@ Each step's test module may add its own fixtures below its own heading.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,11 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 # Unreachable test URLs (http://127.0.0.1:1/...) should fail in seconds, not after the
 # production retry budget; tests of the retries set their own.
 os.environ.setdefault("PIPELINE_STORAGE_RETRY_S", "5")
+# The engine turns JAX's persistent compilation cache on by default under $PIPELINE_CACHE_DIR:
+# tests (and the processes they start) share one temporary folder, never the user's cache.
+os.environ["PIPELINE_CACHE_DIR"] = tempfile.mkdtemp(prefix="pipeline-test-cache-")
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+atexit.register(shutil.rmtree, os.environ["PIPELINE_CACHE_DIR"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parent.parent
 
