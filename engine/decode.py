@@ -125,6 +125,7 @@ def prefill_chunk(
     sample_index: jax.Array,
     *,
     spec: DecodeSpec,
+    fresh: bool,
 ):
     """One chunk of prefill for R prompts.
 
@@ -132,7 +133,9 @@ def prefill_chunk(
     prompt position starts [R]; slots [R, n]: the cache rows of the prompt's samples (out of
     range = none; a padding row has none); is_last [R]: this chunk ends the prompt, so its first
     token is sampled into each of its slots, with the randomness of (prompt_index [R],
-    sample_index [R, n]). Returns (cache, state, (first token per slot, -1 where none; done per
+    sample_index [R, n]). fresh: every row's start is 0 (the chunk attends to itself only, no
+    cache row is read; the host never mixes first and later chunks in one call, so a prompt's
+    numerics do not depend on its neighbours). Returns (cache, state, (first token per slot, -1 where none; done per
     slot)), the last two laid out for the host."""
     R, C = tokens.shape
     n = slots.shape[1]
@@ -141,8 +144,11 @@ def prefill_chunk(
     positions = starts[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     valid = jnp.arange(C)[None, :] < lengths[:, None]
     write_positions = jnp.where(valid, positions, seq_len)  # out of range: dropped
-    mask = hax.named(jnp.arange(seq_len)[None, None, :] <= positions[:, :, None], (Batch, Pos, KPos))
-    contexts = tuple(PrefillChunk(kv, slots, write_positions, mask) for kv in cache.layers)
+    if fresh:
+        mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (R, C, C)), (Batch, Pos, KPos.resize(C)))
+    else:
+        mask = hax.named(jnp.arange(seq_len)[None, None, :] <= positions[:, :, None], (Batch, Pos, KPos))
+    contexts = tuple(PrefillChunk(kv, slots, write_positions, mask, fresh) for kv in cache.layers)
     hidden, layers = model.forward(hax.named(tokens, (Batch, Pos)), hax.named(positions, (Batch, Pos)), contexts)
 
     last = hidden.rearrange(("batch", "position", "embed")).array[jnp.arange(R), lengths - 1]

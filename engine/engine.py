@@ -21,8 +21,9 @@ a decode chunk; once an eighth of the slots are free (or none is busy) the next 
 them and are prefilled, `prefill_chunk_tokens` tokens per prompt per call, before decoding goes
 on, so finished rows stop costing work after at most a chunk. Every program's shapes come from
 the config (slots = batch_size, cache length, prefill rows x chunk, decode steps), so a run
-compiles four programs whatever its prompts, and JAX's persistent compilation cache
-(engine/compile_cache.py, on by default) lets a rerun or resume load them instead.
+compiles five programs whatever its prompts (four when every prompt fits one prefill chunk),
+and JAX's persistent compilation cache (engine/compile_cache.py, on by default) lets a rerun or
+resume load them instead.
 """
 
 from __future__ import annotations
@@ -80,13 +81,14 @@ class EngineStats:
     """Slots decoded together (the plan's batch size)."""
     compilations: int = 0
     """Programs XLA compiled for this engine (neither in this process's memory nor in the
-    persistent compilation cache); a run compiles at most four, whatever its prompts."""
+    persistent compilation cache); a run compiles at most five, whatever its prompts."""
     cache_loads: int = 0
     """Programs loaded from JAX's persistent compilation cache instead of compiled."""
     compile_time_s: float = 0.0
     """Seconds getting programs: compiling, plus loading those found in the persistent cache."""
     programs: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
-    """Per program kind (init_cache, init_state, prefill, decode): compiled, loaded, seconds."""
+    """Per program kind (init_cache, init_state, prefill_fresh, prefill, decode): compiled, loaded,
+    seconds (getting the programs), run_s (running them)."""
     generated_tokens: int = 0
     """Tokens returned in completions plus the EOS/stop tokens they ended on."""
     peak_memory_bytes: int | None = None
@@ -330,7 +332,10 @@ class Engine:
         start = time.perf_counter()
         out = compiled(*args)
         jax.block_until_ready(out)
-        self.stats.decode_time_s += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.stats.decode_time_s += seconds
+        entry = self.stats.programs.setdefault(kind, {"compiled": 0, "loaded": 0, "seconds": 0.0})
+        entry["run_s"] = entry.get("run_s", 0.0) + seconds
         return out
 
     def _init(self, slots: int):
@@ -436,7 +441,11 @@ class Engine:
             live[s] = row
 
     def _prefill(self, cache, state, prefilling: collections.deque):
-        """One prefill call: the next chunk of each of the first `_prefill_rows` prompts."""
+        """One prefill call: the first chunk of up to `_prefill_rows` prompts not started yet, or
+        else the next chunk of the first `_prefill_rows` started ones. Never both in one call: a
+        call of first chunks attends to the chunk alone (prefill_fresh, no cache read: about a
+        quarter of a cpu-mixed prefill's work was attention over the mostly empty cache row),
+        and each chunk of a prompt is then computed the same way whatever its neighbours."""
         R, C, n, slots = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group, self.plan.batch_size
         tokens = np.zeros((R, C), np.int32)
         slot_ids = np.full((R, n), slots, np.int32)  # out of range: none
@@ -445,7 +454,9 @@ class Engine:
         is_last = np.zeros(R, bool)
         prompt_index = np.zeros(R, np.int32)
         sample_index = np.zeros((R, n), np.int32)
-        jobs = list(itertools.islice(prefilling, R))
+        jobs = list(itertools.islice((job for job in prefilling if job.written == 0), R))
+        fresh = bool(jobs)
+        jobs = jobs or list(itertools.islice(prefilling, R))
         for r, job in enumerate(jobs):
             piece = job.ids[job.written : job.written + C]
             tokens[r, : len(piece)] = piece
@@ -462,7 +473,7 @@ class Engine:
         self.stats.prefill_calls += 1
         rows = functools.partial(jax.device_put, device=self._batch_sharding)
         return self._run(
-            "prefill", functools.partial(prefill_chunk, spec=self._spec), (),
+            "prefill_fresh" if fresh else "prefill", functools.partial(prefill_chunk, spec=self._spec, fresh=fresh), (fresh,),
             self.model, cache, state, rows(tokens), rows(slot_ids), rows(starts), rows(lengths), rows(is_last),
             rows(prompt_index), rows(sample_index),
         )

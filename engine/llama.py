@@ -244,7 +244,11 @@ class PrefillChunk(NamedTuple):
     write_positions: jax.Array
     """[rows, C] int32: cache position of each token; out of range for padding (not written)."""
     mask: NamedArray
-    """(batch, position, key_position): True where a token may attend to a cache position."""
+    """(batch, position, key_position): True where a token may attend to a key position: of the
+    cache row, or with `fresh` of the chunk itself."""
+    fresh: bool
+    """Every row starts its prompt here, so nothing before the chunk is read: it attends to its
+    own keys only instead of gathering its cache row (static: one program each way)."""
 
 
 class DecodeStep(NamedTuple):
@@ -303,7 +307,8 @@ class Attention(eqx.Module):
         - a mask (Batch, Pos, KPos), True where a query may attend (prefill without a cache):
           keys are this call's own positions, returned as a fresh LayerKV.
         - PrefillChunk: the chunk's keys/values are written into the cache rows it names, then
-          it attends over its row of the cache; returns the updated cache.
+          it attends over its row of the cache (or, fresh, over the chunk alone); returns the
+          updated cache.
         - DecodeStep (one position): attends over the cache (read only) and the chunk buffer;
           returns the updated chunk buffer. Keeping the big cache read-only inside the decode
           loop matters: a per-row scatter into it made XLA copy the whole cache every step.
@@ -321,7 +326,10 @@ class Attention(eqx.Module):
         if isinstance(context, DecodeStep):
             attn, new_kv = self._decode(q, k, v, context, scale)
         else:
-            if isinstance(context, PrefillChunk):
+            if isinstance(context, PrefillChunk) and context.fresh:
+                new_kv, mask = _write_chunk(context, k, v), context.mask
+                keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
+            elif isinstance(context, PrefillChunk):
                 new_kv = _write_chunk(context, k, v)
                 read = jnp.minimum(context.slots[:, 0], context.cache.k.array.shape[0] - 1)
                 # The chunk's cache row, gathered: [rows, kv_heads, key_position, head_dim] per layer.
