@@ -75,6 +75,10 @@ class HostMetrics:
     compilations: int
     mode: str
     """host_dp, or global_mesh (then samples, prompts and tokens count the rows this host wrote)."""
+    cache_loads: int = 0
+    """Programs loaded from JAX's persistent compilation cache instead of compiled."""
+    programs: dict | None = None
+    """Per program kind: compiled, loaded, seconds getting it, run_s running it (engine.EngineStats)."""
 
 
 def generate(cfg: Config, out: StepOutput) -> None:
@@ -125,7 +129,8 @@ def generate(cfg: Config, out: StepOutput) -> None:
         tokens_per_s=round(generated / wall_s, 1) if wall_s > 0 else 0.0,
         peak_memory_bytes=stats.peak_memory_bytes if stats else None,
         batch_size=stats.batch_size if stats else None, compilations=stats.compilations if stats else 0,
-        mode=cfg.engine.mode,
+        mode=cfg.engine.mode, cache_loads=stats.cache_loads if stats else 0,
+        programs=stats.programs if stats else None,
     )
     storage.write_json(out.path("metrics", f"host-{hosts.process_index():05d}-{_stamp()}.json"), metrics.__dict__)
 
