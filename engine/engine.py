@@ -286,6 +286,9 @@ class Engine:
             batch_shards=layout.data_size,
             weight_shards=layout.mesh.size if layout.is_global else 1,
             row_shards=layout.model_size,
+            decode_chunk_steps=decode_chunk_steps,
+            prefill_tokens=prefill_tokens,
+            prefill_chunk_tokens=prefill_chunk_tokens,
         )
         model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding)
         return Engine(model, config, engine_config, sampling, plan, tuple(eos), tokenizer, layout, model_path)
@@ -300,7 +303,8 @@ class Engine:
             f"{c.model_type} {c.num_hidden_layers}x{c.hidden_size} (vocab {c.vocab_size}) from {self.source},"
             f" {self.engine_config.dtype} on {where};"
             f" batch_size {p.batch_size} ({p.reason}); memory ~{need / GiB:.2f} GiB per device"
-            f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row) of {p.limit_bytes / GiB:.2f} GiB allowed;"
+            f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row + prefill"
+            f" {p.working_bytes / 2**20:.0f} MiB) of {p.limit_bytes / GiB:.2f} GiB allowed;"
             f" prompts <= {self.engine_config.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new;"
             f" prefill {self._prefill_rows} prompts x {self.engine_config.prefill_chunk_tokens} tokens per call"
         )
