@@ -126,6 +126,7 @@ def prefill_chunk(
     *,
     spec: DecodeSpec,
     fresh: bool,
+    window: int,
 ):
     """One chunk of prefill for R prompts.
 
@@ -135,7 +136,8 @@ def prefill_chunk(
     token is sampled into each of its slots, with the randomness of (prompt_index [R],
     sample_index [R, n]). fresh: every row's start is 0 (the chunk attends to itself only, no
     cache row is read; the host never mixes first and later chunks in one call, so a prompt's
-    numerics do not depend on its neighbours). Returns (cache, state, (first token per slot, -1 where none; done per
+    numerics do not depend on its neighbours); else the chunk attends to the first `window`
+    positions of its cache row (the host picks a window covering every row's chunk). Returns (cache, state, (first token per slot, -1 where none; done per
     slot)), the last two laid out for the host."""
     R, C = tokens.shape
     n = slots.shape[1]
@@ -147,7 +149,7 @@ def prefill_chunk(
     if fresh:
         mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (R, C, C)), (Batch, Pos, KPos.resize(C)))
     else:
-        mask = hax.named(jnp.arange(seq_len)[None, None, :] <= positions[:, :, None], (Batch, Pos, KPos))
+        mask = hax.named(jnp.arange(window)[None, None, :] <= positions[:, :, None], (Batch, Pos, KPos.resize(window)))
     contexts = tuple(PrefillChunk(kv, slots, write_positions, mask, fresh) for kv in cache.layers)
     hidden, layers = model.forward(hax.named(tokens, (Batch, Pos)), hax.named(positions, (Batch, Pos)), contexts)
 

@@ -21,7 +21,7 @@ a decode chunk; once an eighth of the slots are free (or none is busy) the next 
 them and are prefilled, `prefill_chunk_tokens` tokens per prompt per call, before decoding goes
 on, so finished rows stop costing work after at most a chunk. Every program's shapes come from
 the config (slots = batch_size, cache length, prefill rows x chunk, decode steps), so a run
-compiles five programs whatever its prompts (four when every prompt fits one prefill chunk),
+compiles four programs whatever its prompts (three when every prompt fits one prefill chunk),
 and JAX's persistent compilation cache (engine/compile_cache.py, on by default) lets a rerun or
 resume load them instead.
 """
@@ -81,14 +81,14 @@ class EngineStats:
     """Slots decoded together (the plan's batch size)."""
     compilations: int = 0
     """Programs XLA compiled for this engine (neither in this process's memory nor in the
-    persistent compilation cache); a run compiles at most five, whatever its prompts."""
+    persistent compilation cache); a run compiles at most four, whatever its prompts."""
     cache_loads: int = 0
     """Programs loaded from JAX's persistent compilation cache instead of compiled."""
     compile_time_s: float = 0.0
     """Seconds getting programs: compiling, plus loading those found in the persistent cache."""
     programs: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
-    """Per program kind (init_cache, init_state, prefill_fresh, prefill, decode): compiled, loaded,
-    seconds (getting the programs), run_s (running them)."""
+    """Per program kind (init, prefill_fresh, prefill, decode): compiled, loaded, seconds (getting
+    the programs), run_s (running them)."""
     generated_tokens: int = 0
     """Tokens returned in completions plus the EOS/stop tokens they ended on."""
     peak_memory_bytes: int | None = None
@@ -210,6 +210,11 @@ class Engine:
         rows = max(1, engine_config.prefill_tokens // engine_config.prefill_chunk_tokens)
         self._prefill_rows = min(-(-rows // n_dev) * n_dev, plan.batch_size)
         """Prompts advanced per prefill call (a multiple of the data-parallel devices)."""
+        S = self._seq_len
+        self._prefill_windows = sorted({min(S, -(-(S // 4) // 16) * 16), S})
+        """Cache positions a later prefill chunk may read: the smallest covering every row of the
+        call. A quarter of the cache cut a cpu-mixed continuation call's gather and attention,
+        ~40 % of it at the full length, for most prompts (two programs, not one per length)."""
         self._group = min(sampling.n, plan.batch_size)
         """Samples of one prompt that share one prefill (each needs a slot)."""
 
@@ -343,14 +348,14 @@ class Engine:
         return out
 
     def _init(self, slots: int):
-        """A zero cache and an all-empty decode state, made by compiled programs with their output
-        sharding, so each device (of every host on a global mesh) allocates only its own block."""
-        make_cache = functools.partial(new_cache, self.config, slots, self._seq_len, self._cache_dtype)
-        cache = self._program("init_cache", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name),
-                              jax.jit(make_cache, out_shardings=self.layout.cache_sharding), ())()
-        state = self._program("init_state", (slots,), jax.jit(functools.partial(new_state, slots),
-                                                                out_shardings=self._batch_sharding), ())()
-        return cache, state
+        """A zero cache and an all-empty decode state, made by one compiled program with their
+        output shardings, so each device (of every host on a global mesh) allocates only its own block."""
+
+        def make():
+            return new_cache(self.config, slots, self._seq_len, self._cache_dtype), new_state(slots)
+
+        jitted = jax.jit(make, out_shardings=(self.layout.cache_sharding, self._batch_sharding))
+        return self._program("init", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name), jitted, ())()
 
     # ---------------------------------------------------------------------------- generate
 
@@ -475,9 +480,12 @@ class Engine:
                 prefilling.remove(job)
         self.stats.padded_prompt_tokens += R * C
         self.stats.prefill_calls += 1
+        reach = int((starts + lengths).max())
+        window = 0 if fresh else next(w for w in self._prefill_windows if w >= reach)
         rows = functools.partial(jax.device_put, device=self._batch_sharding)
         return self._run(
-            "prefill_fresh" if fresh else "prefill", functools.partial(prefill_chunk, spec=self._spec, fresh=fresh), (fresh,),
+            "prefill_fresh" if fresh else "prefill", functools.partial(prefill_chunk, spec=self._spec, fresh=fresh, window=window),
+            (fresh, window),
             self.model, cache, state, rows(tokens), rows(slot_ids), rows(starts), rows(lengths), rows(is_last),
             rows(prompt_index), rows(sample_index),
         )

@@ -245,7 +245,7 @@ class PrefillChunk(NamedTuple):
     """[rows, C] int32: cache position of each token; out of range for padding (not written)."""
     mask: NamedArray
     """(batch, position, key_position): True where a token may attend to a key position: of the
-    cache row, or with `fresh` of the chunk itself."""
+    first key_position positions of its cache row, or with `fresh` of the chunk itself."""
     fresh: bool
     """Every row starts its prompt here, so nothing before the chunk is read: it attends to its
     own keys only instead of gathering its cache row (static: one program each way)."""
@@ -332,11 +332,13 @@ class Attention(eqx.Module):
             elif isinstance(context, PrefillChunk):
                 new_kv = _write_chunk(context, k, v)
                 read = jnp.minimum(context.slots[:, 0], context.cache.k.array.shape[0] - 1)
-                # The chunk's cache row, gathered: [rows, kv_heads, key_position, head_dim] per layer.
-                Batch = x.resolve_axis("batch")
-                keys = hax.named(new_kv.k.array[read], (Batch,) + new_kv.k.axes[1:])
-                values = hax.named(new_kv.v.array[read], (Batch,) + new_kv.v.axes[1:])
+                # The first `window` positions of the chunk's cache row (the mask's key axis),
+                # gathered: [rows, kv_heads, window, head_dim] per layer.
                 mask = context.mask
+                Batch, KPos = x.resolve_axis("batch"), mask.resolve_axis("key_position")
+                axes = (Batch, c.KVHeads, KPos, c.HeadDim)
+                keys = hax.named(new_kv.k.array[read, :, : KPos.size], axes)
+                values = hax.named(new_kv.v.array[read, :, : KPos.size], axes)
             else:
                 keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
                 new_kv, mask = LayerKV(keys, values), context

@@ -23,9 +23,10 @@ def _load(path):
                        max_prompt_tokens=40, prefill_chunk_tokens=8, prefill_tokens=16)
 
 
-def test_every_prompt_length_runs_on_the_same_five_programs(llama, tmp_path):
+def test_every_prompt_length_runs_on_the_same_same_few_programs(llama, tmp_path):
     """Prompts of every length from 1 to max_prompt_tokens (several prefill chunks for most),
-    then a second generate with other lengths: five programs, obtained once."""
+    then a second generate with other lengths: five programs (init, decode, prefill of first chunks,
+    of later chunks at two cache windows), obtained once."""
     path, hf = llama
     previous = jax.config.jax_compilation_cache_dir
     try:
@@ -36,7 +37,7 @@ def test_every_prompt_length_runs_on_the_same_five_programs(llama, tmp_path):
         assert sorted(first) == list(range(40)) and all(len(t) == 5 for t in first.values())
         for i in (7, 8, 22, 39):  # one chunk, exactly one, three, five
             assert first[i] == hf_greedy(hf, _requests(range(1, 41))[i].input_ids, 5), i
-        assert sorted(engine.stats.programs) == ["decode", "init_cache", "init_state", "prefill", "prefill_fresh"]
+        assert sorted(engine.stats.programs) == ["decode", "init", "prefill", "prefill_fresh"]
         assert engine.stats.compilations == 5 and engine.stats.cache_loads == 0, engine.stats.programs
         list(engine.generate(_requests([3, 40, 17])))
         assert engine.stats.compilations == 5, engine.stats.programs
