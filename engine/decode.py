@@ -8,8 +8,8 @@ slots and when; it does not own stop strings or scheduling.
 
     cache = new_cache(config, slots, seq_len, cache_dtype)      # compiled with spec.cache_sharding
     state = new_state(slots)
-    cache, state, (first, done) = prefill_chunk(model, cache, state, tokens, slots, starts, lengths,
-                                                is_last, prompt_index, sample_index, spec=spec)
+    cache, state, (first, done) = prefill_chunk(model, cache, state, tokens, slots, starts, lengths, is_last,
+                                                prompt_index, sample_index, spec=spec, fresh=True, window=0)
     cache, state, (out, done) = decode_chunk(model, cache, state, kill, spec=spec, steps=16)
 
 Every program's shapes come from the engine's config alone (slots, cache length, the prefill
@@ -17,9 +17,10 @@ chunk's rows x tokens, decode steps), never from the prompts: a run compiles the
 programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed prompts before).
 
 - A prefill chunk runs the next `C` tokens of up to `R` prompts (a longer prompt takes several
-  chunks, each attending to what the previous ones wrote), writing their keys/values straight
-  into the cache rows of the prompt's samples, and samples the first token of every prompt whose
-  chunk ends it.
+  chunks, each attending to what the previous ones wrote, gathered from the first `window`
+  positions of its cache row; a first chunk attends to itself only), writing their keys/values
+  straight into the cache rows of the prompt's samples, and samples the first token of every
+  prompt whose chunk ends it.
 - A decode chunk runs up to `steps` tokens in one `lax.while_loop` (no Python per token), stopping
   early when every slot is done. It attends over the whole cache where it lives, masked by each
   row's position (no per-chunk copy of a window of it: that doubled the GPU peak), plus a small

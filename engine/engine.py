@@ -3,8 +3,8 @@
 Owns: `Engine.load` (config checks, memory plan, weights), the host-side scheduler (sort rows
 by prompt length, feed prompts to the fixed-size prefill chunk, refill finished slots from the
 queue), stop strings and detokenisation, and the run's statistics (programs compiled or loaded
-from the persistent compilation cache, per kind). It does not
-read prompt files or write results: the generate step does. Where arrays live is engine/mesh.py's:
+from the persistent compilation cache, per kind). It does not read prompt files or write
+results: the generate step does. Where arrays live is engine/mesh.py's:
 `mode="host_dp"` uses this host's devices only; `mode="global_mesh"` shards the weights over
 every device of the pod, and then every host must call `generate` with the same requests: the
 scheduler is deterministic, so all hosts run the same compiled calls in the same order.
@@ -21,7 +21,8 @@ a decode chunk; once an eighth of the slots are free (or none is busy) the next 
 them and are prefilled, `prefill_chunk_tokens` tokens per prompt per call, before decoding goes
 on, so finished rows stop costing work after at most a chunk. Every program's shapes come from
 the config (slots = batch_size, cache length, prefill rows x chunk, decode steps), so a run
-compiles four programs whatever its prompts (three when every prompt fits one prefill chunk),
+compiles at most five programs whatever its prompts (init, decode, prefill of first chunks, and
+of later chunks at two cache windows; three when every prompt fits one chunk),
 and JAX's persistent compilation cache (engine/compile_cache.py, on by default) lets a rerun or
 resume load them instead.
 """
@@ -81,7 +82,7 @@ class EngineStats:
     """Slots decoded together (the plan's batch size)."""
     compilations: int = 0
     """Programs XLA compiled for this engine (neither in this process's memory nor in the
-    persistent compilation cache); a run compiles at most four, whatever its prompts."""
+    persistent compilation cache); a run compiles at most five, whatever its prompts."""
     cache_loads: int = 0
     """Programs loaded from JAX's persistent compilation cache instead of compiled."""
     compile_time_s: float = 0.0
