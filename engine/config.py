@@ -94,6 +94,11 @@ class EngineConfig:
     mesh: Literal["auto"] | MeshConfig = "auto"
     """global_mesh only: {data: INT|auto, model: INT|auto} devices per mesh axis; auto = tensor
     parallel over gcd(devices, KV heads), the rest data parallel (checked against the model at load)."""
+    prefill_chunk_tokens: int = 32
+    """Prompt tokens per row of one prefill call; a longer prompt takes several calls."""
+    prefill_tokens: int = 512
+    """Token budget of one prefill call: prefill_tokens // prefill_chunk_tokens prompts (at most
+    batch_size) advance by one chunk per call."""
 
     def __post_init__(self):
         require(self.batch_size == "auto" or self.batch_size > 0, "engine.batch_size", self.batch_size,
@@ -104,3 +109,7 @@ class EngineConfig:
                                 "remove it or set engine.mode=global_mesh")
         require(0 < self.memory_fraction <= 1, "engine.memory_fraction", self.memory_fraction, "a number in (0, 1]")
         require(self.decode_chunk_steps > 0, "engine.decode_chunk_steps", self.decode_chunk_steps, "an integer > 0")
+        require(self.prefill_chunk_tokens > 0, "engine.prefill_chunk_tokens", self.prefill_chunk_tokens,
+                "an integer > 0")
+        require(self.prefill_tokens >= self.prefill_chunk_tokens, "engine.prefill_tokens", self.prefill_tokens,
+                f"an integer >= engine.prefill_chunk_tokens ({self.prefill_chunk_tokens})")

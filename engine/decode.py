@@ -1,20 +1,30 @@
-"""The two compiled programs of generation: prefill into cache slots, and a chunk of decode steps.
+"""The compiled programs of generation: a prefill chunk written into the cache, and a chunk of decode steps.
 
 Owns: the device-side decode state (one slot per row being generated), the preallocated KV
-cache ([batch, kv_heads, seq, head_dim] per layer, written in place, never concatenated), and
-the on-device stop rule (EOS / stop token ids / max_new_tokens). The host (engine.py) decides
-which rows go to which slots and when; it does not own stop strings or scheduling.
+cache (`KVCache`: per layer a `LayerKV` of keys and values (batch, kv_heads, key_position,
+head_dim), one buffer each, written in place and never copied), and the on-device stop rule
+(EOS / stop token ids / max_new_tokens). The host (engine.py) decides which rows go to which
+slots and when; it does not own stop strings or scheduling.
 
-    caches = init_caches(config, slots, seq_len, cache_dtype, spec.cache_sharding)
-    state = init_state(slots, spec.batch_sharding)
-    caches, state, (first, done) = prefill_into_slots(model, caches, state, tokens, lengths, src,
-                                                      prompt_index, sample_index, spec=spec)
-    caches, state, (out, done) = decode_chunk(model, caches, state, kill, spec=spec, window=256, steps=16)
+    cache = new_cache(config, slots, seq_len, cache_dtype)      # compiled with spec.cache_sharding
+    state = new_state(slots)
+    cache, state, (first, done) = prefill_chunk(model, cache, state, tokens, slots, starts, lengths, is_last,
+                                                prompt_index, sample_index, spec=spec, fresh=True, window=0)
+    cache, state, (out, done) = decode_chunk(model, cache, state, kill, spec=spec, steps=16)
 
-A decode chunk runs up to `steps` tokens in one `lax.while_loop` (no Python per token), stopping
-early when every slot is done. It attends only to the first `window` cache positions (the host
-picks the smallest window bucket covering every live slot, so short rows do not read the whole
-preallocated cache each step) plus the chunk's own new positions.
+Every program's shapes come from the engine's config alone (slots, cache length, the prefill
+chunk's rows x tokens, decode steps), never from the prompts: a run compiles the same few
+programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed prompts before).
+
+- A prefill chunk runs the next `C` tokens of up to `R` prompts (a longer prompt takes several
+  chunks, each attending to what the previous ones wrote, gathered from the first `window`
+  positions of its cache row; a first chunk attends to itself only), writing their keys/values
+  straight into the cache rows of the prompt's samples, and samples the first token of every
+  prompt whose chunk ends it.
+- A decode chunk runs up to `steps` tokens in one `lax.while_loop` (no Python per token), stopping
+  early when every slot is done. It attends over the whole cache where it lives, masked by each
+  row's position (no per-chunk copy of a window of it: that doubled the GPU peak), plus a small
+  buffer of the chunk's own keys/values, scattered into the cache once after the loop.
 
 Both return what the host reads back (new tokens and done flags) as separate arrays laid out
 by `spec.host_sharding`: on a global mesh they are replicated, so every host holds a copy.
@@ -23,16 +33,15 @@ by `spec.host_sharding`: on a global mesh they are replicated, so every host hol
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from haliax import Axis, NamedArray
+from haliax import Axis
 
 from engine.config import SamplingParams
 from engine.jax_compat import hax
-from engine.llama import LlamaConfig, LlamaLM
+from engine.llama import DecodeStep, LayerKV, LlamaConfig, LlamaLM, PrefillChunk
 from engine.sampler import row_keys, sample, step_keys
 
 
@@ -51,6 +60,20 @@ class DecodeSpec:
     """Layout of the tokens and done flags the host reads back after each call."""
 
 
+class KVCache(NamedTuple):
+    """The decode cache: one LayerKV per layer, each (batch = slots, kv_heads, key_position, head_dim)."""
+
+    layers: tuple[LayerKV, ...]
+
+    @property
+    def seq_len(self) -> int:
+        return self.layers[0].k.resolve_axis("key_position").size
+
+    @property
+    def slots(self) -> int:
+        return self.layers[0].k.resolve_axis("batch").size
+
+
 class DecodeState(NamedTuple):
     last_token: jax.Array  # [slots] int32: the newest token, not yet in the cache
     position: jax.Array  # [slots] int32: where last_token's key/value will be written
@@ -59,40 +82,26 @@ class DecodeState(NamedTuple):
     keys: jax.Array  # [slots] PRNG keys, one per (prompt, sample) row
 
 
-Caches = tuple[tuple[NamedArray, NamedArray], ...]
-
-
-def init_caches(config: LlamaConfig, slots: int, seq_len: int, cache_dtype, sharding) -> Caches:
+def new_cache(config: LlamaConfig, slots: int, seq_len: int, cache_dtype) -> KVCache:
+    """Zeros; meant to be compiled with the cache's output sharding, so each device (of every
+    host on a global mesh) allocates only its own block."""
     axes = (Axis("batch", slots), config.KVHeads, Axis("key_position", seq_len), config.HeadDim)
     shape = tuple(a.size for a in axes)
 
-    # Made by a compiled program with its output sharding, so each device (of every host on a
-    # global mesh) allocates only its own block.
-    zeros = _zeros_program(shape, jnp.dtype(cache_dtype), sharding)
-    return tuple((hax.named(zeros(), axes), hax.named(zeros(), axes)) for _ in range(config.num_hidden_layers))
+    def zeros():
+        return hax.named(jnp.zeros(shape, cache_dtype), axes)
+
+    return KVCache(tuple(LayerKV(zeros(), zeros()) for _ in range(config.num_hidden_layers)))
 
 
-@functools.lru_cache(maxsize=None)
-def _zeros_program(shape: tuple[int, ...], dtype, sharding):
-    """One compiled program per cache shape: a new jit object per call would compile again on
-    every `generate` (about 0.25 s per pass on an H100, ~19 % of a TinyLlama benchmark pass)."""
-    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+def new_state(slots: int) -> DecodeState:
+    """Every slot empty (done). Separate buffers: the state is donated, and one buffer cannot be
+    donated twice."""
 
+    def zeros():
+        return jnp.zeros(slots, jnp.int32)
 
-def init_state(slots: int, sharding) -> DecodeState:
-    return _state_program(slots, sharding)()
-
-
-@functools.lru_cache(maxsize=None)
-def _state_program(slots: int, sharding):
-    # Separate buffers: the state is donated, and one buffer cannot be donated twice.
-    def make():
-        def zeros():
-            return jnp.zeros(slots, jnp.int32)
-
-        return DecodeState(zeros(), zeros(), zeros(), jnp.ones(slots, bool), row_keys(0, zeros(), zeros()))
-
-    return jax.jit(make, out_shardings=sharding)
+    return DecodeState(zeros(), zeros(), zeros(), jnp.ones(slots, bool), row_keys(0, zeros(), zeros()))
 
 
 def _constrain(tree, sharding):
@@ -105,79 +114,89 @@ def _is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32))
 
 
-def prefill_into_slots(
+def prefill_chunk(
     model: LlamaLM,
-    caches: Caches,
+    cache: KVCache,
     state: DecodeState,
     tokens: jax.Array,
+    slots: jax.Array,
+    starts: jax.Array,
     lengths: jax.Array,
-    src: jax.Array,
+    is_last: jax.Array,
     prompt_index: jax.Array,
     sample_index: jax.Array,
     *,
     spec: DecodeSpec,
+    fresh: bool,
+    window: int,
 ):
-    """Runs the prompts tokens [P, L] (right-padded; lengths [P]) once, copies each prompt's
-    keys/values into every slot s with src[s] = its row (src -1: slot untouched, so n samples
-    share one prefill), and samples each new slot's first token. Returns (caches, state, first
-    token per slot, done per slot), the last two laid out for the host."""
-    P, L = tokens.shape
-    slots = src.shape[0]
-    Batch, Pos = Axis("batch", P), Axis("position", L)
-    positions = hax.named(jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (P, L)), (Batch, Pos))
-    causal = jnp.arange(L)[None, :] <= jnp.arange(L)[:, None]
-    mask = hax.named(jnp.broadcast_to(causal, (P, L, L)), (Batch, Pos, Axis("key_position", L)))
-    hidden, fresh = model.forward(hax.named(tokens, (Batch, Pos)), positions, mask)
+    """One chunk of prefill for R prompts.
 
-    last = hidden.rearrange(("batch", "position", "embed")).array[jnp.arange(P), lengths - 1]
+    tokens [R, C]: each prompt's next tokens, right-padded (lengths [R] valid, >= 1), starting at
+    prompt position starts [R]; slots [R, n]: the cache rows of the prompt's samples (out of
+    range = none; a padding row has none); is_last [R]: this chunk ends the prompt, so its first
+    token is sampled into each of its slots, with the randomness of (prompt_index [R],
+    sample_index [R, n]). fresh: every row's start is 0 (the chunk attends to itself only, no
+    cache row is read; the host never mixes first and later chunks in one call, so a prompt's
+    numerics do not depend on its neighbours); else the chunk attends to the first `window`
+    positions of its cache row (the host picks a window covering every row's chunk). Returns (cache, state, (first token per slot, -1 where none; done per
+    slot)), the last two laid out for the host."""
+    R, C = tokens.shape
+    n = slots.shape[1]
+    num_slots, seq_len = cache.slots, cache.seq_len
+    Batch, Pos, KPos = Axis("batch", R), Axis("position", C), Axis("key_position", seq_len)
+    positions = starts[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(C)[None, :] < lengths[:, None]
+    write_positions = jnp.where(valid, positions, seq_len)  # out of range: dropped
+    if fresh:
+        mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (R, C, C)), (Batch, Pos, KPos.resize(C)))
+    else:
+        mask = hax.named(jnp.arange(window)[None, None, :] <= positions[:, :, None], (Batch, Pos, KPos.resize(window)))
+    contexts = tuple(PrefillChunk(kv, slots, write_positions, mask, fresh) for kv in cache.layers)
+    hidden, layers = model.forward(hax.named(tokens, (Batch, Pos)), hax.named(positions, (Batch, Pos)), contexts)
+
+    last = hidden.rearrange(("batch", "position", "embed")).array[jnp.arange(R), lengths - 1]
     logits = model.logits(hax.named(last, (Batch, model.config.Embed))).rearrange(("batch", "vocab")).array
 
-    is_new = src >= 0
-    row = jnp.maximum(src, 0)
-    dst = jnp.where(is_new, jnp.arange(slots), slots)  # out of range: dropped
-    new_caches = []
-    for (cache_k, cache_v), (k, v) in zip(caches, fresh):
-        layer = []
-        for cache, fresh_kv in ((cache_k, k), (cache_v, v)):
-            values = fresh_kv.rearrange(("batch", "kv_heads", "key_position", "head_dim")).array[row]
-            array = cache.array.at[dst, :, :L, :].set(values.astype(cache.dtype), mode="drop")
-            layer.append(hax.named(array, cache.axes))
-        new_caches.append(tuple(layer))
-
-    keys = row_keys(spec.sampling.seed, prompt_index, sample_index)
-    first = sample(logits[row], step_keys(keys, jnp.zeros(slots, jnp.int32)), spec.sampling)
+    # Each (row, sample) pair j = r * n + i that starts decoding now, and which slot it fills.
+    flat_slots = jnp.where(jnp.repeat(is_last, n), slots.reshape(-1), num_slots)
+    source = jnp.full(num_slots, -1, jnp.int32).at[flat_slots].set(jnp.arange(R * n, dtype=jnp.int32), mode="drop")
+    is_new = source >= 0
+    j = jnp.maximum(source, 0)
+    keys = row_keys(spec.sampling.seed, jnp.repeat(prompt_index, n)[j], sample_index.reshape(-1)[j])
+    first = sample(jnp.repeat(logits, n, axis=0)[j], step_keys(keys, jnp.zeros(num_slots, jnp.int32)), spec.sampling)
     done = _is_stop(first, spec.stop_ids) | (spec.sampling.max_new_tokens <= 1)
     state = DecodeState(
         last_token=jnp.where(is_new, first, state.last_token),
-        position=jnp.where(is_new, lengths[row], state.position),
+        position=jnp.where(is_new, jnp.repeat(starts + lengths, n)[j], state.position),
         generated=jnp.where(is_new, 1, state.generated),
         done=jnp.where(is_new, done, state.done),
         keys=jnp.where(is_new, keys, state.keys),
     )
-    return _finish(tuple(new_caches), state, first, spec)
+    return _finish(KVCache(tuple(layers)), state, jnp.where(is_new, first, -1), spec)
 
 
-def decode_chunk(model: LlamaLM, caches: Caches, state: DecodeState, kill: jax.Array, *, spec: DecodeSpec, window: int, steps: int):
+def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.Array, *, spec: DecodeSpec, steps: int):
     """Up to `steps` decode steps for every live slot. kill [slots] marks rows the host finished
-    (stop strings). Returns (caches, state, (tokens [slots, steps], -1 where a slot produced
+    (stop strings). Returns (cache, state, (tokens [slots, steps], -1 where a slot produced
     nothing, done [slots])), the last two laid out for the host.
 
-    Inside the loop the cache is read-only, cut to its first `window` positions (the host picks
-    a window covering every live slot's position); each step's keys/values go to a small chunk
-    buffer at the step index (the same for every row), which is scattered into the cache at each
-    row's own position once, after the loop.
+    Inside the loop the cache is only read, in place, masked to each row's positions written
+    before this chunk; each step's keys/values go to a small chunk buffer at the step index (the
+    same for every row), which is scattered into the cache at each row's own position once,
+    after the loop (a scatter inside the loop made XLA copy the cache every step).
     """
-    slots = state.done.shape[0]
+    slots, seq_len = cache.slots, cache.seq_len
     Batch, Pos = Axis("batch", slots), Axis("position", 1)
-    KPos, Chunk = Axis("key_position", window), Axis("chunk", steps)
+    KPos, Chunk = Axis("key_position", seq_len), Axis("chunk", steps)
     state = state._replace(done=state.done | kill)
     start = state.position
-    readonly = tuple(tuple(hax.named(c.array[:, :, :window], c.axes[:2] + (KPos,) + c.axes[3:]) for c in kv) for kv in caches)
+    was_live = ~state.done
     chunk_axes = (Batch, model.config.KVHeads, Chunk, model.config.HeadDim)
     chunk_shape = tuple(a.size for a in chunk_axes)
-    cache_dtype = caches[0][0].dtype
-    chunks = tuple(tuple(hax.named(jnp.zeros(chunk_shape, cache_dtype), chunk_axes) for _ in range(2)) for _ in caches)
-    cache_mask = hax.named((jnp.arange(window)[None, :] < start[:, None])[:, None, :], (Batch, Pos, KPos))
+    cache_dtype = cache.layers[0].k.dtype
+    chunks = tuple(LayerKV(*(hax.named(jnp.zeros(chunk_shape, cache_dtype), chunk_axes) for _ in range(2))) for _ in cache.layers)
+    cache_mask = hax.named((jnp.arange(seq_len)[None, :] < start[:, None])[:, None, :], (Batch, Pos, KPos))
     max_new = spec.sampling.max_new_tokens
 
     def cond(carry):
@@ -187,11 +206,9 @@ def decode_chunk(model: LlamaLM, caches: Caches, state: DecodeState, kill: jax.A
     def body(carry):
         i, chunk_kv, st, out = carry
         chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= i, (slots, 1, steps)), (Batch, Pos, Chunk))
+        contexts = tuple(DecodeStep(kv, ckv, i, cache_mask, chunk_mask) for kv, ckv in zip(cache.layers, chunk_kv))
         hidden, chunk_kv = model.forward(
-            hax.named(st.last_token[:, None], (Batch, Pos)),
-            hax.named(st.position[:, None], (Batch, Pos)),
-            (cache_mask, chunk_mask),
-            tuple((k, v, ck, cv, i) for (k, v), (ck, cv) in zip(readonly, chunk_kv)),
+            hax.named(st.last_token[:, None], (Batch, Pos)), hax.named(st.position[:, None], (Batch, Pos)), contexts,
         )
         logits = model.logits(hidden["position", 0]).rearrange(("batch", "vocab")).array
         token = sample(logits, step_keys(st.keys, st.generated), spec.sampling)
@@ -211,19 +228,18 @@ def decode_chunk(model: LlamaLM, caches: Caches, state: DecodeState, kill: jax.A
     out = jnp.full((slots, steps), -1, jnp.int32)
     _, chunks, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), chunks, state, out))
     # Entries past a row's last live step are garbage written beyond its valid positions, where
-    # nothing is read before it is overwritten; positions past the cache are dropped.
+    # nothing is read before it is overwritten; rows idle for the whole chunk (a slot being
+    # prefilled, or empty) write nothing; positions past the cache are dropped.
     rows = jnp.arange(slots)[:, None]
-    positions = start[:, None] + jnp.arange(steps)[None, :]
-    caches = tuple(
-        tuple(
-            hax.named(c.array.at[rows, :, positions, :].set(jnp.swapaxes(u.array, 1, 2), mode="drop"), c.axes)
-            for c, u in zip(kv, ukv)
-        )
-        for kv, ukv in zip(caches, chunks)
+    positions = jnp.where(was_live, start, seq_len)[:, None] + jnp.arange(steps)[None, :]
+    layers = tuple(
+        LayerKV(*(hax.named(c.array.at[rows, :, positions, :].set(jnp.swapaxes(u.array, 1, 2), mode="drop"), c.axes)
+                  for c, u in zip(kv, ukv)))
+        for kv, ukv in zip(cache.layers, chunks)
     )
-    return _finish(caches, state, out, spec)
+    return _finish(KVCache(layers), state, out, spec)
 
 
-def _finish(caches: Caches, state: DecodeState, tokens: jax.Array, spec: DecodeSpec):
+def _finish(cache: KVCache, state: DecodeState, tokens: jax.Array, spec: DecodeSpec):
     host = (tokens, state.done.copy())  # a copy: the state is donated to the next call
-    return _constrain(caches, spec.cache_sharding), _constrain(state, spec.batch_sharding), _constrain(host, spec.host_sharding)
+    return _constrain(cache, spec.cache_sharding), _constrain(state, spec.batch_sharding), _constrain(host, spec.host_sharding)

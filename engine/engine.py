@@ -1,9 +1,10 @@
 """The generation engine: load a checkpoint, then turn requests into completions.
 
 Owns: `Engine.load` (config checks, memory plan, weights), the host-side scheduler (sort rows
-by prompt length, bucket prompt and window lengths so few programs compile, refill finished
-slots from the queue), stop strings and detokenisation, and the run's statistics. It does not
-read prompt files or write results: the generate step does. Where arrays live is engine/mesh.py's:
+by prompt length, feed prompts to the fixed-size prefill chunk, refill finished slots from the
+queue), stop strings and detokenisation, and the run's statistics (programs compiled or loaded
+from the persistent compilation cache, per kind). It does not read prompt files or write
+results: the generate step does. Where arrays live is engine/mesh.py's:
 `mode="host_dp"` uses this host's devices only; `mode="global_mesh"` shards the weights over
 every device of the pod, and then every host must call `generate` with the same requests: the
 scheduler is deterministic, so all hosts run the same compiled calls in the same order.
@@ -16,16 +17,22 @@ scheduler is deterministic, so all hosts run the same compiled calls in the same
 
 Rows (prompt, sample) are scheduled in order of prompt length. A row's tokens depend only on
 (seed, prompt_index, sample_index): see sampler.py. Finished rows free their slot at the end of
-a decode chunk; once an eighth of the slots are free (or none is busy) they are refilled with
-one prefill of the next prompts, so finished rows stop costing work after at most a chunk.
+a decode chunk; once an eighth of the slots are free (or none is busy) the next prompts take
+them and are prefilled, `prefill_chunk_tokens` tokens per prompt per call, before decoding goes
+on, so finished rows stop costing work after at most a chunk. Every program's shapes come from
+the config (slots = batch_size, cache length, prefill rows x chunk, decode steps), so a run
+compiles at most five programs whatever its prompts (init, decode, prefill of first chunks, and
+of later chunks at two cache windows; three when every prompt fits one chunk),
+and JAX's persistent compilation cache (engine/compile_cache.py, on by default) lets a rerun or
+resume load them instead.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 import functools
+import itertools
 import time
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
@@ -33,9 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import checkpoint
+from engine import checkpoint, compile_cache
 from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
-from engine.decode import DecodeSpec, decode_chunk, init_caches, init_state, prefill_into_slots
+from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state, prefill_chunk
 from engine.llama import LlamaConfig, UnsupportedModelError, load_checkpoint
 from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch
 from engine.mesh import Layout, mesh_shape
@@ -72,8 +79,15 @@ class EngineStats:
     batch_size: int
     """Slots decoded together (the plan's batch size)."""
     compilations: int = 0
-    """Programs compiled so far: one per (prefill rows, prompt bucket) and per decode window."""
+    """Programs XLA compiled for this engine (neither in this process's memory nor in the
+    persistent compilation cache); a run compiles at most five, whatever its prompts."""
+    cache_loads: int = 0
+    """Programs loaded from JAX's persistent compilation cache instead of compiled."""
     compile_time_s: float = 0.0
+    """Seconds getting programs: compiling, plus loading those found in the persistent cache."""
+    programs: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """Per program kind (init, prefill_fresh, prefill, decode): compiled, loaded, seconds (getting
+    the programs), run_s (running them)."""
     generated_tokens: int = 0
     """Tokens returned in completions plus the EOS/stop tokens they ended on."""
     peak_memory_bytes: int | None = None
@@ -83,18 +97,21 @@ class EngineStats:
     prompt_tokens: int = 0
     """Prompt tokens prefilled (each prompt once, however many samples share it)."""
     padded_prompt_tokens: int = 0
-    """Prompt positions computed including bucket padding; / prompt_tokens = padding overhead."""
+    """Prompt positions computed, padding of the prefill chunks included; / prompt_tokens = overhead."""
+    prefill_calls: int = 0
+    decode_calls: int = 0
+
+    def count_program(self, kind: str, seconds: float, *, loaded: bool) -> None:
+        entry = self.programs.setdefault(kind, {"compiled": 0, "loaded": 0, "seconds": 0.0})
+        entry["loaded" if loaded else "compiled"] += 1
+        entry["seconds"] += seconds
+        self.compile_time_s += seconds
+        if loaded:
+            self.cache_loads += 1
+        else:
+            self.compilations += 1
 
 
-def length_buckets(limit: int, *, fine: bool) -> list[int]:
-    """16, 24, 32, 48, 64, 96, ... (fine: padding <= 1/3) or 16, 32, 64, ... up to limit, limit included."""
-    buckets, size = [], 16
-    while size < limit:
-        buckets.append(size)
-        if fine and size * 3 // 2 < limit:
-            buckets.append(size * 3 // 2)
-        size *= 2
-    return sorted(set(buckets)) + [limit]
 
 
 @dataclasses.dataclass
@@ -103,6 +120,62 @@ class _Row:
     sample_index: int
     prompt: np.ndarray
     tokens: list[int] = dataclasses.field(default_factory=list)
+    decoding: bool = False
+    """False while its prompt is being prefilled into its slot."""
+
+
+READ_AHEAD_ROWS_PER_SLOT = 8
+"""Rows taken from the requests ahead of the slots, per slot: enough that each read-ahead, sorted
+by prompt length, fills batches with prompts of like length; bounded, so the engine holds the
+same few rows whether it is given ten thousand requests or ten million (issue 13)."""
+
+
+class _Pending:
+    """The rows not started yet: read lazily from the requests, a window at a time, each window
+    sorted by (prompt length, prompt, sample) so samples of a prompt stay together. Every host of
+    a global mesh reads the same requests, so every host sees the same order."""
+
+    def __init__(self, requests: Iterable[GenerationRequest], rows_of: Callable[[GenerationRequest], list[_Row]],
+                 window_rows: int):
+        self._requests = iter(requests)
+        self._rows_of = rows_of
+        self._window_rows = window_rows
+        self._rows: collections.deque[_Row] = collections.deque()
+        self._exhausted = False
+
+    def _read_ahead(self) -> None:
+        """Once half the window is used up, read the next window's worth of requests."""
+        if self._exhausted or len(self._rows) > self._window_rows // 2:
+            return
+        window: list[_Row] = []
+        while len(window) < self._window_rows:
+            request = next(self._requests, None)
+            if request is None:
+                self._exhausted = True
+                break
+            window += self._rows_of(request)
+        window.sort(key=lambda row: (len(row.prompt), row.prompt_index, row.sample_index))
+        self._rows.extend(window)
+
+    def __bool__(self) -> bool:
+        self._read_ahead()
+        return bool(self._rows)
+
+    def popleft(self) -> _Row:
+        self._read_ahead()
+        return self._rows.popleft()
+
+
+@dataclasses.dataclass
+class _Prompt:
+    """A prompt being prefilled, chunk by chunk, into the slots of its samples."""
+
+    index: int
+    ids: np.ndarray
+    rows: list[_Row]
+    slots: list[int]
+    written: int = 0
+    """Prompt tokens already in the cache."""
 
 
 class Engine:
@@ -125,6 +198,9 @@ class Engine:
         self.stats = EngineStats(batch_size=plan.batch_size)
         self.stopped = False
         """The last `generate` ended early because its `stop` callback asked (on any host)."""
+        self.on_compile: Callable[[str], None] | None = None
+        """Called with the program's kind ('init', 'prefill_fresh', 'prefill', 'decode') before a
+        program is compiled or loaded from the persistent cache: a caller's progress line."""
         self._batch_sharding = layout.batch_sharding
         # Only what the programs compute with: engines differing in n or stop strings share them.
         compiled_sampling = dataclasses.replace(sampling, n=1, stop=(), stop_token_ids=())
@@ -132,8 +208,17 @@ class Engine:
         self._spec = DecodeSpec(compiled_sampling, stop_ids, layout.batch_sharding, layout.cache_sharding, layout.host_sharding)
         self._seq_len = max_prompt_tokens + sampling.max_new_tokens
         self._cache_dtype = jnp.float32 if self.devices[0].platform == "cpu" else DTYPES[dtype]
-        self._prompt_buckets = length_buckets(max_prompt_tokens, fine=True)
-        self._window_buckets = length_buckets(self._seq_len, fine=False)
+        n_dev = layout.data_size
+        rows = max(1, engine_config.prefill_tokens // engine_config.prefill_chunk_tokens)
+        self._prefill_rows = min(-(-rows // n_dev) * n_dev, plan.batch_size)
+        """Prompts advanced per prefill call (a multiple of the data-parallel devices)."""
+        S = self._seq_len
+        self._prefill_windows = sorted({min(S, -(-(S // 4) // 16) * 16), S})
+        """Cache positions a later prefill chunk may read: the smallest covering every row of the
+        call. A quarter of the cache cut a cpu-mixed continuation call's gather and attention,
+        ~40 % of it at the full length, for most prompts (two programs, not one per length)."""
+        self._group = min(sampling.n, plan.batch_size)
+        """Samples of one prompt that share one prefill (each needs a slot)."""
 
     @staticmethod
     def load(
@@ -151,10 +236,14 @@ class Engine:
         be given (it sizes the KV cache). engine.mode host_dp: this host's devices, weights
         replicated on each. global_mesh: every device of the pod, weights sharded by engine.mesh
         (engine/mesh.py); every host must make the same calls, and batch_size counts rows of the
-        whole pod."""
+        whole pod.
+
+        Turns JAX's persistent compilation cache on (engine/compile_cache.py) unless the caller
+        already chose a folder for it."""
         if dtype not in DTYPES:
             raise InvalidConfig(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         require(max_prompt_tokens > 0, "prompts.max_prompt_tokens", max_prompt_tokens, "an integer > 0")
+        compile_cache.enable()
         config_path = f"{model_path.rstrip('/')}/config.json"
         hf_config = checkpoint.read_config(model_path)
         config = LlamaConfig.from_hf(hf_config, source=config_path)
@@ -194,11 +283,20 @@ class Engine:
             batch_shards=layout.data_size,
             weight_shards=layout.mesh.size if layout.is_global else 1,
             row_shards=layout.model_size,
+            decode_chunk_steps=engine.decode_chunk_steps,
+            prefill_tokens=engine.prefill_tokens,
+            prefill_chunk_tokens=engine.prefill_chunk_tokens,
         )
         model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding)
         return Engine(model, config, dtype=dtype, engine_config=engine, sampling=sampling,
                       max_prompt_tokens=max_prompt_tokens, plan=plan, eos_token_ids=tuple(eos), tokenizer=tokenizer,
                       layout=layout, source=model_path)
+
+    @property
+    def max_programs(self) -> int:
+        """The most programs a run compiles: init, decode, first prefill chunks, and later
+        chunks at each cache window (fewer when every prompt fits one chunk)."""
+        return 3 + len(self._prefill_windows)
 
     def describe(self) -> str:
         c, p, layout = self.config, self.plan, self.layout
@@ -210,47 +308,70 @@ class Engine:
             f"{c.model_type} {c.num_hidden_layers}x{c.hidden_size} (vocab {c.vocab_size}) from {self.source},"
             f" {self.dtype} on {where};"
             f" batch_size {p.batch_size} ({p.reason}); memory ~{need / GiB:.2f} GiB per device"
-            f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row) of {p.limit_bytes / GiB:.2f} GiB allowed;"
-            f" prompts <= {self.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new"
+            f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row + prefill"
+            f" {p.working_bytes / 2**20:.0f} MiB) of {p.limit_bytes / GiB:.2f} GiB allowed;"
+            f" prompts <= {self.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new;"
+            f" prefill {self._prefill_rows} prompts x {self.engine_config.prefill_chunk_tokens} tokens per call"
         )
 
     # ------------------------------------------------------------------ compiled programs
 
-    def _run(self, kind: str, fn, static: tuple, *args):
-        """Compiles once per program and input shapes (shared by engines in this process: a
-        reload with the same shapes compiles nothing) and runs; compile time is counted apart."""
+    def _program(self, kind: str, static: tuple, jitted, args: tuple):
+        """The compiled program for these input shapes: from this process's memory (shared by
+        engines: a reload with the same shapes compiles nothing), else compiled by XLA or loaded
+        from JAX's persistent cache (counted apart in the stats)."""
         leaves, treedef = jax.tree.flatten(args)
         key = (kind, static, self._spec, self.layout.is_global, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
         compiled = _COMPILED.get(key)
         if compiled is None:
+            if self.on_compile is not None:
+                self.on_compile(kind)
+            hits = compile_cache.hits()
             start = time.perf_counter()
             with self.layout.tracing():
-                compiled = jax.jit(fn, donate_argnums=(1, 2)).lower(*args).compile()
-            self.stats.compile_time_s += time.perf_counter() - start
-            self.stats.compilations += 1
+                compiled = jitted.lower(*args).compile()
+            self.stats.count_program(kind, time.perf_counter() - start, loaded=compile_cache.hits() > hits)
             _COMPILED[key] = compiled
+        return compiled
+
+    def _run(self, kind: str, fn, static: tuple, *args):
+        """Runs fn(model, cache, state, ...) compiled, the cache and state donated (updated in place)."""
+        # Explicit output shardings: XLA would otherwise simplify them (P('data') on one device
+        # comes back as P()), and the next call's inputs would key another compile.
+        out_shardings = (self.layout.cache_sharding, self._batch_sharding, self.layout.host_sharding)
+        compiled = self._program(kind, static, jax.jit(fn, donate_argnums=(1, 2), out_shardings=out_shardings), args)
         start = time.perf_counter()
         out = compiled(*args)
         jax.block_until_ready(out)
-        self.stats.decode_time_s += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.stats.decode_time_s += seconds
+        entry = self.stats.programs.setdefault(kind, {"compiled": 0, "loaded": 0, "seconds": 0.0})
+        entry["run_s"] = entry.get("run_s", 0.0) + seconds
         return out
+
+    def _init(self, slots: int):
+        """A zero cache and an all-empty decode state, made by one compiled program with their
+        output shardings, so each device (of every host on a global mesh) allocates only its own block."""
+
+        def make():
+            return new_cache(self.config, slots, self._seq_len, self._cache_dtype), new_state(slots)
+
+        jitted = jax.jit(make, out_shardings=(self.layout.cache_sharding, self._batch_sharding))
+        return self._program("init", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name), jitted, ())()
 
     # ---------------------------------------------------------------------------- generate
 
-    def _rows(self, requests: Iterable[GenerationRequest]) -> list[_Row]:
-        rows = []
-        for r in requests:
-            ids = np.asarray(list(r.input_ids), dtype=np.int32)
-            if not 1 <= len(ids) <= self.max_prompt_tokens:
-                raise ValueError(
-                    f"prompt {r.prompt_index} has {len(ids)} tokens; the engine accepts 1 to"
-                    f" prompts.max_prompt_tokens={self.max_prompt_tokens}"
-                )
-            if ids.min() < 0 or ids.max() >= self.vocab_size:
-                raise ValueError(f"prompt {r.prompt_index} has token ids outside [0, {self.vocab_size})")
-            rows += [_Row(r.prompt_index, int(s), ids) for s in r.sample_indices]
-        rows.sort(key=lambda row: (len(row.prompt), row.prompt_index, row.sample_index))
-        return rows
+    def _rows(self, request: GenerationRequest) -> list[_Row]:
+        """One row per requested sample of a checked prompt."""
+        ids = np.asarray(request.input_ids, dtype=np.int32)
+        if not 1 <= len(ids) <= self.max_prompt_tokens:
+            raise ValueError(
+                f"prompt {request.prompt_index} has {len(ids)} tokens; the engine accepts 1 to"
+                f" prompts.max_prompt_tokens={self.max_prompt_tokens}"
+            )
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"prompt {request.prompt_index} has token ids outside [0, {self.vocab_size})")
+        return [_Row(request.prompt_index, int(s), ids) for s in request.sample_indices]
 
     def generate(self, requests: Iterable[GenerationRequest], stop: Callable[[], bool] | None = None) -> Iterator[Completion]:
         """Yields one Completion per (prompt, sample) requested, in the order rows finish.
@@ -260,48 +381,49 @@ class Engine:
         stop: asked before every compiled call; once it returns True on any host, every host's
         generate returns there, together, and sets `self.stopped`."""
         self.stopped = False
-        pending = collections.deque(self._rows(requests))
+        pending = _Pending(requests, self._rows, window_rows=READ_AHEAD_ROWS_PER_SLOT * self.plan.batch_size)
         if not pending:
             return
-        n_dev = self.layout.data_size
-        batch = self.plan.batch_size
-        # A small job gets fewer slots (power of two) instead of decoding empty ones.
-        slots = min(batch, -(-(1 << (len(pending) - 1).bit_length()) // n_dev) * n_dev)
+        # Always every slot of the plan, even for a small job: the shapes, hence the programs,
+        # stay the same for a resume of a few rows (compiling costs more than idle slots).
+        slots = self.plan.batch_size
         steps = self.engine_config.decode_chunk_steps
         refill_min = max(1, slots // 8)
-        caches = init_caches(self.config, slots, self._seq_len, self._cache_dtype, self.layout.cache_sharding)
-        state = init_state(slots, self._batch_sharding)
+        cache, state = self._init(slots)
         live: list[_Row | None] = [None] * slots
+        """A slot's row, from when it is taken (prefill) until the row finishes."""
+        prefilling: collections.deque[_Prompt] = collections.deque()
         kill = np.zeros(slots, bool)
         try:
-            while pending or any(live):
+            while pending or prefilling or any(live):
                 if stop is not None and self.layout.any_host(stop()):
                     self.stopped = True
                     return
+                decoding = [s for s in range(slots) if live[s] is not None and live[s].decoding]
                 free = [s for s in range(slots) if live[s] is None]
-                if pending and free and (len(free) >= refill_min or len(free) == slots):
-                    caches, state, (first, done), filled = self._refill(caches, state, pending, free, live, slots)
+                if pending and free and (len(free) >= refill_min or not decoding):
+                    self._admit(pending, free, live, prefilling)
+                if prefilling:
+                    # Prefill first: every taken slot joins the next decode chunk.
+                    cache, state, (first, done) = self._prefill(cache, state, prefilling)
                     first, done = np.asarray(first), np.asarray(done)
-                    for s in filled:
-                        kill[s] = False
-                        live[s].tokens.append(int(first[s]))
-                        completion = self._maybe_finish(live[s], device_done=bool(done[s]))
+                    for s in np.flatnonzero(first >= 0):
+                        row = live[s]
+                        row.decoding, kill[s] = True, False
+                        row.tokens.append(int(first[s]))
+                        completion = self._maybe_finish(row, device_done=bool(done[s]))
                         if completion is not None:
                             live[s], kill[s] = None, not done[s]
                             yield completion
                     continue
-                busy = [s for s in range(slots) if live[s] is not None]
-                reach = max(len(live[s].prompt) + len(live[s].tokens) - 1 for s in busy)
-                window = self._window_buckets[bisect.bisect_left(self._window_buckets, reach)]
-                caches, state, (out, done) = self._run(
-                    "decode",
-                    functools.partial(decode_chunk, spec=self._spec, window=window, steps=steps),
-                    (window, steps),
-                    self.model, caches, state, jax.device_put(kill, self._batch_sharding),
+                cache, state, (out, done) = self._run(
+                    "decode", functools.partial(decode_chunk, spec=self._spec, steps=steps), (steps,),
+                    self.model, cache, state, jax.device_put(kill, self._batch_sharding),
                 )
+                self.stats.decode_calls += 1
                 kill[:] = False
                 out, done = np.asarray(out), np.asarray(done)
-                for s in busy:
+                for s in decoding:
                     row = live[s]
                     row.tokens += [int(t) for t in out[s] if t >= 0]
                     completion = self._maybe_finish(row, device_done=bool(done[s]))
@@ -311,45 +433,61 @@ class Engine:
         finally:
             self.stats.peak_memory_bytes = peak_memory_bytes(self.devices)
 
-    def _refill(self, caches, state, pending, free, live, slots):
-        """One prefill of the next prompts into free slots; samples of a prompt share it."""
-        taken = [pending.popleft() for _ in range(min(len(free), len(pending)))]
-        prompts: dict[int, int] = {}
-        for row in taken:
-            prompts.setdefault(row.prompt_index, len(prompts))
-        n_dev = self.layout.data_size
-        sizes = sorted({-(-max(1, slots // d) // n_dev) * n_dev for d in (8, 4, 2, 1)})
-        rows_p = sizes[bisect.bisect_left(sizes, len(prompts))] if len(prompts) <= sizes[-1] else len(prompts)
-        longest = max(len(row.prompt) for row in taken)
-        length = self._prompt_buckets[bisect.bisect_left(self._prompt_buckets, longest)]
-        tokens = np.zeros((rows_p, length), np.int32)
-        lengths = np.ones(rows_p, np.int32)
-        src = np.full(slots, -1, np.int32)
-        prompt_index = np.zeros(slots, np.int32)
-        sample_index = np.zeros(slots, np.int32)
-        seen = set()
-        for row, s in zip(taken, free):
-            p = prompts[row.prompt_index]
-            if p not in seen:
-                seen.add(p)
-                tokens[p, : len(row.prompt)] = row.prompt
-                lengths[p] = len(row.prompt)
+    def _admit(self, pending: "_Pending", free: list[int], live: list, prefilling: collections.deque) -> None:
+        """The next rows take free slots; samples of one prompt taken together share its prefill."""
+        for s in free:
+            if not pending:
+                break
+            row = pending.popleft()
+            job = prefilling[-1] if prefilling else None
+            if job is not None and job.index == row.prompt_index and job.written == 0 and len(job.rows) < self._group:
+                job.rows.append(row)
+                job.slots.append(s)
+            else:
+                prefilling.append(_Prompt(row.prompt_index, row.prompt, [row], [s]))
                 self.stats.prompt_tokens += len(row.prompt)
-            src[s], prompt_index[s], sample_index[s] = p, row.prompt_index, row.sample_index
             live[s] = row
-        self.stats.padded_prompt_tokens += rows_p * length
-        put = functools.partial(jax.device_put, device=self._batch_sharding)
-        replicated = self.layout.replicated
-        caches, state, host = self._run(
-            "prefill",
-            functools.partial(prefill_into_slots, spec=self._spec),
-            (),
-            self.model, caches, state,
-            jax.device_put(tokens, self._batch_sharding if rows_p % n_dev == 0 else replicated),
-            jax.device_put(lengths, replicated),
-            put(src), put(prompt_index), put(sample_index),
+
+    def _prefill(self, cache, state, prefilling: collections.deque):
+        """One prefill call: the first chunk of up to `_prefill_rows` prompts not started yet, or
+        else the next chunk of the first `_prefill_rows` started ones. Never both in one call: a
+        call of first chunks attends to the chunk alone (prefill_fresh, no cache read: about a
+        quarter of a cpu-mixed prefill's work was attention over the mostly empty cache row),
+        and each chunk of a prompt is then computed the same way whatever its neighbours."""
+        R, C, n, slots = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group, self.plan.batch_size
+        tokens = np.zeros((R, C), np.int32)
+        slot_ids = np.full((R, n), slots, np.int32)  # out of range: none
+        starts = np.zeros(R, np.int32)
+        lengths = np.ones(R, np.int32)
+        is_last = np.zeros(R, bool)
+        prompt_index = np.zeros(R, np.int32)
+        sample_index = np.zeros((R, n), np.int32)
+        jobs = list(itertools.islice((job for job in prefilling if job.written == 0), R))
+        fresh = bool(jobs)
+        jobs = jobs or list(itertools.islice(prefilling, R))
+        for r, job in enumerate(jobs):
+            piece = job.ids[job.written : job.written + C]
+            tokens[r, : len(piece)] = piece
+            starts[r], lengths[r] = job.written, len(piece)
+            job.written += len(piece)
+            is_last[r] = job.written == len(job.ids)
+            slot_ids[r, : len(job.slots)] = job.slots
+            prompt_index[r] = job.index
+            sample_index[r, : len(job.rows)] = [row.sample_index for row in job.rows]
+        for job in jobs:
+            if job.written == len(job.ids):
+                prefilling.remove(job)
+        self.stats.padded_prompt_tokens += R * C
+        self.stats.prefill_calls += 1
+        reach = int((starts + lengths).max())
+        window = 0 if fresh else next(w for w in self._prefill_windows if w >= reach)
+        rows = functools.partial(jax.device_put, device=self._batch_sharding)
+        return self._run(
+            "prefill_fresh" if fresh else "prefill", functools.partial(prefill_chunk, spec=self._spec, fresh=fresh, window=window),
+            (fresh, window),
+            self.model, cache, state, rows(tokens), rows(slot_ids), rows(starts), rows(lengths), rows(is_last),
+            rows(prompt_index), rows(sample_index),
         )
-        return caches, state, host, free[: len(taken)]
 
     # ------------------------------------------------------------------------- finishing
 

@@ -9,7 +9,7 @@ It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/en
 
     config = LlamaConfig.from_hf(json.load(f), source="/ckpt/config.json")
     model = load_checkpoint("gs://bucket/ckpt", config, dtype=jnp.bfloat16)
-    hidden, kv = model.forward(tokens, positions, mask)          # prefill, no cache
+    hidden, kv = model.forward(tokens, positions, mask)          # no cache: fresh LayerKV per layer
     logits = model.logits(hidden)
 
 Layers are separate modules run by a Python loop, each with its own weight buffers: a scan over
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import equinox as eqx
 import jax
@@ -220,6 +220,50 @@ def apply_rotary(x: NamedArray, cos: NamedArray, sin: NamedArray) -> NamedArray:
     return x * cos + rotated * sin
 
 
+class LayerKV(NamedTuple):
+    """One layer's keys and values, each (batch, kv_heads, key_position, head_dim). Named by axis,
+    so code reads `kv.k`, never `cache[i][0]`."""
+
+    k: NamedArray
+    v: NamedArray
+
+
+class PrefillChunk(NamedTuple):
+    """How a prefill chunk attends: rows (`batch`) of C tokens whose keys/values are written
+    straight into the cache rows `slots` at `write_positions`, then attend over cache row
+    `slots[:, 0]` with `mask`. Prompts longer than C take several chunks, each attending to what
+    the previous ones wrote."""
+
+    cache: LayerKV
+    """The whole cache (slots rows); written in place, returned updated."""
+    slots: jax.Array
+    """[rows, n] int32: cache rows receiving this row's keys/values (the samples of one prompt
+    share its prefill); out of range (= slots) for none."""
+    write_positions: jax.Array
+    """[rows, C] int32: cache position of each token; out of range for padding (not written)."""
+    mask: NamedArray
+    """(batch, position, key_position): True where a token may attend to a key position: of the
+    first key_position positions of its cache row, or with `fresh` of the chunk itself."""
+    fresh: bool
+    """Every row starts its prompt here, so nothing before the chunk is read: it attends to its
+    own keys only instead of gathering its cache row (static: one program each way)."""
+
+
+class DecodeStep(NamedTuple):
+    """How one decode step attends: to the cache, read in place and never written inside the
+    decode loop, and to the chunk buffer holding this decode chunk's own keys/values, where the
+    step's new key/value is written at index `step`."""
+
+    cache: LayerKV
+    chunk: LayerKV
+    """(batch, kv_heads, chunk, head_dim): keys/values of this chunk's steps so far."""
+    step: jax.Array
+    cache_mask: NamedArray
+    """(batch, position, key_position): cache positions written before this decode chunk."""
+    chunk_mask: NamedArray
+    """(batch, position, chunk): chunk steps up to this one."""
+
+
 class Attention(eqx.Module):
     """Grouped-query attention: query heads are (KVHeads, QPerKV), so no head is ever repeated.
 
@@ -255,17 +299,17 @@ class Attention(eqx.Module):
             o_bias=hax.zeros(c.Embed) if c.o_bias else None,
         )
 
-    def __call__(self, x, cos, sin, mask, cache):
-        """x (Batch, Pos, Embed).
+    def __call__(self, x: NamedArray, cos: NamedArray, sin: NamedArray, context) -> tuple[NamedArray, LayerKV]:
+        """x (Batch, Pos, Embed); returns (output, keys/values), by the kind of `context`:
 
-        cache None (prefill): mask (Batch, Pos, KPos) True where a query may attend; keys are
-        this call's own positions, returned as the new (k, v).
-        cache (k, v, chunk_k, chunk_v, step) (decode, one position): k/v (Batch, KVHeads, KPos,
-        HeadDim) hold what was written before this decode chunk and are only read; the new key
-        and value go to index `step` of chunk_k/chunk_v (Batch, KVHeads, Chunk, HeadDim), which
-        are returned. mask is (cache mask (Batch, Pos, KPos), chunk mask (Batch, Pos, Chunk)).
-        Keeping the big cache read-only inside the decode loop matters: a per-row scatter into
-        it made XLA copy the whole cache every step.
+        - a mask (Batch, Pos, KPos), True where a query may attend (prefill without a cache):
+          keys are this call's own positions, returned as a fresh LayerKV.
+        - PrefillChunk: the chunk's keys/values are written into the cache rows it names, then
+          it attends over its row of the cache (or, fresh, over the chunk alone); returns the
+          updated cache.
+        - DecodeStep (one position): attends over the cache (read only) and the chunk buffer;
+          returns the updated chunk buffer. Keeping the big cache read-only inside the decode
+          loop matters: a per-row scatter into it made XLA copy the whole cache every step.
         """
         c = self.config
         q = hax.unflatten_axis(hax.dot(x, self.q_proj, axis="embed"), "q_heads_dim", (c.KVHeads, c.QPerKV, c.HeadDim))
@@ -277,37 +321,69 @@ class Attention(eqx.Module):
         k = apply_rotary(k, cos, sin).rearrange(("batch", "kv_heads", "position", "head_dim"))
         v = v.rearrange(("batch", "kv_heads", "position", "head_dim"))
         scale = 1.0 / math.sqrt(self.config.head_dim)
-        if cache is None:
-            keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
+        if isinstance(context, DecodeStep):
+            attn, new_kv = self._decode(q, k, v, context, scale)
+        else:
+            if isinstance(context, PrefillChunk) and context.fresh:
+                new_kv, mask = _write_chunk(context, k, v), context.mask
+                keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
+            elif isinstance(context, PrefillChunk):
+                new_kv = _write_chunk(context, k, v)
+                read = jnp.minimum(context.slots[:, 0], context.cache.k.array.shape[0] - 1)
+                # The first `window` positions of the chunk's cache row (the mask's key axis),
+                # gathered: [rows, kv_heads, window, head_dim] per layer.
+                mask = context.mask
+                Batch, KPos = x.resolve_axis("batch"), mask.resolve_axis("key_position")
+                axes = (Batch, c.KVHeads, KPos, c.HeadDim)
+                keys = hax.named(new_kv.k.array[read, :, : KPos.size], axes)
+                values = hax.named(new_kv.v.array[read, :, : KPos.size], axes)
+            else:
+                keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
+                new_kv, mask = LayerKV(keys, values), context
             scores = hax.dot(q, keys, axis="head_dim", preferred_element_type=jnp.float32) * scale
             scores = hax.where(mask, scores, jnp.finfo(jnp.float32).min)
             probs = hax.nn.softmax(scores, axis="key_position").astype(values.dtype)
             attn = hax.dot(probs, values, axis="key_position")
-            new_kv = (keys, values)
-        else:
-            cache_k, cache_v, chunk_k, chunk_v, step = cache
-            cache_mask, chunk_mask = mask
-            chunk_k = hax.named(jax.lax.dynamic_update_slice(chunk_k.array, k.array.astype(chunk_k.dtype), (0, 0, step, 0)), chunk_k.axes)
-            chunk_v = hax.named(jax.lax.dynamic_update_slice(chunk_v.array, v.array.astype(chunk_v.dtype), (0, 0, step, 0)), chunk_v.axes)
-            # One softmax over both key sets, without concatenating them.
-            s_cache = hax.dot(q, cache_k, axis="head_dim", preferred_element_type=jnp.float32) * scale
-            s_chunk = hax.dot(q, chunk_k, axis="head_dim", preferred_element_type=jnp.float32) * scale
-            s_cache = hax.where(cache_mask, s_cache, -jnp.inf)
-            s_chunk = hax.where(chunk_mask, s_chunk, -jnp.inf)  # the current position is always there
-            top = hax.maximum(hax.max(s_cache, axis="key_position"), hax.max(s_chunk, axis="chunk"))
-            e_cache = hax.exp(s_cache - top)
-            e_chunk = hax.exp(s_chunk - top)
-            total = hax.sum(e_cache, axis="key_position") + hax.sum(e_chunk, axis="chunk")
-            attn = (
-                hax.dot(e_cache.astype(cache_v.dtype), cache_v, axis="key_position")
-                + hax.dot(e_chunk.astype(chunk_v.dtype), chunk_v, axis="chunk")
-            ) / total
-            new_kv = (chunk_k, chunk_v)
         attn = attn.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).astype(x.dtype)
         out = hax.dot(hax.flatten_axes(attn, ("kv_heads", "q_per_kv", "head_dim"), "q_heads_dim"), self.o_proj, axis="q_heads_dim")
         if self.o_bias is not None:
             out = out + self.o_bias
         return out, new_kv
+
+    @staticmethod
+    def _decode(q, k, v, context: DecodeStep, scale: float):
+        cache, chunk = context.cache, context.chunk
+        chunk = LayerKV(*(
+            hax.named(jax.lax.dynamic_update_slice(old.array, new.array.astype(old.dtype), (0, 0, context.step, 0)), old.axes)
+            for old, new in ((chunk.k, k), (chunk.v, v))
+        ))
+        # One softmax over both key sets, without concatenating them.
+        s_cache = hax.dot(q, cache.k, axis="head_dim", preferred_element_type=jnp.float32) * scale
+        s_chunk = hax.dot(q, chunk.k, axis="head_dim", preferred_element_type=jnp.float32) * scale
+        s_cache = hax.where(context.cache_mask, s_cache, -jnp.inf)
+        s_chunk = hax.where(context.chunk_mask, s_chunk, -jnp.inf)  # the current position is always there
+        top = hax.maximum(hax.max(s_cache, axis="key_position"), hax.max(s_chunk, axis="chunk"))
+        e_cache = hax.exp(s_cache - top)
+        e_chunk = hax.exp(s_chunk - top)
+        total = hax.sum(e_cache, axis="key_position") + hax.sum(e_chunk, axis="chunk")
+        attn = (
+            hax.dot(e_cache.astype(cache.v.dtype), cache.v, axis="key_position")
+            + hax.dot(e_chunk.astype(chunk.v.dtype), chunk.v, axis="chunk")
+        ) / total
+        return attn, chunk
+
+
+def _write_chunk(context: PrefillChunk, k: NamedArray, v: NamedArray) -> LayerKV:
+    """Scatters the chunk's keys/values (batch, kv_heads, position, head_dim) into the cache at
+    (slots[r, i], write_positions[r, j]) in place; out-of-range indices are dropped."""
+    n = context.slots.shape[1]
+    rows = context.slots.reshape(-1)[:, None]
+    positions = jnp.repeat(context.write_positions, n, axis=0)
+    written = []
+    for cache, fresh in ((context.cache.k, k), (context.cache.v, v)):
+        values = jnp.swapaxes(jnp.repeat(fresh.array, n, axis=0), 1, 2).astype(cache.dtype)  # [rows*n, C, kv_heads, head_dim]
+        written.append(hax.named(cache.array.at[rows, :, positions, :].set(values, mode="drop"), cache.axes))
+    return LayerKV(*written)
 
 
 class Mlp(eqx.Module):
@@ -347,8 +423,8 @@ class DecoderLayer(eqx.Module):
             Mlp.init(config, key=k_mlp),
         )
 
-    def __call__(self, x, cos, sin, mask, cache):
-        attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+    def __call__(self, x, cos, sin, context):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, context)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_kv
@@ -376,17 +452,19 @@ class LlamaLM(eqx.Module):
             lm_head=None if config.tie_word_embeddings else _normal(k_head, (config.Vocab, config.Embed)),
         )
 
-    def forward(self, tokens: NamedArray, positions: NamedArray, mask, caches=None):
-        """Hidden states after the final norm, and per layer what Attention returns: the fresh
-        (k, v) when caches is None (prefill), else the updated chunk (k, v) (decode)."""
+    def forward(self, tokens: NamedArray, positions: NamedArray, context):
+        """Hidden states after the final norm, and per layer the LayerKV that Attention returns.
+
+        context: a mask (Batch, Pos, KPos) for every layer (prefill without a cache: returns
+        each layer's fresh keys/values), or one PrefillChunk / DecodeStep per layer."""
         # auto_sharded: on a global mesh (engine/mesh.py) keeps rows on the data axis between
         # layers, so FSDP gathers weights instead of splitting activations; a no-op otherwise.
         x = hax.auto_sharded(self.embed_tokens.take("vocab", tokens))
         cos, sin = rotary_tables(self.config, positions, x.dtype)
+        per_layer = isinstance(context, (tuple, list))
         new_kvs = []
         for i, layer in enumerate(self.layers):
-            cache = None if caches is None else caches[i]
-            x, kv = layer(x, cos, sin, mask, cache)
+            x, kv = layer(x, cos, sin, context[i] if per_layer else context)
             x = hax.auto_sharded(x)
             new_kvs.append(kv)
         return self.norm(x), tuple(new_kvs)

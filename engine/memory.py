@@ -9,10 +9,13 @@ compiled), and reading peak memory back. It allocates nothing.
     plan.batch_size, plan.reason
 
 The estimate is linear in the batch: per row, its KV cache for prompt + new tokens plus the
-prefill's activations (attention scores [heads, L, L] in float32 dominate for long prompts)
-and a few float32 logit rows; plus the weights, replicated on every local device (host data
-parallel) or split over the whole mesh (global mesh: `weight_shards` devices share each weight,
-`row_shards` share each row's KV heads, rows are split `batch_shards` ways).
+decode chunk's per-row temporaries (the chunk's own keys/values, float32 logits, one layer's
+attention scores); plus, once, the working memory of one prefill call (its rows x chunk tokens:
+attention scores over the whole cache length, the cache rows it reads, MLP activations); plus the
+weights, replicated on every local device (host data parallel) or split over the whole mesh
+(global mesh: `weight_shards` devices share each weight, `row_shards` share each row's KV heads,
+rows are split `batch_shards` ways). Checked against XLA's own `memory_analysis()` of the
+compiled programs by scripts/memory_analysis.py.
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ class BatchPlan:
     weights_bytes: int
     """Per device (replicated for host data parallelism, split on a global mesh)."""
     row_bytes: int
-    """KV cache + prefill working memory of one row, per device holding part of it."""
+    """KV cache + decode temporaries of one row, per device holding part of it."""
     limit_bytes: int
     """The stated fraction of one device's memory."""
+    working_bytes: int = 0
+    """One prefill call's working memory per device (independent of the batch size)."""
 
     def need_bytes(self, batch_size: int, num_devices: int) -> int:
-        return self.weights_bytes + -(-batch_size // num_devices) * self.row_bytes
+        return self.weights_bytes + self.working_bytes + -(-batch_size // num_devices) * self.row_bytes
 
 
 def device_memory_bytes(device: jax.Device, num_local_devices: int) -> int:
@@ -62,14 +67,39 @@ def kv_row_bytes(config: LlamaConfig, seq_len: int, cache_dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * seq_len * jnp.dtype(cache_dtype).itemsize
 
 
-def working_row_bytes(config: LlamaConfig, prompt_len: int, dtype) -> int:
-    """Prefill of one row: fresh KV of every layer, one layer's activations, and its logits."""
-    item = jnp.dtype(dtype).itemsize
-    fresh_kv = kv_row_bytes(config, prompt_len, dtype)
-    activations = prompt_len * (4 * config.hidden_size + 3 * config.intermediate_size) * item
-    scores = 2 * config.num_attention_heads * prompt_len * prompt_len * 4
-    logits = 4 * config.vocab_size * 4
-    return fresh_kv + activations + scores + logits
+def decode_row_bytes(config: LlamaConfig, seq_len: int, steps: int, dtype, cache_dtype) -> int:
+    """A decode chunk's temporaries per row: the chunk's keys/values of every layer (the loop
+    keeps two copies), float32 logits and the sampler's copy, one layer's scores and weights
+    over the cache in float32, and one layer's activations."""
+    chunk = 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * steps * config.head_dim * jnp.dtype(cache_dtype).itemsize
+    logits = 2 * config.vocab_size * 4
+    scores = 2 * config.num_attention_heads * (seq_len + steps) * 4
+    activations = (4 * config.hidden_size + 3 * config.intermediate_size) * jnp.dtype(dtype).itemsize
+    return chunk + logits + scores + activations
+
+
+def prefill_working_bytes(config: LlamaConfig, seq_len: int, rows: int, chunk: int, dtype, cache_dtype) -> int:
+    """One prefill call (rows x chunk tokens), one layer at a time: the cache rows it attends over
+    (keys and values), its attention scores and weights over the whole cache length in float32,
+    its activations, and the last position's float32 logits."""
+    tokens = rows * chunk
+    read = rows * kv_row_bytes(config, seq_len, cache_dtype) // config.num_hidden_layers
+    scores = 2 * config.num_attention_heads * tokens * seq_len * 4
+    activations = tokens * (4 * config.hidden_size + 3 * config.intermediate_size) * jnp.dtype(dtype).itemsize
+    logits = 2 * rows * config.vocab_size * 4
+    return read + scores + activations + logits
+
+
+def footprint(config: LlamaConfig, *, dtype, cache_dtype, seq_len: int, decode_chunk_steps: int, prefill_tokens: int,
+              prefill_chunk_tokens: int) -> tuple[int, int, int]:
+    """(weights, per row, one prefill call's working memory) in bytes, on one unsharded device."""
+    weights = parameter_bytes(config, dtype)
+    # The decode chunk reads the cache in place (no window copy: before issue 13 a second cache
+    # per row, 49.3 GiB peak on an H100 for the 8B at 1,024 new tokens against 37.5 GiB planned).
+    row = kv_row_bytes(config, seq_len, cache_dtype) + decode_row_bytes(config, seq_len, decode_chunk_steps, dtype, cache_dtype)
+    prefill_rows = max(1, prefill_tokens // prefill_chunk_tokens)
+    working = prefill_working_bytes(config, seq_len, prefill_rows, prefill_chunk_tokens, dtype, cache_dtype)
+    return weights, row, working
 
 
 def plan_batch(
@@ -85,28 +115,31 @@ def plan_batch(
     batch_shards: int | None = None,
     weight_shards: int = 1,
     row_shards: int = 1,
+    decode_chunk_steps: int = 16,
+    prefill_tokens: int = 512,
+    prefill_chunk_tokens: int = 32,
 ) -> BatchPlan:
     """devices: this host's devices (their memory is planned); batch_shards: ways rows are split
     (default: one per device); weight_shards / row_shards: devices sharing each weight / each row."""
     n = batch_shards or len(devices)
-    weights = -(-parameter_bytes(config, dtype) // weight_shards)
-    # decode.decode_chunk copies each layer's attended cache window before its loop (XLA does not
-    # fuse that slice into the loop): up to a second cache per row. Measured on an H100 (8B, 1,024
-    # new tokens): 49.3 GiB peak against 37.5 GiB planned without this term.
-    cache = kv_row_bytes(config, max_prompt_tokens + max_new_tokens, cache_dtype)
-    row = 2 * cache + working_row_bytes(config, max_prompt_tokens, dtype)
+    seq_len = max_prompt_tokens + max_new_tokens
+    weights, row, working = footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=seq_len,
+                                      decode_chunk_steps=decode_chunk_steps, prefill_tokens=prefill_tokens,
+                                      prefill_chunk_tokens=prefill_chunk_tokens)
+    weights = -(-weights // weight_shards)
     row = -(-row // row_shards)
+    working = -(-working // (row_shards * n))
     device_bytes = device_memory_bytes(devices[0], len(devices))
     limit = int(device_bytes * memory_fraction)
-    plan = BatchPlan(0, "", weights, row, limit)
+    plan = BatchPlan(0, "", weights, row, limit, working)
     where = f"{memory_fraction:.0%} of {devices[0].platform} device memory ({device_bytes / GiB:.1f} GiB) is {limit / GiB:.2f} GiB"
-    if weights + row > limit:
+    if weights + working + row > limit:
         raise ValueError(
             f"the weights alone need {weights / GiB:.2f} GiB per device and one row {row / GiB:.3f} GiB, but {where} "
             + ("(use more devices, bfloat16, or shorter prompts)" if weight_shards > 1 else
                "(shard the model over the pod with engine.mode: global_mesh, or use bfloat16 or shorter prompts)")
         )
-    rows_per_device = (limit - weights) // row
+    rows_per_device = (limit - weights - working) // row
     if batch_size == "auto":
         cap = AUTO_CAP_CPU if devices[0].platform == "cpu" else AUTO_CAP_ACCELERATOR * n
         fit = rows_per_device * n
@@ -120,10 +153,10 @@ def plan_batch(
                          f" ({'engine.mesh.data' if batch_shards else 'local devices'})")
     need = plan.need_bytes(batch_size, n)
     if need > limit:
-        kv = kv_row_bytes(config, max_prompt_tokens + max_new_tokens, cache_dtype) * -(-batch_size // n)
+        kv = kv_row_bytes(config, seq_len, cache_dtype) * -(-batch_size // n)
         raise ValueError(
             f"engine.batch_size={batch_size} needs ~{need / GiB:.2f} GiB per device (weights {weights / GiB:.2f} GiB"
-            f" + KV cache {kv / GiB:.2f} GiB + prefill working memory, for prompts up to {max_prompt_tokens} and"
+            f" + KV cache {kv / GiB:.2f} GiB + prefill and decode working memory, for prompts up to {max_prompt_tokens} and"
             f" {max_new_tokens} new tokens) but {where}; at most {rows_per_device * n} rows fit:"
             " lower engine.batch_size or use auto"
         )

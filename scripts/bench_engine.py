@@ -14,10 +14,15 @@ when it starts, and torch's cache would otherwise hold memory JAX needs.
     python scripts/bench_engine.py --preset cpu-tiny --dtype float32 bfloat16
     python scripts/bench_engine.py --preset cpu-125m --dtype bfloat16
     python scripts/bench_engine.py --preset tinyllama-1.1b --dtype bfloat16            # on a GPU
-    python scripts/bench_engine.py --preset llama3-8b --dtype bfloat16 --new 1024      # on a GPU
+    python scripts/bench_engine.py --preset llama3-8b --dtype bfloat16                 # on a GPU
+    python scripts/bench_engine.py --preset cpu-mixed                                  # batch 16 and 64
+    python scripts/bench_engine.py --preset cpu-mixed-prefill --batch 64 --dtype float32
 
-On an 80 GB H100 the engine's memory plan refuses llama3-8b's own 2048 new tokens at batch 128
-(README, Performance): the GPU figures there use --new 1024.
+The mixed presets (issue 13) draw 300 prompt lengths log-uniformly between 4 and 512 tokens and
+time our engine twice, each in a fresh process: cold (an empty compilation cache folder, so
+compile time is included) and warm (the folder the cold run filled: programs are loaded, not
+compiled). Each wall time runs from `Engine.load` to the last completion. transformers gets the
+same token ids, sorted by length and batched (left-padded within a batch), which favours it.
 
 Presets (layers x width, vocab; prompts x prompt tokens, new tokens, batch) are the workloads
 in docs/performance-notes.md.
@@ -39,7 +44,13 @@ PRESETS = {
     "cpu-125m": dict(layers=12, hidden=768, heads=12, kv_heads=12, intermediate=2048, vocab=32000, prompts=32, prompt_len=128, new=128, batch=32),
     "tinyllama-1.1b": dict(layers=22, hidden=2048, heads=32, kv_heads=4, intermediate=5632, vocab=32000, prompts=256, prompt_len=128, new=256, batch=256),
     "llama3-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256, prompts=128, prompt_len=128, new=2048, batch=128),
+    "cpu-mixed": dict(layers=4, hidden=256, heads=4, kv_heads=4, intermediate=688, vocab=32000, prompts=300, prompt_len=512, new=64,
+                      batch=(16, 64), mixed=(4, 512)),
+    "cpu-mixed-prefill": dict(layers=4, hidden=256, heads=4, kv_heads=4, intermediate=688, vocab=32000, prompts=300, prompt_len=512,
+                              new=8, batch=(16, 64), mixed=(4, 512)),
 }
+"""prompt_len: every prompt's length, or with `mixed` (lo, hi) the longest allowed (lengths are drawn
+log-uniformly in [lo, hi]); batch: one size or several, each timed."""
 
 
 def _in_child(fn, *args):
@@ -122,6 +133,92 @@ def bench_hf(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
                 peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None)
 
 
+def mixed_prompts(p: dict, seed: int = 0) -> list[list[int]]:
+    """p['prompts'] prompts, lengths log-uniform in p['mixed'] = (lo, hi), random token ids."""
+    rng = np.random.RandomState(seed)
+    lo, hi = p["mixed"]
+    lengths = np.exp(rng.uniform(np.log(lo), np.log(hi + 1), p["prompts"])).astype(int).clip(lo, hi)
+    return [rng.randint(0, p["vocab"], n).tolist() for n in lengths]
+
+
+def bench_ours_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[list[int]], cache_dir: str) -> dict:
+    """One fresh process: Engine.load + generate, timed as a whole; compile cache in cache_dir."""
+    import os
+
+    os.environ["PIPELINE_CACHE_DIR"] = cache_dir
+    start = time.perf_counter()
+    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+
+    engine = Engine.load(folder, dtype=dtype, sampling=SamplingParams(max_new_tokens=p["new"]),
+                         engine=EngineConfig(batch_size=batch), max_prompt_tokens=p["prompt_len"])
+    out = list(engine.generate(GenerationRequest(i, ids, [0]) for i, ids in enumerate(prompts)))
+    wall = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for c in out)
+    assert tokens == len(prompts) * p["new"], "every row should make exactly --new tokens"
+    s = engine.stats
+    return dict(wall_s=wall, tok_s=tokens / wall, compile_s=s.compile_time_s, compilations=s.compilations,
+                cache_loads=s.cache_loads, run_s=s.decode_time_s, prefill_calls=s.prefill_calls, decode_calls=s.decode_calls,
+                padding=s.padded_prompt_tokens / max(1, s.prompt_tokens), describe=engine.describe(),
+                tokens={c.prompt_index: c.token_ids for c in out})
+
+
+def bench_hf_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[list[int]]) -> dict:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: dict[int, list[int]] = {}
+    start = time.perf_counter()
+    for b in range(0, len(order), batch):
+        idx = order[b : b + batch]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.zeros((len(idx), width), dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, i in enumerate(idx):  # left padding, as generate expects for decoder-only models
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]):] = 1
+        with torch.inference_mode():
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=p["new"], min_new_tokens=p["new"],
+                                 do_sample=False, pad_token_id=0)
+        for r, i in enumerate(idx):
+            out[i] = gen[r, width:].tolist()
+    wall = time.perf_counter() - start
+    return dict(wall_s=wall, tok_s=len(prompts) * p["new"] / wall, device=f"cpu, torch {torch.__version__}", tokens=out)
+
+
+def run_mixed(args, p: dict) -> None:
+    prompts = mixed_prompts(p)
+    batches = [args.batch] if args.batch else list(p["batch"])
+    with tempfile.TemporaryDirectory() as folder:
+        _in_child(build_checkpoint, p, folder, "float32" if "float32" in args.dtype else "bfloat16")
+        lengths = [len(x) for x in prompts]
+        print(json.dumps({"preset": args.preset, "prompts": len(prompts), "prompt_tokens": sum(lengths),
+                          "median_len": int(np.median(lengths)), "max_len": max(lengths), "new": p["new"]}), flush=True)
+        for dtype in args.dtype:
+            for batch in batches:
+                hf = None if args.skip_hf else _in_child(bench_hf_mixed, folder, p, dtype, batch, prompts)
+                with tempfile.TemporaryDirectory() as cache_dir:
+                    cold = _in_child(bench_ours_mixed, folder, p, dtype, batch, prompts, cache_dir)
+                    warm = _in_child(bench_ours_mixed, folder, p, dtype, batch, prompts, cache_dir)
+                assert cold["tokens"] == warm["tokens"]
+                result = {"preset": args.preset, "dtype": dtype, "batch": batch}
+                for name, r in (("cold", cold), ("warm", warm)):
+                    result.update({f"{name}_wall_s": round(r["wall_s"], 2), f"{name}_tok_s": round(r["tok_s"], 1),
+                                   f"{name}_compile_s": round(r["compile_s"], 2), f"{name}_compiled": r["compilations"],
+                                   f"{name}_loaded": r["cache_loads"]})
+                result.update(run_s=round(warm["run_s"], 2), prefill_calls=warm["prefill_calls"], decode_calls=warm["decode_calls"],
+                              prefill_padding=round(warm["padding"], 2))
+                if hf is not None:
+                    same = sum(hf["tokens"][i] == warm["tokens"][i] for i in range(len(prompts)))
+                    result.update(hf_wall_s=round(hf["wall_s"], 2), hf_tok_s=round(hf["tok_s"], 1),
+                                  cold_time_over_hf=round(cold["wall_s"] / hf["wall_s"], 2),
+                                  warm_speedup=round(hf["wall_s"] / warm["wall_s"], 2),
+                                  same_tokens_as_hf=f"{same}/{len(prompts)}")
+                print(cold["describe"], flush=True)
+                print(json.dumps(result), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
@@ -137,6 +234,9 @@ def main() -> None:
     for key in ("prompts", "new", "batch"):
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
+    if "mixed" in p:
+        run_mixed(args, p)
+        return
     prompts = np.random.RandomState(0).randint(0, p["vocab"], (p["prompts"], p["prompt_len"]))
 
     with tempfile.TemporaryDirectory() as folder:

@@ -1,11 +1,12 @@
-"""Time the engine's compiled decode chunk alone, per cache window, against what it must read.
+"""Time the engine's compiled decode chunk alone, against what it must read.
 
 Where `bench_engine.py` measures whole runs side by side with transformers, this isolates
-the decode program: ms per decode step at each window bucket, the bytes a step reads
-(weights + the KV window), the bound at a given bandwidth, and the fraction reached.
-Compare two commits by running it from each checkout on the same machine.
+the decode program: ms per decode step with every row at a given position, the bytes a step
+reads (weights + the whole KV cache, which decode attends over in place), the bound at a given
+bandwidth, and the fraction reached. Compare two commits by running it from each checkout on
+the same machine.
 
-    python scripts/profile_decode.py --preset tinyllama-1.1b 16 128 384     # on a GPU
+    python scripts/profile_decode.py --preset tinyllama-1.1b 16 128 368     # on a GPU
     python scripts/profile_decode.py --preset cpu-tiny --dtype float32 64
 """
 
@@ -26,7 +27,7 @@ import bench_engine as bench  # noqa: E402 - the presets and the checkpoint buil
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("windows", nargs="*", type=int, help="cache windows to time (default: the engine's buckets)")
+    parser.add_argument("positions", nargs="*", type=int, help="rows' positions to time (default: the prompt length)")
     parser.add_argument("--preset", choices=sorted(bench.PRESETS), default="cpu-tiny")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--bandwidth-tbps", type=float, default=3.0, help="for the bound column (H100: ~3.0)")
@@ -48,37 +49,35 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
     import jax.numpy as jnp
 
     from engine import Engine, EngineConfig, SamplingParams
-    from engine.decode import decode_chunk, init_caches, init_state
+    from engine.decode import decode_chunk
 
     engine = Engine.load(folder, dtype=args.dtype, sampling=SamplingParams(max_new_tokens=preset["new"]),
                          engine=EngineConfig(batch_size=preset["batch"]), max_prompt_tokens=preset["prompt_len"])
-    slots, steps, config = preset["batch"], engine.engine_config.decode_chunk_steps, engine.config
-    # Checkouts from before engine/mesh.py have no layout: this also runs there, to compare commits.
-    cache_sharding = engine.layout.cache_sharding if hasattr(engine, "layout") else engine._batch_sharding
-    caches = init_caches(config, slots, engine._seq_len, engine._cache_dtype, cache_sharding)
-    caches = jax.tree.map(lambda c: (jax.random.normal(jax.random.key(1), c.shape) * 0.1).astype(c.dtype), caches)
+    slots, steps = preset["batch"], engine.engine_config.decode_chunk_steps
+    cache, _ = engine._init(slots)
+    cache = jax.tree.map(lambda c: (jax.random.normal(jax.random.key(1), c.shape) * 0.1).astype(c.dtype), cache)
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.model)) - engine.model.embed_tokens.array.nbytes
-    kv_bytes_per_position = (slots * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
-                             * jnp.dtype(engine._cache_dtype).itemsize)
+    kv_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(cache))
     kill = jnp.zeros(slots, bool)
-    for window in args.windows or engine._window_buckets:
+    started = time.perf_counter()
+    program = jax.jit(functools.partial(decode_chunk, spec=engine._spec, steps=steps), donate_argnums=(1, 2))
+    _, state = engine._init(slots)
+    program = program.lower(engine.model, cache, state, kill).compile()
+    compile_s = time.perf_counter() - started
+    for position in args.positions or [preset["prompt_len"]]:
         def fresh_state():
-            state = init_state(slots, engine._batch_sharding)
-            return state._replace(done=jnp.zeros(slots, bool), position=jnp.full(slots, max(window - steps, 1), jnp.int32))
+            _, state = engine._init(slots)
+            return state._replace(done=jnp.zeros(slots, bool), position=jnp.full(slots, position, jnp.int32))
 
-        started = time.perf_counter()
-        program = jax.jit(functools.partial(decode_chunk, spec=engine._spec, window=window, steps=steps),
-                          donate_argnums=(1, 2)).lower(engine.model, caches, fresh_state(), kill).compile()
-        compile_s = time.perf_counter() - started
         times = []
         for _ in range(args.repeats):
             state = jax.block_until_ready(fresh_state())
             started = time.perf_counter()
-            caches, state, host = jax.block_until_ready(program(engine.model, caches, state, kill))
+            cache, state, host = jax.block_until_ready(program(engine.model, cache, state, kill))
             times.append(time.perf_counter() - started)
         step_s = statistics.median(times[2:] or times) / steps
-        step_bytes = weight_bytes + kv_bytes_per_position * window
-        yield {"window": window, "ms_per_step": round(step_s * 1e3, 3), "compile_s": round(compile_s, 1),
+        step_bytes = weight_bytes + kv_bytes
+        yield {"position": position, "ms_per_step": round(step_s * 1e3, 3), "compile_s": round(compile_s, 1),
                "GB_per_step": round(step_bytes / 1e9, 3),
                "bound_ms": round(step_bytes / (args.bandwidth_tbps * 1e12) * 1e3, 3),
                "fraction_of_bound": round(step_bytes / (args.bandwidth_tbps * 1e12) / step_s, 3),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import secrets
 import time
 from collections import defaultdict
@@ -78,6 +79,10 @@ class HostMetrics:
     compilations: int
     mode: str
     """host_dp, or global_mesh (then samples, prompts and tokens count the rows this host wrote)."""
+    cache_loads: int = 0
+    """Programs loaded from JAX's persistent compilation cache instead of compiled."""
+    programs: dict | None = None
+    """Per program kind: compiled, loaded, seconds getting it, run_s running it (engine.EngineStats)."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,8 @@ def generate(cfg: Config, out: StepOutput) -> None:
         tokens_per_s=round(generated / wall_s, 1) if wall_s > 0 else 0.0,
         peak_memory_bytes=stats.peak_memory_bytes if stats else None,
         batch_size=stats.batch_size if stats else None, compilations=stats.compilations if stats else 0,
-        mode=cfg.engine.mode,
+        mode=cfg.engine.mode, cache_loads=stats.cache_loads if stats else 0,
+        programs=stats.programs if stats else None,
     )
     storage.write_json(out.path("metrics", f"host-{hosts.process_index():05d}-{_stamp()}.json"), metrics.__dict__)
 
@@ -233,7 +239,9 @@ class _ShardTodo:
         return int(self.wanted.sum())
 
     def longest_prompt(self) -> int:
-        return int(self.num_tokens[self.wanted.any(axis=1)].max(initial=0))
+        """Of every row, done or not: it sizes the KV cache, hence the compiled programs, so a
+        resume of the same shards reuses the programs it compiled before (compile cache)."""
+        return int(self.num_tokens.max(initial=0))
 
     def max_token_id(self) -> int:
         ids = _read_shard(self.url, columns=["input_ids"])["input_ids"]
@@ -330,6 +338,10 @@ def _load_engine(cfg: Config, todo: list[_ShardTodo]):
                 f"has a vocabulary of {engine.vocab_size}: the checkpoint does not match the tokenizer used in tokenize")
     if hosts.is_leader() or hosts.process_count() == 1:
         print(f"generate: {engine.describe()}", flush=True)
+        programs = itertools.count(1)
+        engine.on_compile = lambda kind: print(
+            f"generate: program {next(programs)} of at most {engine.max_programs} ({kind}): compiling, or loading "
+            f"it from the compile cache", flush=True)
     return engine
 
 

@@ -14,10 +14,12 @@ import importlib
 import json
 import os
 import signal
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -60,9 +62,14 @@ def pytest_configure(config: pytest.Config) -> None:
     for var, value in HERMETIC_ENV.items():
         if var not in os.environ:
             patch.setenv(var, value)
+    # The engine turns JAX's persistent compilation cache on by default under $PIPELINE_CACHE_DIR:
+    # tests (and the processes they start) share one temporary folder, never the user's cache.
+    patch.setenv("PIPELINE_CACHE_DIR", tempfile.mkdtemp(prefix="pipeline-test-cache-"))
+    patch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ["PIPELINE_CACHE_DIR"], ignore_errors=True)
     config.stash[_SESSION_ENV].undo()
 
 

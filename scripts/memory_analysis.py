@@ -1,0 +1,111 @@
+"""Device memory of the engine's compiled programs, from XLA itself, next to engine/memory.py's plan.
+
+Lowers and compiles the decode chunk and the prefill chunk for a model shape with abstract
+inputs (`jax.ShapeDtypeStruct`: no weights are made, nothing is allocated), on whatever device
+JAX has (the CPU is enough: the seed workload's Llama-3-8B at batch 128 never needs a GPU to be
+checked), and prints XLA's `memory_analysis()` of each beside the plan's estimate for the
+same batch. The cache is planned in the accelerator's dtype (bfloat16), as on a GPU.
+
+    python scripts/memory_analysis.py                                   # Llama-3-8B, batch 128, 128 + 2048
+    python scripts/memory_analysis.py --preset cpu-tiny --batch 64 --prompt 64 --new 128
+
+Peak of a program = arguments + outputs - donated (aliased) buffers + temporaries.
+
+On a CPU, ask for float32 (`--dtype float32 --cache-dtype float32`) to see the program a GPU
+runs: XLA's CPU backend has no bfloat16 dot, so in bfloat16 it converts the whole cache to a
+float32 copy (measured: 130 GiB of temporaries for the 8B at batch 128, against 0.57 GiB in
+float32), a CPU-only artifact (the engine keeps its CPU cache in float32). The bfloat16 peak on
+an accelerator is then at most the bfloat16 arguments (exact in either run) plus the float32
+run's temporaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_engine as bench  # noqa: E402 - the presets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(bench.PRESETS), default="llama3-8b")
+    parser.add_argument("--batch", type=int, help="default: the preset's")
+    parser.add_argument("--prompt", type=int, help="max prompt tokens (default: the preset's prompt length)")
+    parser.add_argument("--new", type=int, help="new tokens (default: the preset's)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                        help="the KV cache's dtype (the engine keeps it float32 on CPU, the model dtype elsewhere)")
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--prefill-chunk", type=int, default=32)
+    parser.add_argument("--skip-prefill", action="store_true")
+    args = parser.parse_args()
+    p = bench.PRESETS[args.preset]
+    batch, prompt, new = args.batch or p["batch"], args.prompt or p["prompt_len"], args.new or p["new"]
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state, prefill_chunk
+    from engine.llama import LlamaConfig, LlamaLM
+    from engine.memory import GiB, footprint
+    from engine.config import SamplingParams
+
+    config = LlamaConfig.from_hf(dict(
+        model_type="llama", vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
+        num_hidden_layers=p["layers"], num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
+        max_position_embeddings=max(4096, prompt + new), tie_word_embeddings=False,
+    ))
+    dtype, cache_dtype = jnp.dtype(args.dtype), jnp.dtype(args.cache_dtype)
+    device = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def abstract(tree, as_dtype=None):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, as_dtype if as_dtype and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
+                                                           sharding=sharding), tree)
+
+    model = abstract(eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0)), dtype)
+    seq_len = prompt + new
+    cache = abstract(jax.eval_shape(functools.partial(new_cache, config, batch, seq_len, cache_dtype)))
+    state = abstract(jax.eval_shape(functools.partial(new_state, batch)))
+    spec = DecodeSpec(SamplingParams(max_new_tokens=new), (), sharding, sharding, sharding)
+    weights, row, working = footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=prompt + new,
+                                      decode_chunk_steps=args.decode_steps, prefill_tokens=args.prefill_tokens,
+                                      prefill_chunk_tokens=args.prefill_chunk)
+    planned = weights + working + batch * row
+    print(json.dumps({"model": f"{config.num_hidden_layers}x{config.hidden_size}, {config.num_key_value_heads} KV heads, vocab {config.vocab_size}",
+                      "dtype": args.dtype, "cache_dtype": args.cache_dtype, "batch": batch, "prompt": prompt, "new": new,
+                      "plan_gib": round(planned / GiB, 2), "plan_weights_gib": round(weights / GiB, 2),
+                      "plan_row_mib": round(row / 2**20, 2), "plan_working_gib": round(working / GiB, 3)}), flush=True)
+
+    programs = {"decode": (functools.partial(decode_chunk, spec=spec, steps=args.decode_steps),
+                           (model, cache, state, jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=sharding)))}
+    if not args.skip_prefill:
+        R, C = min(max(1, args.prefill_tokens // args.prefill_chunk), batch), args.prefill_chunk
+
+        def i32(*shape, kind=jnp.int32):
+            return jax.ShapeDtypeStruct(shape, kind, sharding=sharding)
+
+        programs["prefill"] = (functools.partial(prefill_chunk, spec=spec, fresh=False, window=seq_len),
+                               (model, cache, state, i32(R, C), i32(R, 1), i32(R), i32(R), i32(R, kind=jnp.bool_), i32(R), i32(R, 1)))
+    for name, (fn, inputs) in programs.items():
+        start = time.perf_counter()
+        compiled = jax.jit(fn, donate_argnums=(1, 2)).lower(*inputs).compile()
+        m = compiled.memory_analysis()
+        peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+        print(json.dumps({"program": name, "compile_s": round(time.perf_counter() - start, 1),
+                          "argument_gib": round(m.argument_size_in_bytes / GiB, 3), "output_gib": round(m.output_size_in_bytes / GiB, 3),
+                          "alias_gib": round(m.alias_size_in_bytes / GiB, 3), "temp_gib": round(m.temp_size_in_bytes / GiB, 3),
+                          "peak_gib": round(peak / GiB, 3), "plan_gib": round(planned / GiB, 3),
+                          "plan_over_peak": round(planned / peak, 3), "device": device.platform}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
