@@ -115,7 +115,7 @@ def generate(cfg: Config, out: StepOutput) -> None:
     engine = None
     stats = None
     samples = tokens = 0
-    prompts: set[tuple[str, int]] = set()
+    prompts = 0
     if n_missing:
         engine = _load_engine(cfg, todo)
         writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine))
@@ -128,7 +128,8 @@ def generate(cfg: Config, out: StepOutput) -> None:
                     if writer.add(source.shard, _row(source, c)):
                         samples += 1
                         tokens += len(c.token_ids)
-                        prompts.add((source.shard, c.prompt_index))
+                        if not source.counted:  # a count, not a set of every prompt: memory stays flat
+                            prompts, source.counted = prompts + 1, True
                     bar.update(1, tokens=len(c.token_ids))
             except Exception as err:
                 if lockstep:  # a collective failed because a peer died (any error type): exit 75
@@ -145,7 +146,7 @@ def generate(cfg: Config, out: StepOutput) -> None:
     generated = (tokens if lockstep else stats.generated_tokens) if stats else 0
     wall_s = time.monotonic() - started
     metrics = HostMetrics(
-        host=hosts.process_index(), hosts=hosts.process_count(), shards=len(mine), prompts=len(prompts),
+        host=hosts.process_index(), hosts=hosts.process_count(), shards=len(mine), prompts=prompts,
         samples=samples, generated_tokens=generated, wall_s=round(wall_s, 3),
         compile_s=round(stats.compile_time_s, 3) if stats else 0.0,
         tokens_per_s=round(generated / wall_s, 1) if wall_s > 0 else 0.0,
@@ -281,6 +282,8 @@ class _Source:
     prompt: str
     num_tokens: int
     samples_left: int
+    counted: bool = False
+    """This host wrote a row of the prompt (HostMetrics.prompts counts it once)."""
 
 
 def _read_shard(url: str, columns: list[str]) -> pa.Table:
