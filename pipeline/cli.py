@@ -16,6 +16,7 @@ pipeline/ops/tpu.py, where tests import it. It hands the runner the step graph (
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import traceback
 from typing import Annotated, Callable, Optional
@@ -84,6 +85,9 @@ def _fail(message: str, code: int) -> None:
     from pipeline.pod import hosts
 
     typer.echo(f"error: {message}", err=True)
+    # The error line stays the last line: gcsfs's event loop can still hold pending reads after a
+    # storage failure, and asyncio logs each one ("Task was destroyed but it is pending!") at exit.
+    logging.getLogger("asyncio").disabled = True
     hosts.abort(message, code)
     hosts.leave(code)
     raise typer.Exit(code)
