@@ -127,6 +127,27 @@ def write_config(folder: Path, demo_model: str, name: str = "config.yaml", **sec
 
 
 @pytest.fixture
+def config_for(tmp_path, demo_model):
+    """config_for(model=None, prompts_text=None, **sections) -> a config path; the model defaults to the demo's."""
+
+    def make(model: str | None = None, prompts_text: str | None = None, **sections) -> str:
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(prompts_text if prompts_text is not None else
+                           "".join(json.dumps({"id": f"p{i}", "prompt": f"Say {i}."}) + "\n" for i in range(4)))
+        data = {"run": {"root": str(tmp_path / "runs"), "name": "test"},
+                "model": {"path": model or demo_model, "dtype": "float32"},
+                "prompts": {"path": str(prompts), "id_field": "id", "max_prompt_tokens": 64},
+                "sampling": {"max_new_tokens": 4}, "engine": {"batch_size": 4}, "wandb": {"mode": "disabled"}}
+        for section, values in sections.items():
+            data.setdefault(section, {}).update(values)
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return str(path)
+
+    return make
+
+
+@pytest.fixture
 def make_config(tmp_path, demo_model):
     """`write_config` in tmp_path: make(name="config.yaml", **sections) -> path."""
 

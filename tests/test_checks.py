@@ -10,31 +10,10 @@ import json
 import os
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.pod import preemption
-
-
-@pytest.fixture
-def config_for(tmp_path, demo_model):
-    """config_for(**sections) -> a config path: 4 prompts, the tiny demo model, W&B disabled."""
-
-    def make(**sections) -> str:
-        prompts = tmp_path / "prompts.jsonl"
-        prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Say {i}."}) + "\n" for i in range(4)))
-        data = {"run": {"root": str(tmp_path / "runs"), "name": "checks"},
-                "model": {"path": demo_model, "dtype": "float32"},
-                "prompts": {"path": str(prompts), "id_field": "id", "max_prompt_tokens": 64},
-                "sampling": {"max_new_tokens": 4}, "engine": {"batch_size": 4}, "wandb": {"mode": "disabled"}}
-        for section, values in sections.items():
-            data.setdefault(section, {}).update(values)
-        path = tmp_path / "config.yaml"
-        path.write_text(yaml.safe_dump(data))
-        return str(path)
-
-    return make
 
 
 def run(*args: str, env: dict | None = None):
@@ -60,7 +39,7 @@ def test_prompts_path_matching_no_files(config_for, tmp_path):
 
 def test_model_path_that_is_not_a_checkpoint(config_for, tmp_path):
     (tmp_path / "empty-model").mkdir()
-    config = config_for(model={"path": str(tmp_path / "empty-model")})
+    config = config_for(model=str(tmp_path / "empty-model"))
     line = refused(run("run", "all", "--config", config), tmp_path / "runs")
     assert line.startswith(f"error: model.path {tmp_path / 'empty-model'} has no config.json")
 
