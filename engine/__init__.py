@@ -3,8 +3,9 @@
 Modules: config.py (SamplingParams, EngineConfig: the settings, no JAX), llama.py (the model),
 sampler.py (per-row randomness and token choice), decode.py (compiled prefill and decode loop),
 memory.py (batch planning), mesh.py (device layouts: host data parallel or one global mesh),
-engine.py (scheduler), compile_cache.py (JAX's persistent compilation cache), checkpoint.py (a Hugging Face checkpoint folder: config, tokenizer,
-safetensors reads, the pre-flight check; no JAX), jax_compat.py (the one place that reaches into private JAX).
+engine.py (scheduler), compile_cache.py (JAX's persistent compilation cache), checkpoint.py
+(a Hugging Face checkpoint folder: config, tokenizer, safetensors reads, the pre-flight check;
+no JAX), jax_compat.py (the one place that reaches into private JAX).
 
 The names below are imported on first use, so `import engine.config` (the pipeline's config
 loader does) does not import JAX.
