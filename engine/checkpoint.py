@@ -308,7 +308,7 @@ def check_checkpoint(url: str) -> dict[str, Any]:
             raise BrokenCheckpoint(f"{tensor.url}: tensor {name} has shape {list(tensor.shape)}, "
                                    f"config.json implies {list(shape)}")
     return {"model_type": config.model_type, "files": files, "tensors": len(tensors),
-            "layers": config.num_hidden_layers}
+            "layers": config.num_hidden_layers, "max_position_embeddings": config.max_position_embeddings}
 
 
 def _llama_config(folder: _Folder):

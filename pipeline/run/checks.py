@@ -63,16 +63,14 @@ def prompt_files(pattern: str) -> list[str]:
 
 def check_model(cfg: Config, positions: bool) -> None:
     """model.path is a checkpoint we run; a prompt plus its completion fits its positions."""
-    from engine.checkpoint import check_checkpoint, read_config
-    from engine.llama import LlamaConfig
+    from engine.checkpoint import check_checkpoint
 
     with checkpoint_errors():
-        check_checkpoint(cfg.model.path)
-        hf_config = read_config(cfg.model.path)
+        found = check_checkpoint(cfg.model.path)
     if not positions:
         return
     url = storage.join(cfg.model.path, "config.json")
-    limit = LlamaConfig.from_hf(hf_config, source=url).max_position_embeddings
+    limit = found["max_position_embeddings"]
     needed = cfg.prompts.max_prompt_tokens + cfg.sampling.max_new_tokens
     if needed > limit:
         raise ConfigError(
