@@ -253,7 +253,9 @@ class _ShardTodo:
         registers each in `sources` until its last sample completes."""
         from engine import GenerationRequest
 
-        data = pq.ParquetFile(pa.BufferReader(_read_shard_bytes(self.url)))
+        # The shard file whole (compressed, so small next to its rows), read with retries like every
+        # other file; its rows are then decoded a batch at a time.
+        data = pq.ParquetFile(pa.BufferReader(storage.read_bytes(self.url)))
         start = 0
         columns = ["prompt_index", "prompt_id", "prompt", "input_ids", "num_tokens"]
         for batch in data.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns):
@@ -264,13 +266,12 @@ class _ShardTodo:
                 continue
             batch = batch.take(pa.array(rows))
             ids = batch.column("input_ids")
+            prompt_index, prompt_id, prompt, num_tokens = (
+                batch.column(name).to_pylist() for name in ("prompt_index", "prompt_id", "prompt", "num_tokens"))
             for j, i in enumerate(rows):
                 samples = np.flatnonzero(wanted[i]).tolist()
-                prompt_index = batch.column("prompt_index")[j].as_py()
-                sources[prompt_index] = _Source(self.name, batch.column("prompt_id")[j].as_py(),
-                                                batch.column("prompt")[j].as_py(),
-                                                batch.column("num_tokens")[j].as_py(), len(samples))
-                yield GenerationRequest(prompt_index, ids[j].values.to_numpy(), samples)
+                sources[prompt_index[j]] = _Source(self.name, prompt_id[j], prompt[j], num_tokens[j], len(samples))
+                yield GenerationRequest(prompt_index[j], ids[j].values.to_numpy(), samples)
 
 
 @dataclass
@@ -294,12 +295,6 @@ def _read_shard(url: str, columns: list[str]) -> pa.Table:
     except Exception as err:  # noqa: BLE001 - pyarrow raises many kinds for a bad file
         raise StepFailed(f"tokenize shard {url} cannot be read ({err}); "
                          f"rerun `pipeline run tokenize --force` to rewrite it") from err
-
-
-def _read_shard_bytes(url: str) -> bytes:
-    """The shard file whole (compressed, so small next to its rows), read with retries like every
-    other file; its rows are then decoded a batch at a time."""
-    return storage.read_bytes(url)
 
 
 def _committed_keys(part_urls: list[str], n: int) -> np.ndarray:
