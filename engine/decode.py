@@ -9,7 +9,7 @@ slots and when; it does not own stop strings or scheduling.
     cache = new_cache(config, slots, seq_len, cache_dtype)      # compiled with spec.cache_sharding
     state = new_state(slots)
     cache, state, (first, done) = prefill_chunk(model, cache, state, tokens, slots, starts, lengths, is_last,
-                                                prompt_index, sample_index, spec=spec, fresh=True, window=0)
+                                                prompt_index, sample_index, spec=spec, fresh=True)
     cache, state, (out, done) = decode_chunk(model, cache, state, kill, spec=spec, steps=16)
 
 Every program's shapes come from the engine's config alone (slots, cache length, the prefill
@@ -17,14 +17,17 @@ chunk's rows x tokens, decode steps), never from the prompts: a run compiles the
 programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed prompts before).
 
 - A prefill chunk runs the next `C` tokens of up to `R` prompts (a longer prompt takes several
-  chunks, each attending to what the previous ones wrote, gathered from the first `window`
-  positions of its cache row; a first chunk attends to itself only), writing their keys/values
+  chunks, each attending to what the previous ones wrote, gathered from the start of its cache
+  row; a first chunk attends to itself only), writing their keys/values
   straight into the cache rows of the prompt's samples, and samples the first token of every
   prompt whose chunk ends it.
 - A decode chunk runs up to `steps` tokens in one `lax.while_loop` (no Python per token), stopping
-  early when every slot is done. It attends over the whole cache where it lives, masked by each
-  row's position (no per-chunk copy of a window of it: that doubled the GPU peak), plus a small
+  early when every slot is done. It attends over the cache masked by each row's position: over
+  its first quarter (copied once per chunk) when every live row fits there, else over all of it
+  where it lives (a copy of a window of any length doubled the GPU peak before), plus a small
   buffer of the chunk's own keys/values, scattered into the cache once after the loop.
+- Which of the two cache windows (`cache_windows`) a call reads is chosen on the device, by a
+  `lax.switch` inside the one program: the window sizes add no programs.
 
 Both return what the host reads back (new tokens and done flags) as separate arrays laid out
 by `spec.host_sharding`: on a global mesh they are replicated, so every host holds a copy.
@@ -41,7 +44,7 @@ from haliax import Axis
 
 from engine.config import SamplingParams
 from engine.jax_compat import hax
-from engine.llama import DecodeStep, LayerKV, LlamaConfig, LlamaLM, PrefillChunk
+from engine.llama import DecodeStep, LayerKV, LlamaConfig, LlamaLM, PrefillChunk, by_window, cache_windows
 from engine.sampler import row_keys, sample, step_keys
 
 
@@ -72,6 +75,12 @@ class KVCache(NamedTuple):
     @property
     def slots(self) -> int:
         return self.layers[0].k.resolve_axis("batch").size
+
+    def window(self, length: int) -> "KVCache":
+        """The first `length` key positions of every row (the cache itself at its full length)."""
+        if length == self.seq_len:
+            return self
+        return KVCache(tuple(LayerKV(*(x[{"key_position": slice(0, length)}] for x in kv)) for kv in self.layers))
 
 
 class DecodeState(NamedTuple):
@@ -128,7 +137,6 @@ def prefill_chunk(
     *,
     spec: DecodeSpec,
     fresh: bool,
-    window: int,
 ):
     """One chunk of prefill for R prompts.
 
@@ -138,21 +146,18 @@ def prefill_chunk(
     token is sampled into each of its slots, with the randomness of (prompt_index [R],
     sample_index [R, n]). fresh: every row's start is 0 (the chunk attends to itself only, no
     cache row is read; the host never mixes first and later chunks in one call, so a prompt's
-    numerics do not depend on its neighbours); else the chunk attends to the first `window`
-    positions of its cache row (the host picks a window covering every row's chunk). Returns (cache, state, (first token per slot, -1 where none; done per
-    slot)), the last two laid out for the host."""
+    numerics do not depend on its neighbours); else the chunk attends to the first positions of
+    its cache row, the smallest of `cache_windows` covering every row's chunk. Returns (cache,
+    state, (first token per slot, -1 where none; done per slot)), the last two laid out for the
+    host."""
     R, C = tokens.shape
     n = slots.shape[1]
     num_slots, seq_len = cache.slots, cache.seq_len
-    Batch, Pos, KPos = Axis("batch", R), Axis("position", C), Axis("key_position", seq_len)
+    Batch, Pos = Axis("batch", R), Axis("position", C)
     positions = starts[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     valid = jnp.arange(C)[None, :] < lengths[:, None]
     write_positions = jnp.where(valid, positions, seq_len)  # out of range: dropped
-    if fresh:
-        mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (R, C, C)), (Batch, Pos, KPos.resize(C)))
-    else:
-        mask = hax.named(jnp.arange(window)[None, None, :] <= positions[:, :, None], (Batch, Pos, KPos.resize(window)))
-    contexts = tuple(PrefillChunk(kv, slots, write_positions, mask, fresh) for kv in cache.layers)
+    contexts = tuple(PrefillChunk(kv, slots, positions, write_positions, fresh) for kv in cache.layers)
     hidden, layers = model.forward(hax.named(tokens, (Batch, Pos)), hax.named(positions, (Batch, Pos)), contexts)
 
     last = hidden.rearrange(("batch", "position", "embed")).array[jnp.arange(R), lengths - 1]
@@ -181,22 +186,47 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
     (stop strings). Returns (cache, state, (tokens [slots, steps], -1 where a slot produced
     nothing, done [slots])), the last two laid out for the host.
 
-    Inside the loop the cache is only read, in place, masked to each row's positions written
-    before this chunk; each step's keys/values go to a small chunk buffer at the step index (the
-    same for every row), which is scattered into the cache at each row's own position once,
-    after the loop (a scatter inside the loop made XLA copy the cache every step).
+    Inside the loop the cache is only read, masked to each row's positions written before this
+    chunk: the first quarter of it when every live row fits there (`cache_windows`; copied once
+    per chunk, not per step), else all of it, in place. Each step's keys/values go to a small
+    chunk buffer at the step index (the same for every row), which is scattered into the cache
+    at each row's own position once, after the loop (a scatter inside the loop made XLA copy the
+    cache every step).
     """
     slots, seq_len = cache.slots, cache.seq_len
-    Batch, Pos = Axis("batch", slots), Axis("position", 1)
-    KPos, Chunk = Axis("key_position", seq_len), Axis("chunk", steps)
     state = state._replace(done=state.done | kill)
     start = state.position
     was_live = ~state.done
+
+    def run(window: int):
+        return _decode_loop(model, cache.window(window), state, spec=spec, steps=steps)
+
+    chunks, state, out = by_window(jnp.max(jnp.where(was_live, start, 0)), cache_windows(seq_len), run)
+    # Entries past a row's last live step are garbage written beyond its valid positions, where
+    # nothing is read before it is overwritten; rows idle for the whole chunk (a slot being
+    # prefilled, or empty) write nothing; positions past the cache are dropped.
+    rows = jnp.arange(slots)[:, None]
+    positions = jnp.where(was_live, start, seq_len)[:, None] + jnp.arange(steps)[None, :]
+    layers = tuple(
+        LayerKV(*(hax.named(c.array.at[rows, :, positions, :].set(jnp.swapaxes(u.array, 1, 2), mode="drop"), c.axes)
+                  for c, u in zip(kv, ukv)))
+        for kv, ukv in zip(cache.layers, chunks)
+    )
+    return _finish(KVCache(layers), state, out, spec)
+
+
+def _decode_loop(model: LlamaLM, cache: KVCache, state: DecodeState, *, spec: DecodeSpec, steps: int):
+    """The decode steps of one chunk over `cache` (read only: the whole cache or its first
+    positions), as one lax.while_loop that stops early once every slot is done. Returns (the
+    chunk's keys/values per layer, state, tokens [slots, steps])."""
+    slots, window = cache.slots, cache.seq_len
+    Batch, Pos = Axis("batch", slots), Axis("position", 1)
+    KPos, Chunk = Axis("key_position", window), Axis("chunk", steps)
+    cache_mask = hax.named((jnp.arange(window)[None, :] < state.position[:, None])[:, None, :], (Batch, Pos, KPos))
     chunk_axes = (Batch, model.config.KVHeads, Chunk, model.config.HeadDim)
     chunk_shape = tuple(a.size for a in chunk_axes)
     cache_dtype = cache.layers[0].k.dtype
     chunks = tuple(LayerKV(*(hax.named(jnp.zeros(chunk_shape, cache_dtype), chunk_axes) for _ in range(2))) for _ in cache.layers)
-    cache_mask = hax.named((jnp.arange(seq_len)[None, :] < start[:, None])[:, None, :], (Batch, Pos, KPos))
     max_new = spec.sampling.max_new_tokens
 
     def cond(carry):
@@ -227,17 +257,7 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
 
     out = jnp.full((slots, steps), -1, jnp.int32)
     _, chunks, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), chunks, state, out))
-    # Entries past a row's last live step are garbage written beyond its valid positions, where
-    # nothing is read before it is overwritten; rows idle for the whole chunk (a slot being
-    # prefilled, or empty) write nothing; positions past the cache are dropped.
-    rows = jnp.arange(slots)[:, None]
-    positions = jnp.where(was_live, start, seq_len)[:, None] + jnp.arange(steps)[None, :]
-    layers = tuple(
-        LayerKV(*(hax.named(c.array.at[rows, :, positions, :].set(jnp.swapaxes(u.array, 1, 2), mode="drop"), c.axes)
-                  for c, u in zip(kv, ukv)))
-        for kv, ukv in zip(cache.layers, chunks)
-    )
-    return _finish(KVCache(layers), state, out, spec)
+    return chunks, state, out
 
 
 def _finish(cache: KVCache, state: DecodeState, tokens: jax.Array, spec: DecodeSpec):

@@ -21,8 +21,9 @@ a decode chunk; once an eighth of the slots are free (or none is busy) the next 
 them and are prefilled, `prefill_chunk_tokens` tokens per prompt per call, before decoding goes
 on, so finished rows stop costing work after at most a chunk. Every program's shapes come from
 the config (slots = batch_size, cache length, prefill rows x chunk, decode steps), so a run
-compiles at most five programs whatever its prompts (init, decode, prefill of first chunks, and
-of later chunks at two cache windows; three when every prompt fits one chunk),
+compiles at most four programs whatever its prompts (init, decode, prefill of first chunks and of
+later ones; three when every prompt fits one chunk: a call reading only the cache's first
+quarter runs in the same program, see decode.py),
 and JAX's persistent compilation cache (engine/compile_cache.py, on by default) lets a rerun or
 resume load them instead.
 """
@@ -80,7 +81,7 @@ class EngineStats:
     """Slots decoded together (the plan's batch size)."""
     compilations: int = 0
     """Programs XLA compiled for this engine (neither in this process's memory nor in the
-    persistent compilation cache); a run compiles at most five, whatever its prompts."""
+    persistent compilation cache); a run compiles at most four, whatever its prompts."""
     cache_loads: int = 0
     """Programs loaded from JAX's persistent compilation cache instead of compiled."""
     compile_time_s: float = 0.0
@@ -212,11 +213,6 @@ class Engine:
         rows = max(1, engine_config.prefill_tokens // engine_config.prefill_chunk_tokens)
         self._prefill_rows = min(-(-rows // n_dev) * n_dev, plan.batch_size)
         """Prompts advanced per prefill call (a multiple of the data-parallel devices)."""
-        S = self._seq_len
-        self._prefill_windows = sorted({min(S, -(-(S // 4) // 16) * 16), S})
-        """Cache positions a later prefill chunk may read: the smallest covering every row of the
-        call. A quarter of the cache cut a cpu-mixed continuation call's gather and attention,
-        ~40 % of it at the full length, for most prompts (two programs, not one per length)."""
         self._group = min(sampling.n, plan.batch_size)
         """Samples of one prompt that share one prefill (each needs a slot)."""
 
@@ -294,9 +290,9 @@ class Engine:
 
     @property
     def max_programs(self) -> int:
-        """The most programs a run compiles: init, decode, first prefill chunks, and later
-        chunks at each cache window (fewer when every prompt fits one chunk)."""
-        return 3 + len(self._prefill_windows)
+        """The most programs a run compiles: init, decode, first prefill chunks and later ones
+        (three when every prompt fits one chunk)."""
+        return 4
 
     def describe(self) -> str:
         c, p, layout = self.config, self.plan, self.layout
@@ -479,12 +475,9 @@ class Engine:
                 prefilling.remove(job)
         self.stats.padded_prompt_tokens += R * C
         self.stats.prefill_calls += 1
-        reach = int((starts + lengths).max())
-        window = 0 if fresh else next(w for w in self._prefill_windows if w >= reach)
         rows = functools.partial(jax.device_put, device=self._batch_sharding)
         return self._run(
-            "prefill_fresh" if fresh else "prefill", functools.partial(prefill_chunk, spec=self._spec, fresh=fresh, window=window),
-            (fresh, window),
+            "prefill_fresh" if fresh else "prefill", functools.partial(prefill_chunk, spec=self._spec, fresh=fresh), (fresh,),
             self.model, cache, state, rows(tokens), rows(slot_ids), rows(starts), rows(lengths), rows(is_last),
             rows(prompt_index), rows(sample_index),
         )

@@ -228,10 +228,26 @@ class LayerKV(NamedTuple):
     v: NamedArray
 
 
+def cache_windows(seq_len: int) -> tuple[int, ...]:
+    """The cache lengths a prefill or decode call may read: a quarter of the cache (rounded up to
+    16 positions) and all of it. Each call reads the smallest that covers its rows, chosen on the
+    device (`by_window`), so both sizes live in one program and a run's program count does not
+    grow with them. Attention over the first quarter costs a quarter (cpu-mixed: most rows hold
+    under 144 of 576 positions)."""
+    return tuple(sorted({min(seq_len, -(-(seq_len // 4) // 16) * 16), seq_len}))
+
+
+def by_window(reach: jax.Array, windows: tuple[int, ...], run):
+    """run(window) for the smallest of `windows` >= reach (a traced scalar), as one lax.switch.
+    Branches only read the cache: one that wrote it would make XLA copy the whole cache."""
+    index = jnp.sum(jnp.asarray(windows[:-1], jnp.int32) < reach)
+    return jax.lax.switch(index, [lambda w=w: run(w) for w in windows])
+
+
 class PrefillChunk(NamedTuple):
     """How a prefill chunk attends: rows (`batch`) of C tokens whose keys/values are written
-    straight into the cache rows `slots` at `write_positions`, then attend over cache row
-    `slots[:, 0]` with `mask`. Prompts longer than C take several chunks, each attending to what
+    straight into the cache rows `slots` at `write_positions`, then attend over the start of
+    cache row `slots[:, 0]`. Prompts longer than C take several chunks, each attending to what
     the previous ones wrote."""
 
     cache: LayerKV
@@ -239,11 +255,10 @@ class PrefillChunk(NamedTuple):
     slots: jax.Array
     """[rows, n] int32: cache rows receiving this row's keys/values (the samples of one prompt
     share its prefill); out of range (= slots) for none."""
+    positions: jax.Array
+    """[rows, C] int32: each token's position in its prompt; a token attends to keys at or before it."""
     write_positions: jax.Array
     """[rows, C] int32: cache position of each token; out of range for padding (not written)."""
-    mask: NamedArray
-    """(batch, position, key_position): True where a token may attend to a key position: of the
-    first key_position positions of its cache row, or with `fresh` of the chunk itself."""
     fresh: bool
     """Every row starts its prompt here, so nothing before the chunk is read: it attends to its
     own keys only instead of gathering its cache row (static: one program each way)."""
@@ -324,31 +339,41 @@ class Attention(eqx.Module):
         if isinstance(context, DecodeStep):
             attn, new_kv = self._decode(q, k, v, context, scale)
         else:
-            if isinstance(context, PrefillChunk) and context.fresh:
-                new_kv, mask = _write_chunk(context, k, v), context.mask
-                keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
-            elif isinstance(context, PrefillChunk):
+            if isinstance(context, PrefillChunk):
                 new_kv = _write_chunk(context, k, v)
-                read = jnp.minimum(context.slots[:, 0], context.cache.k.array.shape[0] - 1)
-                # The first `window` positions of the chunk's cache row (the mask's key axis),
-                # gathered: [rows, kv_heads, window, head_dim] per layer.
-                mask = context.mask
-                Batch, KPos = x.resolve_axis("batch"), mask.resolve_axis("key_position")
-                axes = (Batch, c.KVHeads, KPos, c.HeadDim)
-                keys = hax.named(new_kv.k.array[read, :, : KPos.size], axes)
-                values = hax.named(new_kv.v.array[read, :, : KPos.size], axes)
+                attn = self._prefill(q, k, v, new_kv, context, scale)
             else:
                 keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
-                new_kv, mask = LayerKV(keys, values), context
-            scores = hax.dot(q, keys, axis="head_dim", preferred_element_type=jnp.float32) * scale
-            scores = hax.where(mask, scores, jnp.finfo(jnp.float32).min)
-            probs = hax.nn.softmax(scores, axis="key_position").astype(values.dtype)
-            attn = hax.dot(probs, values, axis="key_position")
+                new_kv, attn = LayerKV(keys, values), _attend(q, keys, values, context, scale)
         attn = attn.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).astype(x.dtype)
         out = hax.dot(hax.flatten_axes(attn, ("kv_heads", "q_per_kv", "head_dim"), "q_heads_dim"), self.o_proj, axis="q_heads_dim")
         if self.o_bias is not None:
             out = out + self.o_bias
         return out, new_kv
+
+    @staticmethod
+    def _prefill(q, k, v, cache: LayerKV, context: PrefillChunk, scale: float):
+        """A fresh chunk attends to its own keys (causal); a later one to the first positions
+        of its cache row (the smallest of `cache_windows` covering the call's rows, gathered)."""
+        Batch, Pos = q.resolve_axis("batch"), q.resolve_axis("position")
+        if context.fresh:
+            C = Pos.size
+            mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (Batch.size, C, C)),
+                             (Batch, Pos, Axis("key_position", C)))
+            return _attend(q, k.rename({"position": "key_position"}), v.rename({"position": "key_position"}), mask, scale)
+        read = jnp.minimum(context.slots[:, 0], cache.k.array.shape[0] - 1)
+
+        def attend(window: int):
+            KPos = Axis("key_position", window)
+            axes = (Batch, k.resolve_axis("kv_heads"), KPos, k.resolve_axis("head_dim"))
+            keys = hax.named(cache.k.array[read, :, :window], axes)
+            values = hax.named(cache.v.array[read, :, :window], axes)
+            mask = hax.named(jnp.arange(window)[None, None, :] <= context.positions[:, :, None], (Batch, Pos, KPos))
+            return _attend(q, keys, values, mask, scale)
+
+        seq_len = cache.k.array.shape[2]
+        return by_window(jnp.max(jnp.where(context.write_positions < seq_len, context.positions + 1, 0)),
+                         cache_windows(seq_len), attend)
 
     @staticmethod
     def _decode(q, k, v, context: DecodeStep, scale: float):
@@ -371,6 +396,15 @@ class Attention(eqx.Module):
             + hax.dot(e_chunk.astype(chunk.v.dtype), chunk.v, axis="chunk")
         ) / total
         return attn, chunk
+
+
+def _attend(q: NamedArray, keys: NamedArray, values: NamedArray, mask: NamedArray, scale: float) -> NamedArray:
+    """Softmax attention of q over keys/values (batch, kv_heads, key_position, head_dim) where
+    mask (batch, position, key_position) is True."""
+    scores = hax.dot(q, keys, axis="head_dim", preferred_element_type=jnp.float32) * scale
+    scores = hax.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = hax.nn.softmax(scores, axis="key_position").astype(values.dtype)
+    return hax.dot(probs, values, axis="key_position")
 
 
 def _write_chunk(context: PrefillChunk, k: NamedArray, v: NamedArray) -> LayerKV:

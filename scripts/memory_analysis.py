@@ -93,7 +93,7 @@ def main() -> None:
         def i32(*shape, kind=jnp.int32):
             return jax.ShapeDtypeStruct(shape, kind, sharding=sharding)
 
-        programs["prefill"] = (functools.partial(prefill_chunk, spec=spec, fresh=False, window=seq_len),
+        programs["prefill"] = (functools.partial(prefill_chunk, spec=spec, fresh=False),
                                (model, cache, state, i32(R, C), i32(R, 1), i32(R), i32(R), i32(R, kind=jnp.bool_), i32(R), i32(R, 1)))
     for name, (fn, inputs) in programs.items():
         start = time.perf_counter()
