@@ -18,9 +18,8 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
 
 - A prefill chunk runs the next `C` tokens of up to `R` prompts (a longer prompt takes several
   chunks, each attending to what the previous ones wrote, gathered from the start of its cache
-  row; a first chunk attends to itself only), writing their keys/values
-  straight into the cache rows of the prompt's samples, and samples the first token of every
-  prompt whose chunk ends it.
+  row; a first chunk attends to itself only), writing their keys/values straight into the cache
+  rows of the prompt's samples, and samples the first token of every prompt whose chunk ends it.
 - A decode chunk runs up to `steps` tokens in one `lax.while_loop` (no Python per token), stopping
   early when every slot is done. It attends over the cache masked by each row's position: over
   its first quarter (copied once per chunk) when every live row fits there, else over all of it
@@ -157,7 +156,8 @@ def prefill_chunk(
     positions = starts[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     valid = jnp.arange(C)[None, :] < lengths[:, None]
     write_positions = jnp.where(valid, positions, seq_len)  # out of range: dropped
-    contexts = tuple(PrefillChunk(kv, slots, positions, write_positions, fresh) for kv in cache.layers)
+    reach = jnp.max(starts + lengths)
+    contexts = tuple(PrefillChunk(kv, slots, positions, write_positions, reach, fresh) for kv in cache.layers)
     hidden, layers = model.forward(hax.named(tokens, (Batch, Pos)), hax.named(positions, (Batch, Pos)), contexts)
 
     last = hidden.rearrange(("batch", "position", "embed")).array[jnp.arange(R), lengths - 1]

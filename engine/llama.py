@@ -259,6 +259,9 @@ class PrefillChunk(NamedTuple):
     """[rows, C] int32: each token's position in its prompt; a token attends to keys at or before it."""
     write_positions: jax.Array
     """[rows, C] int32: cache position of each token; out of range for padding (not written)."""
+    reach: jax.Array
+    """int32 scalar: cache positions the call's rows use once this chunk is written (the longest
+    start + length); a later chunk reads the smallest of `cache_windows` covering it."""
     fresh: bool
     """Every row starts its prompt here, so nothing before the chunk is read: it attends to its
     own keys only instead of gathering its cache row (static: one program each way)."""
@@ -371,9 +374,7 @@ class Attention(eqx.Module):
             mask = hax.named(jnp.arange(window)[None, None, :] <= context.positions[:, :, None], (Batch, Pos, KPos))
             return _attend(q, keys, values, mask, scale)
 
-        seq_len = cache.k.array.shape[2]
-        return by_window(jnp.max(jnp.where(context.write_positions < seq_len, context.positions + 1, 0)),
-                         cache_windows(seq_len), attend)
+        return by_window(context.reach, cache_windows(cache.k.array.shape[2]), attend)
 
     @staticmethod
     def _decode(q, k, v, context: DecodeStep, scale: float):

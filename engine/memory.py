@@ -10,11 +10,11 @@ compiled), and reading peak memory back. It allocates nothing.
 
 The estimate is linear in the batch: per row, its KV cache for prompt + new tokens plus the
 decode chunk's per-row temporaries (a copy of the cache's first quarter, the chunk's own
-keys/values, float32 logits, one layer's attention scores); plus, once, the working memory of one prefill call (its rows x chunk tokens:
-attention scores over the whole cache length, the cache rows it reads, MLP activations); plus the
-weights, replicated on every local device (host data parallel) or split over the whole mesh
-(global mesh: `weight_shards` devices share each weight, `row_shards` share each row's KV heads,
-rows are split `batch_shards` ways). Checked against XLA's own `memory_analysis()` of the
+keys/values, float32 logits, one layer's attention scores); plus, once, the working memory of
+one prefill call (its rows x chunk tokens: attention scores over the whole cache length, the
+cache rows it reads, MLP activations); plus the weights, replicated on every local device (host
+data parallel) or split over the whole mesh (global mesh: `weight_shards` devices share each
+weight, `row_shards` share each row's KV heads, rows are split `batch_shards` ways). Checked against XLA's own `memory_analysis()` of the
 compiled programs by scripts/memory_analysis.py.
 """
 
