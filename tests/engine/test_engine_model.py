@@ -84,6 +84,19 @@ def test_bfloat16_logits_close(llama):
     assert np.abs(ours - expected).max() < 0.05 * scale  # bf16 has ~3 significant digits
 
 
+def test_bfloat16_projections_are_held_in_out(llama):
+    """bfloat16 projections are held transposed (XLA's fast CPU dot reads them so); float32 as
+    saved. Same values either way, and the non-projection weights are untouched."""
+    path, _ = llama
+    config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
+    f32, bf16 = (load_checkpoint(path, config, dtype=d) for d in (jnp.float32, jnp.bfloat16))
+    for get in (lambda m: m.layers[1].self_attn.q_proj, lambda m: m.layers[0].mlp.down_proj, lambda m: m.lm_head):
+        saved, held = get(f32), get(bf16)
+        assert held.axes == saved.axes[::-1]
+        np.testing.assert_array_equal(np.asarray(held.array, np.float32), np.asarray(saved.array.T.astype(jnp.bfloat16), np.float32))
+    assert bf16.embed_tokens.axes == f32.embed_tokens.axes
+
+
 def test_sharded_checkpoint_from_fsspec_url(llama, tmp_path):
     """A checkpoint split in shards with model.safetensors.index.json, read from memory://."""
     path, hf = llama

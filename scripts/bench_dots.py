@@ -1,0 +1,76 @@
+"""Time one projection (x @ weight) the ways XLA's CPU backend can be asked for it, beside torch.
+
+The engine's `llama.linear` stores weights (in, out) and asks for a float32 result rounded to
+the model's dtype; this script is the measurement behind that choice. For each shape (batch,
+in, out) it times, in float32 and bfloat16:
+
+- `(in,out) f32 result`: what `linear` does (for bfloat16, rounded back to bfloat16 after);
+- `(in,out) same-dtype result`: the dot in the weights' dtype, as a plain `x @ w` gives it;
+- `(out,in) f32 result`: the same dot from a weight kept as transformers saves it;
+- torch's `nn.functional.linear` on the same values (its weights are (out, in)).
+
+Run it through ../shared/tools/quiet-run on a quiet machine:
+
+    python scripts/bench_dots.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+SHAPES = [(32, 768, 2048), (32, 768, 32000), (64, 256, 32000)]
+
+
+def _time(fn, *args, reps: int = 30) -> float:
+    """Mean time of `reps` calls after one warm-up, in milliseconds."""
+    out = fn(*args)
+    getattr(out, "block_until_ready", lambda: None)()
+    start = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    getattr(out, "block_until_ready", lambda: None)()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+
+    import torch  # before JAX starts, as bench_engine.py does
+
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    for batch, d_in, d_out in SHAPES:
+        x = rng.standard_normal((batch, d_in), np.float32)
+        w = rng.standard_normal((d_in, d_out), np.float32) * 0.02
+        for dtype in ("float32", "bfloat16"):
+            jdt = jnp.dtype(dtype)
+            xj, w_in_out = jnp.asarray(x, jdt), jnp.asarray(w, jdt)
+            w_out_in = jnp.asarray(w.T.copy(), jdt)
+            f32_result = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
+            same_dtype = jax.jit(lambda x, w: jnp.dot(x, w))
+            transposed = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype))
+            xt = torch.tensor(x, dtype=getattr(torch, dtype))
+            wt = torch.tensor(w.T.copy(), dtype=getattr(torch, dtype))
+            with torch.inference_mode():
+                torch_ms = _time(lambda: torch.nn.functional.linear(xt, wt), reps=args.reps)
+            row = {
+                "shape": [batch, d_in, d_out], "dtype": dtype,
+                "in_out_f32_result_ms": round(_time(f32_result, xj, w_in_out, reps=args.reps), 3),
+                "in_out_same_dtype_ms": round(_time(same_dtype, xj, w_in_out, reps=args.reps), 3),
+                "out_in_f32_result_ms": round(_time(transposed, xj, w_out_in, reps=args.reps), 3),
+                "torch_ms": round(torch_ms, 3),
+            }
+            row["torch_over_ours"] = round(row["torch_ms"] / row["in_out_f32_result_ms"], 2)
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
