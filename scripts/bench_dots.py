@@ -1,7 +1,8 @@
 """Time one projection (x @ weight) the ways XLA's CPU backend can be asked for it, beside torch.
 
-The engine's `llama.linear` stores weights (in, out) and asks for a float32 result rounded to
-the model's dtype; this script is the measurement behind that choice. For each shape (batch,
+The engine's `llama.linear` asks for a float32 result rounded to the model's dtype, and holds
+bfloat16 projection weights (in, out) while float32 ones stay (out, in) as saved; this script is
+the measurement behind both choices. For each shape (batch,
 in, out) it times, in float32 and bfloat16:
 
 - `(in,out) f32 result`: what `linear` does (for bfloat16, rounded back to bfloat16 after);
@@ -9,7 +10,7 @@ in, out) it times, in float32 and bfloat16:
 - `(out,in) f32 result`: the same dot from a weight kept as transformers saves it;
 - torch's `nn.functional.linear` on the same values (its weights are (out, in)).
 
-Run it through ../shared/tools/quiet-run on a quiet machine:
+Run it on a quiet machine (nothing else running; figures taken under load are off by 2-5x):
 
     python scripts/bench_dots.py
 """
