@@ -12,10 +12,11 @@ same batch. The cache is planned in the accelerator's dtype (bfloat16), as on a 
 Peak of a program = arguments + outputs - donated (aliased) buffers + temporaries.
 
 On a CPU, ask for float32 (`--dtype float32 --cache-dtype float32`) to see the program a GPU
-runs: XLA's CPU backend has no bfloat16 dot, so in bfloat16 it converts the whole cache to a
-float32 copy (measured: 130 GiB of temporaries for the 8B at batch 128, against 0.57 GiB in
-float32), a CPU-only artifact (the engine keeps its CPU cache in float32). The bfloat16 peak on
-an accelerator is then at most the bfloat16 arguments (exact in either run) plus the float32
+runs: in bfloat16, XLA's CPU backend converts the whole cache to a float32 copy for attention's
+dots (measured: 100 GiB of temporaries for the 8B at batch 128, against 17.6 GiB in float32,
+nearly all of that the copy of the cache's first quarter a short decode chunk reads), a
+CPU-only artifact (the engine keeps its CPU cache in float32). The bfloat16 peak on an
+accelerator is then at most the bfloat16 arguments (exact in either run) plus the float32
 run's temporaries.
 """
 
