@@ -356,7 +356,7 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
         "o_proj.bias": (hidden,),
     }
     shapes = {}
-    for name, *_ in checkpoint_mapping(config):
+    for name, _ in checkpoint_mapping(config):
         suffix = next(s for s in by_suffix if name.endswith(s))  # a new tensor kind needs its shape here
         shapes[name] = by_suffix[suffix]
     return shapes

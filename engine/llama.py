@@ -177,21 +177,10 @@ def linear(x: NamedArray, weight: NamedArray, axis: str) -> NamedArray:
 
     Asking XLA for a float32 result matters on its CPU backend: a bfloat16 dot with a bfloat16
     result runs a generic loop, one with a float32 result the YNNPACK library (`__ynn_fusion`
-    in the optimized HLO), 6-9x faster when the weight is held (in, out). See
-    `projection_in_out` and scripts/bench_dots.py."""
+    in the optimized HLO), about 5x faster (scripts/bench_dots.py). The weight stays as
+    transformers saves it, (out, in): a contraction over its second axis is as fast as over
+    the first of an (in, out) copy. (`x @ w.T` in jax.numpy is not: it runs 6x slower.)"""
     return hax.dot(x, weight, axis=axis, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def projection_in_out(dtype) -> bool:
-    """Whether projection weights are held (in, out) instead of as transformers saves them
-    (out, in). Only the layout changes, not the values or the axis names `linear` sums over.
-
-    Measured with scripts/bench_dots.py on this project's 2-core CPU (quiet): a bfloat16
-    [32, 768] x [768, 32000] dot took 6.8 ms from an (in, out) weight and 35 ms from an
-    (out, in) one; in float32, (out, in) was the faster (9.8 ms vs 14.4), and a 125M-parameter
-    model's decode step took 15 % less time with it. So bfloat16 weights are held (in, out),
-    float32 ones as saved. Only the CPU was measured; no GPU or TPU has been timed either way."""
-    return jnp.dtype(dtype) != jnp.float32
 
 
 class RmsNorm(eqx.Module):
@@ -313,7 +302,7 @@ class Attention(eqx.Module):
     projection to a 2-D layout on each decode step (measured on the tiny bench model)."""
 
     config: LlamaConfig = eqx.field(static=True)
-    q_proj: NamedArray  # (QHeadsDim, Embed); projections are held reversed in bfloat16: `projection_in_out`
+    q_proj: NamedArray  # (QHeadsDim, Embed)
     k_proj: NamedArray  # (KVHeadsDim, Embed)
     v_proj: NamedArray
     o_proj: NamedArray  # (Embed, QHeadsDim)
@@ -445,7 +434,7 @@ def _write_chunk(context: PrefillChunk, k: NamedArray, v: NamedArray) -> LayerKV
 
 
 class Mlp(eqx.Module):
-    gate_proj: NamedArray  # (Mlp, Embed); projections are held reversed in bfloat16: `projection_in_out`
+    gate_proj: NamedArray  # (Mlp, Embed)
     up_proj: NamedArray  # (Mlp, Embed)
     down_proj: NamedArray  # (Embed, Mlp)
 
@@ -542,10 +531,9 @@ def parameter_bytes(config: LlamaConfig, dtype) -> int:
 # ------------------------------------------------------------------------ checkpoint mapping
 
 
-def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM], NamedArray], bool]]:
-    """(transformers tensor name, where that tensor lives in LlamaLM, is a projection) for every
-    weight. A projection is saved (out, in); see `projection_in_out` for how it is held."""
-    mapping: list[tuple[str, Callable, bool]] = [("model.embed_tokens.weight", lambda m: m.embed_tokens, False)]
+def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM], NamedArray]]]:
+    """(transformers tensor name, where that tensor lives in LlamaLM) for every weight."""
+    mapping: list[tuple[str, Callable]] = [("model.embed_tokens.weight", lambda m: m.embed_tokens)]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
 
@@ -553,22 +541,22 @@ def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM
             return m.layers[i]
 
         mapping += [
-            (p + "input_layernorm.weight", lambda m, L=layer: L(m).input_layernorm.weight, False),
-            (p + "post_attention_layernorm.weight", lambda m, L=layer: L(m).post_attention_layernorm.weight, False),
-            (p + "mlp.gate_proj.weight", lambda m, L=layer: L(m).mlp.gate_proj, True),
-            (p + "mlp.up_proj.weight", lambda m, L=layer: L(m).mlp.up_proj, True),
-            (p + "mlp.down_proj.weight", lambda m, L=layer: L(m).mlp.down_proj, True),
+            (p + "input_layernorm.weight", lambda m, L=layer: L(m).input_layernorm.weight),
+            (p + "post_attention_layernorm.weight", lambda m, L=layer: L(m).post_attention_layernorm.weight),
+            (p + "mlp.gate_proj.weight", lambda m, L=layer: L(m).mlp.gate_proj),
+            (p + "mlp.up_proj.weight", lambda m, L=layer: L(m).mlp.up_proj),
+            (p + "mlp.down_proj.weight", lambda m, L=layer: L(m).mlp.down_proj),
         ]
         for name in ("q", "k", "v", "o"):
-            mapping.append((p + f"self_attn.{name}_proj.weight", lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_proj"), True))
+            mapping.append((p + f"self_attn.{name}_proj.weight", lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_proj")))
         if config.qkv_bias:
             for name in ("q", "k", "v"):
-                mapping.append((p + f"self_attn.{name}_proj.bias", lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_bias"), False))
+                mapping.append((p + f"self_attn.{name}_proj.bias", lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_bias")))
         if config.o_bias:
-            mapping.append((p + "self_attn.o_proj.bias", lambda m, L=layer: L(m).self_attn.o_bias, False))
-    mapping.append(("model.norm.weight", lambda m: m.norm.weight, False))
+            mapping.append((p + "self_attn.o_proj.bias", lambda m, L=layer: L(m).self_attn.o_bias))
+    mapping.append(("model.norm.weight", lambda m: m.norm.weight))
     if not config.tie_word_embeddings:
-        mapping.append(("lm_head.weight", lambda m: m.lm_head, True))
+        mapping.append(("lm_head.weight", lambda m: m.lm_head))
     return mapping
 
 
@@ -584,7 +572,7 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> 
     tensors = checkpoint.read_tensors(path)
     skeleton = eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0))
     mapping = checkpoint_mapping(config)
-    missing = [name for name, *_ in mapping if name not in tensors]
+    missing = [name for name, _ in mapping if name not in tensors]
     if missing:
         raise UnsupportedModelError(f"model.path {path}: checkpoint lacks {missing[:3]} ({len(missing)} missing tensors)")
     if sharding is None:
@@ -592,28 +580,23 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> 
     sharding_for = sharding if callable(sharding) else lambda axes: sharding
 
     wheres, values = [], []
-    for name, where, projection in mapping:
+    for name, where in mapping:
         tensor = tensors[name]
         target = where(skeleton)
-        transposed = projection and projection_in_out(dtype)
-        axes = target.axes[::-1] if transposed else target.axes
-        saved = tuple(target.array.shape)  # the skeleton's axes are in transformers' order
-        shape = saved[::-1] if transposed else saved
+        shape = tuple(target.array.shape)
         if math.prod(tensor.shape) != math.prod(shape):
             raise UnsupportedModelError(
-                f"model.path {tensor.url}: tensor {name} has shape {list(tensor.shape)}, config.json implies {list(saved)}"
+                f"model.path {tensor.url}: tensor {name} has shape {list(tensor.shape)}, config.json implies {shape}"
             )
-        # Devices holding different columns of the same saved rows share one read of those rows.
-        rows = functools.lru_cache(maxsize=None)(functools.partial(checkpoint.read_rows, tensor, saved))
+        # Devices holding different columns of the same rows share one read of those rows.
+        rows = functools.lru_cache(maxsize=None)(functools.partial(checkpoint.read_rows, tensor, shape))
 
-        def block(index, rows=rows, saved=saved, transposed=transposed):
-            saved_index = index[::-1] if transposed else index
-            first = range(saved[0])[saved_index[0]]
-            part = rows(first.start, first.stop)[(slice(None),) + tuple(saved_index[1:])]
-            return (part.T if transposed else part).astype(dtype)
+        def block(index, rows=rows, shape=shape):
+            first = range(shape[0])[index[0]]
+            return rows(first.start, first.stop)[(slice(None),) + tuple(index[1:])].astype(dtype)
 
-        array = jax.make_array_from_callback(shape, sharding_for(axes), block)
+        array = jax.make_array_from_callback(shape, sharding_for(target.axes), block)
         rows.cache_clear()
         wheres.append(where)
-        values.append(hax.named(array, axes))
+        values.append(hax.named(array, target.axes))
     return eqx.tree_at(lambda m: [w(m) for w in wheres], skeleton, values)

@@ -41,17 +41,6 @@ def test_sharded_weights_give_the_tokens_of_one_device(llama):
             out["describe"] = engine.describe()
             out[name] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in engine.generate(
                 GenerationRequest(i, p, [0, 1]) for i, p in enumerate({PROMPTS!r}))}}
-        # bfloat16 projections are held transposed (in, out): each device's block of a sharded
-        # load must still be the same values as one device's whole weight.
-        import jax.numpy as jnp, numpy as np
-        from engine.llama import load_checkpoint
-        split = load_checkpoint({path!r}, engine.config, dtype=jnp.bfloat16, sharding=engine.layout.param_sharding)
-        whole = load_checkpoint({path!r}, engine.config, dtype=jnp.bfloat16)
-        q = split.layers[0].self_attn.q_proj
-        out["bf16_q_proj"] = [[a.name for a in q.axes], str(q.array.sharding.spec)]
-        out["bf16_same"] = all(a.axes == b.axes and np.array_equal(np.asarray(a.array, np.float32), np.asarray(b.array, np.float32))
-                               for a, b in zip(jax.tree.leaves(split, is_leaf=lambda x: hasattr(x, "axes")),
-                                               jax.tree.leaves(whole, is_leaf=lambda x: hasattr(x, "axes"))))
         print(json.dumps(out))
     """)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
@@ -59,8 +48,6 @@ def test_sharded_weights_give_the_tokens_of_one_device(llama):
     assert done.returncode == 0, done.stderr[-3000:]
     sharded = json.loads(done.stdout.strip().splitlines()[-1])
     assert sharded["layout"] == ["P('model', 'data')", "P('data',)"]
-    assert sharded["bf16_q_proj"] == [["embed", "q_heads_dim"], "P('data', 'model')"]
-    assert sharded["bf16_same"]
     assert "global mesh data 2 x model 2 over 4 cpu devices of 1 host(s)" in sharded["describe"]
     for name, sampling in SAMPLINGS.items():
         one = Engine.load(path, dtype="float32", sampling=SamplingParams(**sampling), engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
