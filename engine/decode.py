@@ -1,8 +1,9 @@
 """The compiled programs of generation: a prefill chunk written into the cache, and a chunk of decode steps.
 
 Owns: the device-side decode state (one slot per row being generated), the preallocated KV
-cache (`KVCache`: per layer a `LayerKV` of keys and values (batch, kv_heads, key_position,
-head_dim), one buffer each, written in place and never copied), and the on-device stop rule
+cache (`KVCache`: per layer a `PagedKV` of keys and values (batch, kv_heads, key_position,
+head_dim) split along key_position into page buffers, written in place and never copied), and
+the on-device stop rule
 (EOS / stop token ids / max_new_tokens). The host (engine.py) decides which rows go to which
 slots and when; it does not own stop strings or scheduling.
 
@@ -21,12 +22,13 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
   row; a first chunk attends to itself only), writing their keys/values straight into the cache
   rows of the prompt's samples, and samples the first token of every prompt whose chunk ends it.
 - A decode chunk runs up to `steps` tokens in one `lax.while_loop` (no Python per token), stopping
-  early when every slot is done. It attends over the cache masked by each row's position: over
-  its first quarter (copied once per chunk) when every live row fits there, else over all of it
-  where it lives (a copy of a window of any length doubled the GPU peak before), plus a small
-  buffer of the chunk's own keys/values, scattered into the cache once after the loop.
-- Which of the two cache windows (`cache_windows`) a call reads is chosen on the device, by a
-  `lax.switch` inside the one program: the window sizes add no programs.
+  early when every slot is done. It attends over the cache where it lives, masked by each row's
+  position: only over its first page (`cache_pages`: a quarter of it) when that holds every live row,
+  plus a small buffer of the chunk's own keys/values, scattered into the cache once after the
+  loop. No window of the cache is copied (before issue 13 a per-chunk copy of a window doubled
+  the GPU peak).
+- How many pages a call reads is chosen on the device, by a `lax.switch` inside the one program:
+  the choice adds no programs.
 
 Both return what the host reads back (new tokens and done flags) as separate arrays laid out
 by `spec.host_sharding`: on a global mesh they are replicated, so every host holds a copy.
@@ -43,7 +45,9 @@ from haliax import Axis
 
 from engine.config import SamplingParams
 from engine.jax_compat import hax
-from engine.llama import DecodeStep, LayerKV, LlamaConfig, LlamaLM, PrefillChunk, by_window, cache_windows
+from engine.llama import (
+    DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, by_pages, cache_pages,
+)
 from engine.sampler import row_keys, sample, step_keys
 
 
@@ -63,23 +67,21 @@ class DecodeSpec:
 
 
 class KVCache(NamedTuple):
-    """The decode cache: one LayerKV per layer, each (batch = slots, kv_heads, key_position, head_dim)."""
+    """The decode cache: one PagedKV per layer, its pages (batch = slots, kv_heads, key_position, head_dim)."""
 
-    layers: tuple[LayerKV, ...]
+    layers: tuple[PagedKV, ...]
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return self.layers[0].ends
 
     @property
     def seq_len(self) -> int:
-        return self.layers[0].k.resolve_axis("key_position").size
+        return self.ends[-1]
 
     @property
     def slots(self) -> int:
-        return self.layers[0].k.resolve_axis("batch").size
-
-    def window(self, length: int) -> "KVCache":
-        """The first `length` key positions of every row (the cache itself at its full length)."""
-        if length == self.seq_len:
-            return self
-        return KVCache(tuple(LayerKV(*(x[{"key_position": slice(0, length)}] for x in kv)) for kv in self.layers))
+        return self.layers[0].pages[0].k.resolve_axis("batch").size
 
 
 class DecodeState(NamedTuple):
@@ -93,13 +95,16 @@ class DecodeState(NamedTuple):
 def new_cache(config: LlamaConfig, slots: int, seq_len: int, cache_dtype) -> KVCache:
     """Zeros; meant to be compiled with the cache's output sharding, so each device (of every
     host on a global mesh) allocates only its own block."""
-    axes = (Axis("batch", slots), config.KVHeads, Axis("key_position", seq_len), config.HeadDim)
-    shape = tuple(a.size for a in axes)
+    lengths = [end - start for start, end in zip((0,) + cache_pages(seq_len), cache_pages(seq_len))]
 
-    def zeros():
-        return hax.named(jnp.zeros(shape, cache_dtype), axes)
+    def zeros(length: int):
+        axes = (Axis("batch", slots), config.KVHeads, Axis("key_position", length), config.HeadDim)
+        return hax.named(jnp.zeros(tuple(a.size for a in axes), cache_dtype), axes)
 
-    return KVCache(tuple(LayerKV(zeros(), zeros()) for _ in range(config.num_hidden_layers)))
+    def layer():
+        return PagedKV(tuple(LayerKV(zeros(n), zeros(n)) for n in lengths))
+
+    return KVCache(tuple(layer() for _ in range(config.num_hidden_layers)))
 
 
 def new_state(slots: int) -> DecodeState:
@@ -145,8 +150,8 @@ def prefill_chunk(
     token is sampled into each of its slots, with the randomness of (prompt_index [R],
     sample_index [R, n]). fresh: every row's start is 0 (the chunk attends to itself only, no
     cache row is read; the host never mixes first and later chunks in one call, so a prompt's
-    numerics do not depend on its neighbours); else the chunk attends to the first positions of
-    its cache row, the smallest of `cache_windows` covering every row's chunk. Returns (cache,
+    numerics do not depend on its neighbours); else the chunk attends to the first pages of its
+    cache row covering every row's chunk. Returns (cache,
     state, (first token per slot, -1 where none; done per slot)), the last two laid out for the
     host."""
     R, C = tokens.shape
@@ -186,46 +191,44 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
     (stop strings). Returns (cache, state, (tokens [slots, steps], -1 where a slot produced
     nothing, done [slots])), the last two laid out for the host.
 
-    Inside the loop the cache is only read, masked to each row's positions written before this
-    chunk: the first quarter of it when every live row fits there (`cache_windows`; copied once
-    per chunk, not per step), else all of it, in place. Each step's keys/values go to a small
-    chunk buffer at the step index (the same for every row), which is scattered into the cache
-    at each row's own position once, after the loop (a scatter inside the loop made XLA copy the
-    cache every step).
+    Inside the loop the cache is only read, where it lives, masked to each row's positions
+    written before this chunk: only its first page when that holds every live row (`by_pages`). Each
+    step's keys/values go to a small chunk buffer at the step index (the same for every row),
+    which is scattered into the cache at each row's own position once, after the loop (a scatter
+    inside the loop made XLA copy the cache every step).
     """
     slots, seq_len = cache.slots, cache.seq_len
     state = state._replace(done=state.done | kill)
     start = state.position
     was_live = ~state.done
 
-    def run(window: int):
-        return _decode_loop(model, cache.window(window), state, spec=spec, steps=steps)
+    def run(count: int):
+        return _decode_loop(model, cache, count, state, spec=spec, steps=steps)
 
-    chunks, state, out = by_window(jnp.max(jnp.where(was_live, start, 0)), cache_windows(seq_len), run)
+    chunks, state, out = by_pages(jnp.max(jnp.where(was_live, start, 0)), cache.ends, run)
     # Entries past a row's last live step are garbage written beyond its valid positions, where
     # nothing is read before it is overwritten; rows idle for the whole chunk (a slot being
     # prefilled, or empty) write nothing; positions past the cache are dropped.
     rows = jnp.arange(slots)[:, None]
     positions = jnp.where(was_live, start, seq_len)[:, None] + jnp.arange(steps)[None, :]
-    layers = tuple(
-        LayerKV(*(hax.named(c.array.at[rows, :, positions, :].set(jnp.swapaxes(u.array, 1, 2), mode="drop"), c.axes)
-                  for c, u in zip(kv, ukv)))
-        for kv, ukv in zip(cache.layers, chunks)
-    )
+    layers = tuple(kv.write(rows, positions, jnp.swapaxes(ckv.k.array, 1, 2), jnp.swapaxes(ckv.v.array, 1, 2))
+                   for kv, ckv in zip(cache.layers, chunks))
     return _finish(KVCache(layers), state, out, spec)
 
 
-def _decode_loop(model: LlamaLM, cache: KVCache, state: DecodeState, *, spec: DecodeSpec, steps: int):
-    """The decode steps of one chunk over `cache` (read only: the whole cache or its first
-    positions), as one lax.while_loop that stops early once every slot is done. Returns (the
-    chunk's keys/values per layer, state, tokens [slots, steps])."""
-    slots, window = cache.slots, cache.seq_len
-    Batch, Pos = Axis("batch", slots), Axis("position", 1)
-    KPos, Chunk = Axis("key_position", window), Axis("chunk", steps)
-    cache_mask = hax.named((jnp.arange(window)[None, :] < state.position[:, None])[:, None, :], (Batch, Pos, KPos))
+def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState, *, spec: DecodeSpec, steps: int):
+    """The decode steps of one chunk over the first `count` pages of `cache` (read only), as one
+    lax.while_loop that stops early once every slot is done. Returns (the chunk's keys/values
+    per layer, state, tokens [slots, steps])."""
+    slots = cache.slots
+    Batch, Pos, Chunk = Axis("batch", slots), Axis("position", 1), Axis("chunk", steps)
+    page_masks = []
+    for start, end in zip((0,) + cache.ends, cache.ends[:count]):
+        written = start + jnp.arange(end - start)[None, :] < state.position[:, None]
+        page_masks.append(hax.named(written[:, None, :], (Batch, Pos, Axis("key_position", end - start))))
     chunk_axes = (Batch, model.config.KVHeads, Chunk, model.config.HeadDim)
     chunk_shape = tuple(a.size for a in chunk_axes)
-    cache_dtype = cache.layers[0].k.dtype
+    cache_dtype = cache.layers[0].pages[0].k.dtype
     chunks = tuple(LayerKV(*(hax.named(jnp.zeros(chunk_shape, cache_dtype), chunk_axes) for _ in range(2))) for _ in cache.layers)
     max_new = spec.sampling.max_new_tokens
 
@@ -236,7 +239,8 @@ def _decode_loop(model: LlamaLM, cache: KVCache, state: DecodeState, *, spec: De
     def body(carry):
         i, chunk_kv, st, out = carry
         chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= i, (slots, 1, steps)), (Batch, Pos, Chunk))
-        contexts = tuple(DecodeStep(kv, ckv, i, cache_mask, chunk_mask) for kv, ckv in zip(cache.layers, chunk_kv))
+        contexts = tuple(DecodeStep(kv.pages[:count], ckv, i, tuple(page_masks), chunk_mask)
+                         for kv, ckv in zip(cache.layers, chunk_kv))
         hidden, chunk_kv = model.forward(
             hax.named(st.last_token[:, None], (Batch, Pos)), hax.named(st.position[:, None], (Batch, Pos)), contexts,
         )

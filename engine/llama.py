@@ -240,20 +240,70 @@ class LayerKV(NamedTuple):
     v: NamedArray
 
 
-def cache_windows(seq_len: int) -> tuple[int, ...]:
-    """The cache lengths a prefill or decode call may read: a quarter of the cache (rounded up to
-    16 positions) and all of it. Each call reads the smallest that covers its rows, chosen on the
-    device (`by_window`), so both sizes live in one program and a run's program count does not
-    grow with them. Attention over the first quarter costs a quarter (cpu-mixed: most rows hold
-    under 144 of 576 positions)."""
-    return tuple(sorted({min(seq_len, -(-(seq_len // 4) // 16) * 16), seq_len}))
+def cache_pages(seq_len: int) -> tuple[int, ...]:
+    """Where the cache's pages end along key positions: a first page of a quarter of the cache
+    (rounded up to 16 positions) and a second with the rest (one page when that is all of it).
+    A call whose rows all fit the first page reads only it, where it lives (`by_pages`):
+    attention over prompts that fill a quarter of the cache costs a quarter, and nothing is
+    copied (cpu-mixed: most rows hold under 144 of 576 positions). More pages were measured:
+    four cost 3 s more compile on cpu-mixed for no faster run (a lax.switch branch each)."""
+    quarter = -(-seq_len // 64) * 16  # a quarter, rounded up to a multiple of 16
+    return tuple(sorted({min(seq_len, quarter), seq_len}))
 
 
-def by_window(reach: jax.Array, windows: tuple[int, ...], run):
-    """run(window) for the smallest of `windows` >= reach (a traced scalar), as one lax.switch.
-    Branches only read the cache: one that wrote it would make XLA copy the whole cache."""
-    index = jnp.sum(jnp.asarray(windows[:-1], jnp.int32) < reach)
-    return jax.lax.switch(index, [lambda w=w: run(w) for w in windows])
+def by_pages(reach: jax.Array, ends: tuple[int, ...], run):
+    """run(k) for the fewest pages k whose `ends` cover `reach` positions (a traced scalar), as
+    one lax.switch. Branches only read the cache: one that wrote it would make XLA copy it."""
+    index = jnp.sum(jnp.asarray(ends[:-1], jnp.int32) < reach)
+    return jax.lax.switch(index, [lambda k=k: run(k) for k in range(1, len(ends) + 1)])
+
+
+class PagedKV(NamedTuple):
+    """One layer's cache: keys and values (batch, kv_heads, key_position, head_dim) in separate
+    page buffers along key_position (`cache_pages`), so a call that needs only the first pages
+    reads them in place."""
+
+    pages: tuple[LayerKV, ...]
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        ends, end = [], 0
+        for page in self.pages:
+            end += page.k.resolve_axis("key_position").size
+            ends.append(end)
+        return tuple(ends)
+
+    def write(self, rows: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array) -> "PagedKV":
+        """Scatters k, v [..., kv_heads, head_dim] to (rows, positions) (broadcast together, int32
+        indices into the whole cache) in place; positions outside the cache are dropped."""
+        pages, start = [], 0
+        for page, end in zip(self.pages, self.ends):
+            inside = jnp.where((positions >= start) & (positions < end), positions - start, end - start)
+            pages.append(LayerKV(*(
+                hax.named(old.array.at[rows, :, inside, :].set(new.astype(old.dtype), mode="drop"), old.axes)
+                for old, new in ((page.k, k), (page.v, v))
+            )))
+            start = end
+        return PagedKV(tuple(pages))
+
+
+def _attend_pages(q: NamedArray, parts, scale: float) -> NamedArray:
+    """Softmax attention of q over several key sets, each (keys, values, mask, key axis name),
+    without concatenating them: a page's scores, weights and weighted values are its own, and
+    the parts are combined in a fixed order. A part whose mask is all False for a row adds exact
+    zeros, so a row's result does not depend on how many pages its call read."""
+    scores = []
+    for keys, _, mask, axis in parts:
+        s = hax.dot(q, keys, axis="head_dim", preferred_element_type=jnp.float32) * scale
+        scores.append(hax.where(mask, s, -jnp.inf))
+    top = functools.reduce(hax.maximum, [hax.max(s, axis=axis) for s, (*_, axis) in zip(scores, parts)])
+    total, attn = None, None
+    for s, (_, values, _, axis) in zip(scores, parts):
+        e = hax.exp(s - top)
+        part = hax.dot(e.astype(values.dtype), values, axis=axis, preferred_element_type=jnp.float32)
+        total = hax.sum(e, axis=axis) if total is None else total + hax.sum(e, axis=axis)
+        attn = part if attn is None else attn + part
+    return attn / total
 
 
 class PrefillChunk(NamedTuple):
@@ -262,7 +312,7 @@ class PrefillChunk(NamedTuple):
     cache row `slots[:, 0]`. Prompts longer than C take several chunks, each attending to what
     the previous ones wrote."""
 
-    cache: LayerKV
+    cache: PagedKV
     """The whole cache (slots rows); written in place, returned updated."""
     slots: jax.Array
     """[rows, n] int32: cache rows receiving this row's keys/values (the samples of one prompt
@@ -273,23 +323,23 @@ class PrefillChunk(NamedTuple):
     """[rows, C] int32: cache position of each token; out of range for padding (not written)."""
     reach: jax.Array
     """int32 scalar: cache positions the call's rows use once this chunk is written (the longest
-    start + length); a later chunk reads the smallest of `cache_windows` covering it."""
+    start + length); a later chunk reads the first pages covering it (`by_pages`)."""
     fresh: bool
     """Every row starts its prompt here, so nothing before the chunk is read: it attends to its
     own keys only instead of gathering its cache row (static: one program each way)."""
 
 
 class DecodeStep(NamedTuple):
-    """How one decode step attends: to the cache, read in place and never written inside the
-    decode loop, and to the chunk buffer holding this decode chunk's own keys/values, where the
-    step's new key/value is written at index `step`."""
+    """How one decode step attends: to the first pages of the cache, read in place and never
+    written inside the decode loop, and to the chunk buffer holding this decode chunk's own
+    keys/values, where the step's new key/value is written at index `step`."""
 
-    cache: LayerKV
+    pages: tuple[LayerKV, ...]
     chunk: LayerKV
     """(batch, kv_heads, chunk, head_dim): keys/values of this chunk's steps so far."""
     step: jax.Array
-    cache_mask: NamedArray
-    """(batch, position, key_position): cache positions written before this decode chunk."""
+    page_masks: tuple[NamedArray, ...]
+    """Per page (batch, position, key_position): its positions written before this decode chunk."""
     chunk_mask: NamedArray
     """(batch, position, chunk): chunk steps up to this one."""
 
@@ -336,8 +386,8 @@ class Attention(eqx.Module):
           keys are this call's own positions, returned as a fresh LayerKV.
         - PrefillChunk: the chunk's keys/values are written into the cache rows it names, then
           it attends over its row of the cache (or, fresh, over the chunk alone); returns the
-          updated cache.
-        - DecodeStep (one position): attends over the cache (read only) and the chunk buffer;
+          updated PagedKV.
+        - DecodeStep (one position): attends over the cache's pages (read only) and the chunk buffer;
           returns the updated chunk buffer. Keeping the big cache read-only inside the decode
           loop matters: a per-row scatter into it made XLA copy the whole cache every step.
         """
@@ -367,48 +417,42 @@ class Attention(eqx.Module):
         return out, new_kv
 
     @staticmethod
-    def _prefill(q, k, v, cache: LayerKV, context: PrefillChunk, scale: float):
-        """A fresh chunk attends to its own keys (causal); a later one to the first positions
-        of its cache row (the smallest of `cache_windows` covering the call's rows, gathered)."""
+    def _prefill(q, k, v, cache: PagedKV, context: PrefillChunk, scale: float):
+        """A fresh chunk attends to its own keys (causal); a later one to its cache row's first
+        pages covering the call's rows (each page's rows gathered)."""
         Batch, Pos = q.resolve_axis("batch"), q.resolve_axis("position")
         if context.fresh:
             C = Pos.size
             mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (Batch.size, C, C)),
                              (Batch, Pos, Axis("key_position", C)))
             return _attend(q, k.rename({"position": "key_position"}), v.rename({"position": "key_position"}), mask, scale)
-        read = jnp.minimum(context.slots[:, 0], cache.k.array.shape[0] - 1)
+        read = jnp.minimum(context.slots[:, 0], cache.pages[0].k.array.shape[0] - 1)
+        ends = cache.ends
 
-        def attend(window: int):
-            KPos = Axis("key_position", window)
-            axes = (Batch, k.resolve_axis("kv_heads"), KPos, k.resolve_axis("head_dim"))
-            keys = hax.named(cache.k.array[read, :, :window], axes)
-            values = hax.named(cache.v.array[read, :, :window], axes)
-            mask = hax.named(jnp.arange(window)[None, None, :] <= context.positions[:, :, None], (Batch, Pos, KPos))
-            return _attend(q, keys, values, mask, scale)
+        def attend(count: int):
+            parts, start = [], 0
+            for page, end in zip(cache.pages[:count], ends):
+                KPos = Axis("key_position", end - start)
+                axes = (Batch, k.resolve_axis("kv_heads"), KPos, k.resolve_axis("head_dim"))
+                keys, values = (hax.named(x.array[read], axes) for x in page)
+                mask = hax.named(start + jnp.arange(end - start)[None, None, :] <= context.positions[:, :, None],
+                                 (Batch, Pos, KPos))
+                parts.append((keys, values, mask, "key_position"))
+                start = end
+            return _attend_pages(q, parts, scale)
 
-        return by_window(context.reach, cache_windows(cache.k.array.shape[2]), attend)
+        return by_pages(context.reach, ends, attend)
 
     @staticmethod
     def _decode(q, k, v, context: DecodeStep, scale: float):
-        cache, chunk = context.cache, context.chunk
+        chunk = context.chunk
         chunk = LayerKV(*(
             hax.named(jax.lax.dynamic_update_slice(old.array, new.array.astype(old.dtype), (0, 0, context.step, 0)), old.axes)
             for old, new in ((chunk.k, k), (chunk.v, v))
         ))
-        # One softmax over both key sets, without concatenating them.
-        s_cache = hax.dot(q, cache.k, axis="head_dim", preferred_element_type=jnp.float32) * scale
-        s_chunk = hax.dot(q, chunk.k, axis="head_dim", preferred_element_type=jnp.float32) * scale
-        s_cache = hax.where(context.cache_mask, s_cache, -jnp.inf)
-        s_chunk = hax.where(context.chunk_mask, s_chunk, -jnp.inf)  # the current position is always there
-        top = hax.maximum(hax.max(s_cache, axis="key_position"), hax.max(s_chunk, axis="chunk"))
-        e_cache = hax.exp(s_cache - top)
-        e_chunk = hax.exp(s_chunk - top)
-        total = hax.sum(e_cache, axis="key_position") + hax.sum(e_chunk, axis="chunk")
-        attn = (
-            hax.dot(e_cache.astype(cache.v.dtype), cache.v, axis="key_position", preferred_element_type=jnp.float32)
-            + hax.dot(e_chunk.astype(chunk.v.dtype), chunk.v, axis="chunk", preferred_element_type=jnp.float32)
-        ) / total
-        return attn, chunk
+        parts = [(page.k, page.v, mask, "key_position") for page, mask in zip(context.pages, context.page_masks)]
+        parts.append((chunk.k, chunk.v, context.chunk_mask, "chunk"))  # the current position is always there
+        return _attend_pages(q, parts, scale), chunk
 
 
 def _attend(q: NamedArray, keys: NamedArray, values: NamedArray, mask: NamedArray, scale: float) -> NamedArray:
@@ -420,17 +464,15 @@ def _attend(q: NamedArray, keys: NamedArray, values: NamedArray, mask: NamedArra
     return hax.dot(probs, values, axis="key_position", preferred_element_type=jnp.float32)
 
 
-def _write_chunk(context: PrefillChunk, k: NamedArray, v: NamedArray) -> LayerKV:
+def _write_chunk(context: PrefillChunk, k: NamedArray, v: NamedArray) -> PagedKV:
     """Scatters the chunk's keys/values (batch, kv_heads, position, head_dim) into the cache at
     (slots[r, i], write_positions[r, j]) in place; out-of-range indices are dropped."""
     n = context.slots.shape[1]
     rows = context.slots.reshape(-1)[:, None]
     positions = jnp.repeat(context.write_positions, n, axis=0)
-    written = []
-    for cache, fresh in ((context.cache.k, k), (context.cache.v, v)):
-        values = jnp.swapaxes(jnp.repeat(fresh.array, n, axis=0), 1, 2).astype(cache.dtype)  # [rows*n, C, kv_heads, head_dim]
-        written.append(hax.named(cache.array.at[rows, :, positions, :].set(values, mode="drop"), cache.axes))
-    return LayerKV(*written)
+    # [rows*n, C, kv_heads, head_dim]
+    keys, values = (jnp.swapaxes(jnp.repeat(x.array, n, axis=0), 1, 2) for x in (k, v))
+    return context.cache.write(rows, positions, keys, values)
 
 
 class Mlp(eqx.Module):

@@ -9,8 +9,8 @@ compiled), and reading peak memory back. It allocates nothing.
     plan.batch_size, plan.reason
 
 The estimate is linear in the batch: per row, its KV cache for prompt + new tokens plus the
-decode chunk's per-row temporaries (a copy of the cache's first quarter, the chunk's own
-keys/values, float32 logits, one layer's attention scores); plus, once, the working memory of
+decode chunk's per-row temporaries (the chunk's own keys/values, float32 logits, one layer's
+attention scores; the cache itself is read in place); plus, once, the working memory of
 one prefill call (its rows x chunk tokens: attention scores over the whole cache length, the
 cache rows it reads, MLP activations); plus the weights, replicated on every local device (host
 data parallel) or split over the whole mesh (global mesh: `weight_shards` devices share each
@@ -27,7 +27,7 @@ import resource
 import jax
 import jax.numpy as jnp
 
-from engine.llama import LlamaConfig, cache_windows, parameter_bytes
+from engine.llama import LlamaConfig, parameter_bytes
 
 GiB = 1024**3
 AUTO_CAP_CPU = 128
@@ -68,18 +68,15 @@ def kv_row_bytes(config: LlamaConfig, seq_len: int, cache_dtype) -> int:
 
 
 def decode_row_bytes(config: LlamaConfig, seq_len: int, steps: int, dtype, cache_dtype) -> int:
-    """A decode chunk's temporaries per row: a copy of the cache's short window (every layer's
-    first `cache_windows(seq_len)[0]` positions, made once per chunk when every live row fits
-    it; the whole cache is read in place), the chunk's keys/values of every layer (the loop keeps
-    two copies), float32 logits and the sampler's copy, one layer's scores and weights over the
-    cache in float32, and one layer's activations."""
-    windows = cache_windows(seq_len)
-    window = kv_row_bytes(config, windows[0], cache_dtype) if len(windows) > 1 else 0
+    """A decode chunk's temporaries per row: the chunk's keys/values of every layer (the loop
+    keeps two copies), float32 logits and the sampler's copy, one layer's scores and weights
+    over the cache in float32, and one layer's activations. The cache's pages are read where
+    they live, never copied."""
     chunk = 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * steps * config.head_dim * jnp.dtype(cache_dtype).itemsize
     logits = 2 * config.vocab_size * 4
     scores = 2 * config.num_attention_heads * (seq_len + steps) * 4
     activations = (4 * config.hidden_size + 3 * config.intermediate_size) * jnp.dtype(dtype).itemsize
-    return window + chunk + logits + scores + activations
+    return chunk + logits + scores + activations
 
 
 def prefill_working_bytes(config: LlamaConfig, seq_len: int, rows: int, chunk: int, dtype, cache_dtype) -> int:
@@ -98,9 +95,9 @@ def footprint(config: LlamaConfig, *, dtype, cache_dtype, seq_len: int, decode_c
               prefill_chunk_tokens: int) -> tuple[int, int, int]:
     """(weights, per row, one prefill call's working memory) in bytes, on one unsharded device."""
     weights = parameter_bytes(config, dtype)
-    # The decode chunk reads the whole cache in place, or a copy of its first quarter (before
-    # issue 13 it copied a window of any length: a second cache per row at worst, 49.3 GiB peak
-    # on an H100 for the 8B at 1,024 new tokens against 37.5 GiB planned).
+    # The decode chunk reads the cache's pages in place (before issue 13 it copied a window of
+    # any length: a second cache per row at worst, 49.3 GiB peak on an H100 for the 8B at 1,024
+    # new tokens against 37.5 GiB planned).
     row = kv_row_bytes(config, seq_len, cache_dtype) + decode_row_bytes(config, seq_len, decode_chunk_steps, dtype, cache_dtype)
     prefill_rows = max(1, prefill_tokens // prefill_chunk_tokens)
     working = prefill_working_bytes(config, seq_len, prefill_rows, prefill_chunk_tokens, dtype, cache_dtype)

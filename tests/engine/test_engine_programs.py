@@ -26,8 +26,8 @@ def _load(path):
 def test_every_prompt_length_runs_on_the_same_same_few_programs(llama, tmp_path):
     """Prompts of every length from 1 to max_prompt_tokens (several prefill chunks for most),
     then a second generate with other lengths: four programs (init, decode, prefill of first
-    chunks, of later chunks), obtained once. Rows and chunks that fit the cache's first quarter
-    (16 of 45 positions) read only it, the others all of it, in the same programs."""
+    chunks, of later chunks), obtained once. Rows and chunks that fit the cache's first page
+    (16 of 45 positions) read only it, the others both pages, in the same programs."""
     path, hf = llama
     previous = jax.config.jax_compilation_cache_dir
     try:
