@@ -129,7 +129,7 @@ READ_AHEAD_ROWS_PER_SLOT = 32
 """Rows taken from the requests ahead of the slots, per slot: enough that each read-ahead, sorted
 by prompt length, fills batches with prompts of like length (cpu-mixed at batch 16: 86 prefill
 calls at 1.38x padding with 32 per slot, 98 calls at 1.57x with 8: fewer prompts end early in a
-call, and more decode chunks fit the cache's short window); bounded, so the engine holds the
+call, and more decode chunks fit the cache's first page); bounded, so the engine holds the
 same few rows whether it is given ten thousand requests or ten million (issue 13)."""
 
 
