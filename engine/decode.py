@@ -46,7 +46,7 @@ from haliax import Axis
 from engine.config import SamplingParams
 from engine.jax_compat import hax
 from engine.llama import (
-    DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, by_pages, cache_pages,
+    DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, by_pages, cache_pages, page_spans,
 )
 from engine.sampler import row_keys, sample, step_keys
 
@@ -95,7 +95,7 @@ class DecodeState(NamedTuple):
 def new_cache(config: LlamaConfig, slots: int, seq_len: int, cache_dtype) -> KVCache:
     """Zeros; meant to be compiled with the cache's output sharding, so each device (of every
     host on a global mesh) allocates only its own block."""
-    lengths = [end - start for start, end in zip((0,) + cache_pages(seq_len), cache_pages(seq_len))]
+    lengths = [end - start for start, end in page_spans(cache_pages(seq_len))]
 
     def zeros(length: int):
         axes = (Axis("batch", slots), config.KVHeads, Axis("key_position", length), config.HeadDim)
@@ -223,7 +223,7 @@ def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState,
     slots = cache.slots
     Batch, Pos, Chunk = Axis("batch", slots), Axis("position", 1), Axis("chunk", steps)
     page_masks = []
-    for start, end in zip((0,) + cache.ends, cache.ends[:count]):
+    for start, end in page_spans(cache.ends)[:count]:
         written = start + jnp.arange(end - start)[None, :] < state.position[:, None]
         page_masks.append(hax.named(written[:, None, :], (Batch, Pos, Axis("key_position", end - start))))
     chunk_axes = (Batch, model.config.KVHeads, Chunk, model.config.HeadDim)

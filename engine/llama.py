@@ -251,6 +251,11 @@ def cache_pages(seq_len: int) -> tuple[int, ...]:
     return tuple(sorted({min(seq_len, quarter), seq_len}))
 
 
+def page_spans(ends: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(start, end) key positions of each page, from where the pages end."""
+    return tuple(zip((0,) + ends[:-1], ends))
+
+
 def by_pages(reach: jax.Array, ends: tuple[int, ...], run):
     """run(k) for the fewest pages k whose `ends` cover `reach` positions (a traced scalar), as
     one lax.switch. Branches only read the cache: one that wrote it would make XLA copy it."""
@@ -273,17 +278,20 @@ class PagedKV(NamedTuple):
             ends.append(end)
         return tuple(ends)
 
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        return page_spans(self.ends)
+
     def write(self, rows: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array) -> "PagedKV":
         """Scatters k, v [..., kv_heads, head_dim] to (rows, positions) (broadcast together, int32
         indices into the whole cache) in place; positions outside the cache are dropped."""
-        pages, start = [], 0
-        for page, end in zip(self.pages, self.ends):
+        pages = []
+        for page, (start, end) in zip(self.pages, self.spans):
             inside = jnp.where((positions >= start) & (positions < end), positions - start, end - start)
             pages.append(LayerKV(*(
                 hax.named(old.array.at[rows, :, inside, :].set(new.astype(old.dtype), mode="drop"), old.axes)
                 for old, new in ((page.k, k), (page.v, v))
             )))
-            start = end
         return PagedKV(tuple(pages))
 
 
@@ -427,21 +435,19 @@ class Attention(eqx.Module):
                              (Batch, Pos, Axis("key_position", C)))
             return _attend(q, k.rename({"position": "key_position"}), v.rename({"position": "key_position"}), mask, scale)
         read = jnp.minimum(context.slots[:, 0], cache.pages[0].k.array.shape[0] - 1)
-        ends = cache.ends
 
         def attend(count: int):
-            parts, start = [], 0
-            for page, end in zip(cache.pages[:count], ends):
+            parts = []
+            for page, (start, end) in zip(cache.pages[:count], cache.spans):
                 KPos = Axis("key_position", end - start)
                 axes = (Batch, k.resolve_axis("kv_heads"), KPos, k.resolve_axis("head_dim"))
                 keys, values = (hax.named(x.array[read], axes) for x in page)
                 mask = hax.named(start + jnp.arange(end - start)[None, None, :] <= context.positions[:, :, None],
                                  (Batch, Pos, KPos))
                 parts.append((keys, values, mask, "key_position"))
-                start = end
             return _attend_pages(q, parts, scale)
 
-        return by_pages(context.reach, ends, attend)
+        return by_pages(context.reach, cache.ends, attend)
 
     @staticmethod
     def _decode(q, k, v, context: DecodeStep, scale: float):
