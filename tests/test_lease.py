@@ -12,11 +12,12 @@ import signal
 import sys
 import textwrap
 import time
+from dataclasses import asdict
 
 import pytest
 
 from pipeline import storage
-from pipeline.storage.lease import Lease, LeaseBusy, LeaseLost
+from pipeline.storage.lease import Holder, Lease, LeaseBusy, LeaseLost
 from tests.conftest import Process, pipeline
 
 
@@ -98,7 +99,7 @@ def test_gcs_lease_is_exclusive_renewed_while_alive_and_taken_over_when_dead(gcs
     # The holder renews every timeout/4: for three timeouts nobody may take it over.
     deadline = time.monotonic() + 4.5
     while time.monotonic() < deadline:
-        assert rival._backend.try_acquire(rival.holder or _new_holder()) is not None
+        assert rival._backend.try_acquire(rival.holder or Holder.new()) is not None
         time.sleep(0.2)
     holder.check()
     follower.check()
@@ -117,6 +118,46 @@ def test_gcs_lease_is_exclusive_renewed_while_alive_and_taken_over_when_dead(gcs
         follower.check()
     rival.release()
     assert not storage.exists(rival.url)
+
+
+def test_gcs_lease_of_a_holder_that_exited_on_this_machine_is_taken_over_at_once(gcs_bucket, start_process):
+    # The default timeout (120 s): a rerun after a crash here must not wait it out.
+    root = f"{gcs_bucket}/runs"
+    holder = hold_lease(start_process, root, "generate", "12" * 32)
+    rival = Lease.for_step(root, "generate", "12" * 32)
+    with pytest.raises(LeaseBusy, match=f"pid {holder.pid}"):
+        rival.acquire(wait=False, say=print)  # alive on this machine: not taken
+    assert rival.current_holder().pid == holder.pid
+
+    holder.send_signal(signal.SIGKILL)  # dies holding the lease, nothing released
+    holder.finish(timeout_s=30)
+    assert rival.current_holder() is None, "pipeline status must not call a dead process running"
+    said: list[str] = []
+    started = time.monotonic()
+    rival.acquire(wait=True, say=said.append)
+    assert time.monotonic() - started < 10, said
+    rival.check()
+    assert rival.current_holder().pid == os.getpid()
+    rival.release()
+
+
+def test_gcs_lease_of_an_exited_pid_is_taken_early_only_when_recorded_on_this_machine(gcs_bucket):
+    dead = Process([sys.executable, "-c", "pass"])
+    dead.finish(timeout_s=30)
+    here = Holder.new()
+    lease = Lease.for_step(f"{gcs_bucket}/runs", "merge", "34" * 32)
+    # Another host, another boot (or PID namespace), or an older record without one: the pid
+    # means nothing here, so the lease waits for its timeout.
+    for host, machine in (("elsewhere", here.machine), (here.host, "another-boot pid:[1]"), (here.host, "")):
+        record = Holder("t0", host, dead.pid, "2026-01-01T00:00:00+00:00", machine)
+        assert not record.is_gone()
+        storage.write_json(lease.url, asdict(record))
+        with pytest.raises(LeaseBusy, match=f"pid {dead.pid}"):
+            lease.acquire(wait=False, say=print)
+    storage.write_json(lease.url, asdict(Holder("t0", here.host, dead.pid, "2026-01-01T00:00:00+00:00", here.machine)))
+    lease.acquire(wait=False, say=print)
+    lease.check()
+    lease.release()
 
 
 def test_gcs_runners_racing_for_a_free_lease_exactly_one_wins(gcs_bucket):
@@ -144,8 +185,3 @@ def test_gcs_runners_racing_for_a_free_lease_exactly_one_wins(gcs_bucket):
     winner.check()
     winner.release()
 
-
-def _new_holder():
-    from pipeline.storage.lease import Holder
-
-    return Holder.new()

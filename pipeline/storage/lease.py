@@ -5,7 +5,7 @@ A second `pipeline run` on the same run root waits for a step another runner is 
 holder died is taken over; a holder that lost its lease stops before its next commit.
 
 Each lease is a small JSON record, `{root}/.leases/{step}-{hash12}.json` (`storage.lease_url`),
-naming its holder (host, pid, a random token, since when):
+naming its holder (host, pid, a random token, since when, which kernel and PID namespace):
 
 - local disk: an OS file lock (`filelock`) on the `.lock` file beside the record guards it.
   The OS frees the lock the moment its holder dies, so takeover is immediate.
@@ -14,6 +14,9 @@ naming its holder (host, pid, a random token, since when):
   waiter that sees the same generation for `timeout` seconds of its own clock (no clock sync
   needed) takes it over with `ifGenerationMatch=<that generation>`: of several waiters
   exactly one wins. The old holder's next renewal fails and it counts the lease as lost.
+  A waiter on the holder's own machine does not wait out the timeout when the holder's
+  process is gone (`Holder.is_gone`): the rerun after a crash or a storage outage starts
+  at once.
 - memory:// (one process): no lease.
 
 Before each commit (a generate part, a success marker) the writer calls `check()`, which
@@ -38,6 +41,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 from pipeline import storage
@@ -71,6 +75,8 @@ class Holder:
     host: str
     pid: int
     since: str
+    machine: str = ""
+    """The holder's kernel boot id and PID namespace (`this_machine()`); '' where unknown."""
 
     def describe(self) -> str:
         return f"{self.host} pid {self.pid} (since {self.since})"
@@ -78,7 +84,32 @@ class Holder:
     @classmethod
     def new(cls) -> "Holder":
         now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        return cls(secrets.token_hex(8), socket.gethostname(), os.getpid(), now)
+        return cls(secrets.token_hex(8), socket.gethostname(), os.getpid(), now, this_machine())
+
+    def is_gone(self) -> bool:
+        """True only when the holder is provably dead: it ran on this machine (same host name,
+        kernel boot and PID namespace, so its pid means the same process here) and that pid no
+        longer runs. Anything else (another machine, a reboot, a pid reused since) is not proof:
+        the caller then waits for the lease to go unrenewed."""
+        if not self.machine or self.machine != this_machine() or self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)  # signal 0: only asks whether the pid exists
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # it exists, as another user's process
+            pass
+        return False
+
+
+def this_machine() -> str:
+    """This kernel's boot id and this process's PID namespace: two processes with the same value
+    see the same pids. '' where the system does not say (not Linux)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
 
 
 def timeout_s() -> float:
@@ -255,7 +286,8 @@ class _GcsLease:
         self.bucket = gcs.Client().bucket(bucket)
         self.timeout = timeout_s()
         self.poll_s = min(5.0, max(0.2, self.timeout / 10))
-        self.takeover_rule = f"taken over if not renewed for {self.timeout:.0f}s ({ENV_TIMEOUT})"
+        self.takeover_rule = (f"taken over if not renewed for {self.timeout:.0f}s ({ENV_TIMEOUT}), at once if its "
+                              f"holder ran on this machine and has exited")
         self.lost = False
         self._seen: tuple[int, float] | None = None   # (generation, when first seen), for staleness
         self._generation = 0
@@ -272,9 +304,9 @@ class _GcsLease:
             now = time.monotonic()
             if self._seen is None or self._seen[0] != generation:
                 self._seen = (generation, now)
-            if now - self._seen[1] < self.timeout:
+            if now - self._seen[1] < self.timeout and not other.is_gone():
                 return other
-            expect = generation  # no renewal for `timeout`: its holder is gone
+            expect = generation  # no renewal for `timeout`, or its process here has exited
         try:
             self._write(me, expect)
         except PreconditionFailed:
@@ -288,7 +320,11 @@ class _GcsLease:
     def read(self) -> Holder | None:
         return self._read_with_generation()[1]
 
-    peek = read  # a record whose holder died stays until a runner takes it over
+    def peek(self) -> Holder | None:
+        """The record's holder, unless it provably died (`Holder.is_gone`); the record of a holder
+        that died elsewhere stays until a runner takes it over."""
+        holder = self.read()
+        return None if holder is None or holder.is_gone() else holder
 
     def release(self, me: Holder) -> None:
         self._stop.set()
