@@ -217,6 +217,7 @@ def test_gcs_gone_for_good_fails_with_one_line_then_the_rerun_completes(emulator
     assert states["tokenize"] == "complete" and states["generate"] != "complete", states
     code, output = finish(start_run(start_pipeline, config, emulator.url))
     assert code == 0, output
+    assert "waiting:" not in output, "the dead runner's lease (same machine) should be taken at once"
     assert merged_rows(root, emulator.url) == reference
 
 
