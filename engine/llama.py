@@ -171,6 +171,12 @@ def _normal(key: jax.Array, axes: tuple[Axis, ...], std: float = 0.02) -> NamedA
     return hax.random.normal(key, axes) * std
 
 
+def _xla_cpu() -> bool:
+    """The programs being traced are for XLA's CPU backend (whose bfloat16 quirks two blocks below
+    work around)."""
+    return jax.default_backend() == "cpu"
+
+
 def linear(x: NamedArray, weight: NamedArray, axis: str) -> NamedArray:
     """x times a projection weight, summed over `axis`: accumulated in float32 and rounded once
     to x's dtype, as torch's Linear does.
@@ -179,8 +185,30 @@ def linear(x: NamedArray, weight: NamedArray, axis: str) -> NamedArray:
     result runs a generic loop, one with a float32 result the YNNPACK library (`__ynn_fusion`
     in the optimized HLO), about 5x faster (scripts/bench_dots.py). The weight stays as
     transformers saves it, (out, in): a contraction over its second axis is as fast as over
-    the first of an (in, out) copy. (`x @ w.T` in jax.numpy is not: it runs 6x slower.)"""
-    return hax.dot(x, weight, axis=axis, preferred_element_type=jnp.float32).astype(x.dtype)
+    the first of an (in, out) copy. (`x @ w.T` in jax.numpy is not: it runs 6x slower.)
+
+    On the CPU a 16-bit x with several other axes (batch, position) is flattened to one row
+    axis first: given a 3-D x, XLA's CPU backend copied every bfloat16 (out, in) weight to
+    (in, out) at the start of each decode call (185 ms of each 1.2 s call of the 125M model).
+    float32 weights are not copied, and accelerators' programs are left as they were."""
+    keep = tuple(a for a in x.axes if a.name != axis)
+    if x.dtype.itemsize != 2 or len(keep) < 2 or not _xla_cpu():
+        return hax.dot(x, weight, axis=axis, preferred_element_type=jnp.float32).astype(x.dtype)
+    rows = hax.flatten_axes(x.rearrange((*keep, x.resolve_axis(axis))), tuple(a.name for a in keep), "rows")
+    out = hax.dot(rows, weight, axis=axis, preferred_element_type=jnp.float32).astype(x.dtype)
+    return hax.unflatten_axis(out, "rows", keep)
+
+
+def embed(table: NamedArray, tokens: NamedArray) -> NamedArray:
+    """The rows of `table` (Vocab, Embed) for `tokens`. On the CPU a 16-bit table is gathered as
+    the same bits in uint16: XLA's CPU backend gathers bfloat16 through float32, and inside the
+    decode loop it converted the whole table once per call (81 ms of each 1.2 s decode call of
+    the 125M model). The uint16 view is still copied once per call, a plain copy (~5 ms there)."""
+    if table.dtype.itemsize != 2 or not _xla_cpu():
+        return table.take("vocab", tokens)
+    bits = hax.named(jax.lax.bitcast_convert_type(table.array, jnp.uint16), table.axes)
+    rows = bits.take("vocab", tokens)
+    return hax.named(jax.lax.bitcast_convert_type(rows.array, table.dtype), rows.axes)
 
 
 class RmsNorm(eqx.Module):
@@ -554,7 +582,7 @@ class LlamaLM(eqx.Module):
         each layer's fresh keys/values), or one PrefillChunk / DecodeStep per layer."""
         # auto_sharded: on a global mesh (engine/mesh.py) keeps rows on the data axis between
         # layers, so FSDP gathers weights instead of splitting activations; a no-op otherwise.
-        x = hax.auto_sharded(self.embed_tokens.take("vocab", tokens))
+        x = hax.auto_sharded(embed(self.embed_tokens, tokens))
         cos, sin = rotary_tables(self.config, positions, x.dtype)
         per_layer = isinstance(context, (tuple, list))
         new_kvs = []
