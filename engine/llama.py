@@ -172,8 +172,8 @@ def _normal(key: jax.Array, axes: tuple[Axis, ...], std: float = 0.02) -> NamedA
 
 
 def _xla_cpu() -> bool:
-    """The programs being traced are for XLA's CPU backend (whose bfloat16 quirks two blocks below
-    work around)."""
+    """The programs being traced are for XLA's CPU backend, whose bfloat16 quirks `linear` and
+    `embed` work around."""
     return jax.default_backend() == "cpu"
 
 
