@@ -95,10 +95,12 @@ class EngineConfig:
     """global_mesh only: {data: INT|auto, model: INT|auto} devices per mesh axis; auto = tensor
     parallel over gcd(devices, KV heads), the rest data parallel (checked against the model at load)."""
     prefill_chunk_tokens: int = 32
-    """Prompt tokens per row of one prefill call; a longer prompt takes several calls."""
+    """Prompt tokens per row of one prefill call; a longer prompt takes several rows (chunks), in
+    one call when rows are free."""
     prefill_tokens: int = 512
-    """Token budget of one prefill call: prefill_tokens // prefill_chunk_tokens prompts (at most
-    batch_size) advance by one chunk per call."""
+    """Token budget of one prefill call: prefill_tokens // prefill_chunk_tokens rows (at most
+    batch_size), each one chunk of a prompt: the first chunks of that many prompts, or the later
+    chunks of the prompts started, several of one prompt when fewer prompts are left."""
 
     def __post_init__(self):
         require(self.batch_size == "auto" or self.batch_size > 0, "engine.batch_size", self.batch_size,

@@ -18,7 +18,7 @@ scheduler is deterministic, so all hosts run the same compiled calls in the same
 Rows (prompt, sample) are scheduled in order of prompt length. A row's tokens depend only on
 (seed, prompt_index, sample_index): see sampler.py. Finished rows free their slot at the end of
 a decode chunk; once an eighth of the slots are free (or none is busy) the next prompts take
-them and are prefilled, `prefill_chunk_tokens` tokens per prompt per call, before decoding goes
+them and are prefilled, in chunks of `prefill_chunk_tokens` tokens, before decoding goes
 on, so finished rows stop costing work after at most a chunk. Every program's shapes come from
 the config (slots = batch_size, cache length, prefill rows x chunk, decode steps), so a run
 compiles at most four programs whatever its prompts (init, decode, prefill of first chunks and of
@@ -448,10 +448,13 @@ class Engine:
 
     def _prefill(self, cache, state, prefilling: collections.deque):
         """One prefill call: the first chunk of up to `_prefill_rows` prompts not started yet, or
-        else the next chunk of the first `_prefill_rows` started ones. Never both in one call: a
-        call of first chunks attends to the chunk alone (prefill_fresh, no cache read: about a
-        quarter of a cpu-mixed prefill's work was attention over the mostly empty cache row),
-        and each chunk of a prompt is then computed the same way whatever its neighbours."""
+        else the next chunks of the started ones, as many rows as the call has, several rows for
+        one prompt when fewer prompts than rows are left (a chunk attends to what the rows before
+        it in the same call wrote: each layer writes every row's keys/values before it attends).
+        First and later chunks never share a call: a call of first chunks attends to the chunk
+        alone (prefill_fresh, no cache read: about a quarter of a cpu-mixed prefill's work was
+        attention over the mostly empty cache row), so each chunk of a prompt is computed the
+        same way whatever its neighbours."""
         R, C, n, slots = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group, self.plan.batch_size
         tokens = np.zeros((R, C), np.int32)
         slot_ids = np.full((R, n), slots, np.int32)  # out of range: none
@@ -460,19 +463,21 @@ class Engine:
         is_last = np.zeros(R, bool)
         prompt_index = np.zeros(R, np.int32)
         sample_index = np.zeros((R, n), np.int32)
-        jobs = list(itertools.islice((job for job in prefilling if job.written == 0), R))
-        fresh = bool(jobs)
-        jobs = jobs or list(itertools.islice(prefilling, R))
-        for r, job in enumerate(jobs):
-            piece = job.ids[job.written : job.written + C]
+        pieces = [(job, 0) for job in itertools.islice((job for job in prefilling if job.written == 0), R)]
+        fresh = bool(pieces)
+        if not fresh:
+            for job in prefilling:
+                pieces += [(job, start) for start in range(job.written, len(job.ids), C)][: R - len(pieces)]
+        for r, (job, start) in enumerate(pieces):
+            piece = job.ids[start : start + C]
             tokens[r, : len(piece)] = piece
-            starts[r], lengths[r] = job.written, len(piece)
-            job.written += len(piece)
+            starts[r], lengths[r] = start, len(piece)
+            job.written = start + len(piece)
             is_last[r] = job.written == len(job.ids)
             slot_ids[r, : len(job.slots)] = job.slots
             prompt_index[r] = job.index
             sample_index[r, : len(job.rows)] = [row.sample_index for row in job.rows]
-        for job in jobs:
+        for job in {id(job): job for job, _ in pieces}.values():
             if job.written == len(job.ids):
                 prefilling.remove(job)
         self.stats.padded_prompt_tokens += R * C

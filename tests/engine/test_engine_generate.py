@@ -46,6 +46,27 @@ def test_sampling_is_independent_of_batch_and_order(llama):
     assert any(other_seed[(0, s)].token_ids != everything[(0, s)].token_ids for s in range(3))
 
 
+def test_later_chunks_of_a_lone_prompt_share_prefill_calls(llama):
+    """When fewer prompts are being prefilled than a call has rows, one prompt's later chunks
+    take several rows of one call, each attending to what the rows before it wrote in that call:
+    a 40-token prompt in 8-token chunks takes 2 calls (first chunk, then the other four) instead
+    of 5, and its samples get the tokens of one chunk per call."""
+    path, _ = llama
+    prompt = np.random.RandomState(3).randint(0, VOCAB, 40).tolist()
+
+    def run(prefill_tokens: int):
+        engine = Engine.load(path, dtype="float32", sampling=SAMPLED, max_prompt_tokens=40,
+                             engine=EngineConfig(batch_size=4, prefill_chunk_tokens=8, prefill_tokens=prefill_tokens))
+        out = _run(engine, [GenerationRequest(0, prompt, range(3))])
+        return {key: c.token_ids for key, c in out.items()}, engine.stats.prefill_calls
+
+    packed, packed_calls = run(32)  # 4 rows per call
+    single, single_calls = run(8)  # 1 row per call
+    assert (packed_calls, single_calls) == (2, 5)
+    assert sorted(packed) == [(0, 0), (0, 1), (0, 2)] and all(len(t) == 10 for t in packed.values())
+    assert packed == single
+
+
 @pytest.fixture(scope="module")
 def greedy_ref(llama):
     """Greedy tokens of PROMPTS[1] with no stop rule: 12 tokens, finish_reason length."""
