@@ -167,7 +167,7 @@ def prefill_chunk(
     hidden, layers = model.forward(hax.named(tokens, (Batch, Pos)), hax.named(positions, (Batch, Pos)), contexts)
 
     last = hidden.rearrange(("batch", "position", "embed")).array[jnp.arange(R), lengths - 1]
-    logits = model.logits(hax.named(last, (Batch, model.config.Embed))).rearrange(("batch", "vocab")).array
+    logits = model.logits(hax.named(last, (Batch, model.config.Embed))).rearrange(("vocab", "batch")).array
 
     # Each (row, sample) pair j = r * n + i that starts decoding now, and which slot it fills.
     flat_slots = jnp.where(jnp.repeat(is_last, n), slots.reshape(-1), num_slots)
@@ -175,7 +175,7 @@ def prefill_chunk(
     is_new = source >= 0
     j = jnp.maximum(source, 0)
     keys = row_keys(spec.sampling.seed, jnp.repeat(prompt_index, n)[j], sample_index.reshape(-1)[j])
-    first = sample(jnp.repeat(logits, n, axis=0)[j], step_keys(keys, jnp.zeros(num_slots, jnp.int32)), spec.sampling)
+    first = sample(jnp.repeat(logits, n, axis=1)[:, j], step_keys(keys, jnp.zeros(num_slots, jnp.int32)), spec.sampling)
     done = _is_stop(first, spec.stop_ids) | (spec.sampling.max_new_tokens <= 1)
     state = DecodeState(
         last_token=jnp.where(is_new, first, state.last_token),
@@ -245,7 +245,7 @@ def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState,
         hidden, chunk_kv = model.forward(
             hax.named(st.last_token[:, None], (Batch, Pos)), hax.named(st.position[:, None], (Batch, Pos)), contexts,
         )
-        logits = model.logits(hidden["position", 0]).rearrange(("batch", "vocab")).array
+        logits = model.logits(hidden["position", 0]).rearrange(("vocab", "batch")).array
         token = sample(logits, step_keys(st.keys, st.generated), spec.sampling)
         live = ~st.done
         generated = st.generated + live

@@ -593,8 +593,11 @@ class LlamaLM(eqx.Module):
         return self.norm(x), tuple(new_kvs)
 
     def logits(self, hidden: NamedArray) -> NamedArray:
+        """float32 logits (vocab, hidden's other axes...): the head times hidden, in that order.
+        On XLA's CPU this order is the faster one (LM head of the cpu-tiny model, batch 32: 3.3 ms
+        against 4.3 ms with the batch first, scripts/bench_dots.py); callers rearrange as needed."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return hax.dot(hidden, head, axis="embed", preferred_element_type=jnp.float32)
+        return hax.dot(head, hidden, axis="embed", preferred_element_type=jnp.float32)
 
 
 def parameter_bytes(config: LlamaConfig, dtype) -> int:

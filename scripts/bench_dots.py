@@ -9,6 +9,8 @@ and bfloat16:
   for bfloat16, rounded back to bfloat16 after);
 - `(out,in) same-dtype result`: the same contraction with the result in the weights' dtype;
 - `(in,out) f32 result`: the same dot from a transposed copy of the weight;
+- `weight first`: the weight times x, giving (out, batch), float32 result: how `LlamaLM.logits`
+  computes the LM head;
 - `x @ w.T`: jax.numpy's spelling of the first (`jnp.matmul(x, w.T)`, float32 result), which
   XLA's CPU backend runs far slower in bfloat16;
 - torch's `nn.functional.linear` on the same values (its weights are (out, in)).
@@ -26,7 +28,7 @@ import time
 
 import numpy as np
 
-SHAPES = [(32, 768, 2048), (32, 768, 32000), (64, 256, 32000)]
+SHAPES = [(32, 768, 2048), (32, 768, 32000), (16, 256, 32000), (64, 256, 32000)]
 
 
 def _time(fn, *args, reps: int = 30) -> float:
@@ -61,6 +63,7 @@ def main() -> None:
             contract = (((1,), (1,)), ((), ()))  # x's second axis with the (out, in) weight's second
             f32_result = jax.jit(lambda x, w: jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.float32).astype(x.dtype))
             same_dtype = jax.jit(lambda x, w: jax.lax.dot_general(x, w, contract))
+            weight_first = jax.jit(lambda x, w: jax.lax.dot_general(w, x, contract, preferred_element_type=jnp.float32).astype(x.dtype))
             in_out = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
             matmul_t = jax.jit(lambda x, w: jnp.matmul(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype))
             xt = torch.tensor(x, dtype=getattr(torch, dtype))
@@ -72,6 +75,7 @@ def main() -> None:
                 "out_in_f32_result_ms": round(_time(f32_result, xj, w_out_in, reps=args.reps), 3),
                 "out_in_same_dtype_ms": round(_time(same_dtype, xj, w_out_in, reps=args.reps), 3),
                 "in_out_f32_result_ms": round(_time(in_out, xj, w_in_out, reps=args.reps), 3),
+                "weight_first_ms": round(_time(weight_first, xj, w_out_in, reps=args.reps), 3),
                 "matmul_w_T_ms": round(_time(matmul_t, xj, w_out_in, reps=args.reps), 3),
                 "torch_ms": round(torch_ms, 3),
             }
