@@ -214,7 +214,7 @@ class Engine:
         n_dev = layout.data_size
         rows = max(1, engine_config.prefill_tokens // engine_config.prefill_chunk_tokens)
         self._prefill_rows = min(-(-rows // n_dev) * n_dev, plan.batch_size)
-        """Prompts advanced per prefill call (a multiple of the data-parallel devices)."""
+        """Rows of a prefill call, each one chunk of a prompt (a multiple of the data-parallel devices)."""
         self._group = min(sampling.n, plan.batch_size)
         """Samples of one prompt that share one prefill (each needs a slot)."""
 
@@ -309,7 +309,7 @@ class Engine:
             f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row + prefill"
             f" {p.working_bytes / 2**20:.0f} MiB) of {p.limit_bytes / GiB:.2f} GiB allowed;"
             f" prompts <= {self.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new;"
-            f" prefill {self._prefill_rows} prompts x {self.engine_config.prefill_chunk_tokens} tokens per call"
+            f" prefill {self._prefill_rows} rows x {self.engine_config.prefill_chunk_tokens} tokens per call"
         )
 
     # ------------------------------------------------------------------ compiled programs
