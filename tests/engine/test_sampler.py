@@ -1,0 +1,63 @@
+"""The token choice on its own (engine/sampler.py): logits come vocabulary first, [vocab, rows],
+as the LM head computes them. Greedy is numpy's argmax (the first maximum) whatever the
+vocabulary size; the sampling filters keep what they promise; a row's token depends on its own
+logits and key only."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine import SamplingParams
+from engine.sampler import greedy, row_keys, sample, step_keys
+
+
+def _keys(rows: int, seed: int = 0):
+    return step_keys(row_keys(seed, jnp.arange(rows), jnp.zeros(rows, jnp.int32)), jnp.zeros(rows, jnp.int32))
+
+
+@pytest.mark.parametrize("vocab", [32000, 130, 5])
+def test_greedy_is_the_first_maximum_of_each_row(vocab):
+    """130 and 5 are not multiples of the 128-entry blocks greedy reduces in: padding must never win."""
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal((vocab, 6)).astype(np.float32)
+    logits[:, 1] = -np.inf  # every entry -inf: numpy says 0
+    logits[[vocab - 1, 2 % vocab], 2] = 50.0  # a tie: the lower index wins
+    logits[vocab - 1, 3] = 60.0  # the best is the last entry, beside the padding
+    logits[:, 4] = logits[0, 4]  # all equal
+    assert np.asarray(greedy(jnp.asarray(logits))).tolist() == np.argmax(logits, axis=0).tolist()
+
+
+def test_top_k_1_and_a_tiny_top_p_always_take_the_best_token():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((300, 64)).astype(np.float32) * 3)
+    best = np.argmax(np.asarray(logits), axis=0)
+    for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
+        assert np.asarray(sample(logits, _keys(64), params)).tolist() == best.tolist(), params
+
+
+def test_temperature_sampling_follows_the_softmax_and_top_k_cuts_the_tail():
+    """Three tokens at probability 0.6 / 0.3 / 0.1 (at temperature 1), 4,000 rows, each its own key."""
+    rows = 4000
+    probs = np.array([0.6, 0.3, 0.1])
+    logits = np.full((50, rows), -np.inf, np.float32)
+    logits[[7, 20, 33], :] = np.log(probs)[:, None]
+    logits = jnp.asarray(logits)
+    drawn = np.asarray(sample(logits, _keys(rows), SamplingParams(temperature=1.0)))
+    counts = np.array([(drawn == t).mean() for t in (7, 20, 33)])
+    assert counts.sum() == 1.0 and np.abs(counts - probs).max() < 0.03, counts
+    top2 = np.asarray(sample(logits, _keys(rows, seed=1), SamplingParams(temperature=1.0, top_k=2)))
+    assert set(top2.tolist()) == {7, 20} and abs((top2 == 7).mean() - 2 / 3) < 0.03
+
+
+def test_a_rows_token_depends_on_its_own_logits_and_key_only():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((1000, 16)).astype(np.float32)
+    keys = _keys(16, seed=5)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50)
+    tokens = np.asarray(sample(jnp.asarray(logits), keys, params))
+    order = rng.permutation(16)
+    shuffled = np.asarray(sample(jnp.asarray(logits[:, order]), keys[order], params))
+    assert shuffled.tolist() == tokens[order].tolist()
+    assert len(set(tokens.tolist())) > 8  # not a constant
