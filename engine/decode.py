@@ -20,8 +20,9 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
 - A prefill chunk runs `R` rows of `C` tokens, each the next chunk of a prompt (a longer prompt
   takes several chunks, each attending to what the previous ones wrote, gathered from the start
   of its cache row; later chunks of one prompt may share a call, as every layer writes all rows'
-  keys/values before any row attends; a first chunk attends to itself only), writing their keys/values straight into the cache
-  rows of the prompt's samples, and samples the first token of every prompt whose chunk ends it.
+  keys/values before any row attends; a first chunk attends to itself only), writing their
+  keys/values straight into the cache rows of the prompt's samples, and samples the first token
+  of every prompt whose chunk ends it.
 - A decode chunk runs up to `steps` tokens in one `lax.while_loop` (no Python per token), stopping
   early when every slot is done. It attends over the cache where it lives, masked by each row's
   position: only over its first page (`cache_pages`: a quarter of it) when that holds every live row,

@@ -477,9 +477,8 @@ class Engine:
             slot_ids[r, : len(job.slots)] = job.slots
             prompt_index[r] = job.index
             sample_index[r, : len(job.rows)] = [row.sample_index for row in job.rows]
-        for job in {id(job): job for job, _ in pieces}.values():
-            if job.written == len(job.ids):
-                prefilling.remove(job)
+        for job in [job for job in prefilling if job.written == len(job.ids)]:
+            prefilling.remove(job)
         self.stats.padded_prompt_tokens += R * C
         self.stats.prefill_calls += 1
         rows = functools.partial(jax.device_put, device=self._batch_sharding)
