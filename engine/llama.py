@@ -641,7 +641,7 @@ def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM
     return mapping
 
 
-def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> LlamaLM:
+def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None, projections_in_out: bool = False) -> LlamaLM:
     """Reads every weight into `dtype`, tensor by tensor, straight into its sharding.
 
     The files are engine/checkpoint.py's to read; this places each tensor by the mapping above.
@@ -649,7 +649,13 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> 
     Sharding, or None (the first local device). For each of this host's devices only the rows of
     the tensor's first axis its block spans are read (once per distinct row range), so a host
     reads about its own share of a sharded model (all of it when replicated) and holds at most
-    one tensor's worth of host memory beyond what is on its devices."""
+    one tensor's worth of host memory beyond what is on its devices.
+
+    projections_in_out: hold the layers' projections (q/k/v/o, gate/up/down) transposed, (in,
+    out), instead of as saved; only for a sharding that gives every device whole tensors. The
+    projections contract by axis name (`linear`), so only the memory layout changes: XLA's CPU
+    backend runs float32 decode faster that way (the 125M benchmark 16.1-16.5 s to 15.0-15.2 s,
+    the same tokens). Embedding and LM head stay as saved."""
     tensors = checkpoint.read_tensors(path)
     skeleton = eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0))
     mapping = checkpoint_mapping(config)
@@ -671,13 +677,19 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> 
             )
         # Devices holding different columns of the same rows share one read of those rows.
         rows = functools.lru_cache(maxsize=None)(functools.partial(checkpoint.read_rows, tensor, shape))
+        axes = target.axes
+        if projections_in_out and name.endswith("_proj.weight"):
+            axes = axes[::-1]
 
-        def block(index, rows=rows, shape=shape):
-            first = range(shape[0])[index[0]]
-            return rows(first.start, first.stop)[(slice(None),) + tuple(index[1:])].astype(dtype)
+            def block(index, rows=rows, shape=shape):
+                return rows(0, shape[0]).T[index].astype(dtype)
+        else:
+            def block(index, rows=rows, shape=shape):
+                first = range(shape[0])[index[0]]
+                return rows(first.start, first.stop)[(slice(None),) + tuple(index[1:])].astype(dtype)
 
-        array = jax.make_array_from_callback(shape, sharding_for(target.axes), block)
+        array = jax.make_array_from_callback(tuple(a.size for a in axes), sharding_for(axes), block)
         rows.cache_clear()
         wheres.append(where)
-        values.append(hax.named(array, target.axes))
+        values.append(hax.named(array, axes))
     return eqx.tree_at(lambda m: [w(m) for w in wheres], skeleton, values)
