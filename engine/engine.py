@@ -471,7 +471,7 @@ class Engine:
         fresh = bool(pieces)
         if not fresh:
             for job in prefilling:
-                pieces += [(job, start) for start in range(job.written, len(job.ids), C)][: R - len(pieces)]
+                pieces += [(job, start) for start in range(job.written, len(job.ids), C)[: R - len(pieces)]]
         for r, (job, start) in enumerate(pieces):
             piece = job.ids[start : start + C]
             tokens[r, : len(piece)] = piece

@@ -652,7 +652,7 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None, pro
     one tensor's worth of host memory beyond what is on its devices.
 
     projections_in_out: hold the layers' projections (q/k/v/o, gate/up/down) transposed, (in,
-    out), instead of as saved; only for a sharding that gives every device whole tensors. The
+    out), instead of as saved; each is read whole (meant for devices that hold whole tensors). The
     projections contract by axis name (`linear`), so only the memory layout changes: XLA's CPU
     backend runs float32 faster that way (the 125M benchmark: 16.3-16.8 s to 14.9-15.1 s in
     alternating quiet runs, the same tokens; the 4 x 256 one unchanged). Embedding and LM head
