@@ -15,9 +15,17 @@ and bfloat16:
   XLA's CPU backend runs far slower in bfloat16;
 - torch's `nn.functional.linear` on the same values (its weights are (out, in)).
 
+With `--stack`, it times instead one decode step's projections of whole models (each layer's
+own q/k/v/o/gate/up/down weights, as the engine reads them: a single repeated weight stays in
+the CPU's cache and flatters every layout), at the cpu-125m and cpu-tiny shapes, three ways:
+rows first from (out, in) weights (the engine's bfloat16 path), rows first from (in, out)
+weights (its float32 path on the CPU), and weight first with the activations held (embed, rows)
+between layers, so that no layer transposes; torch beside them.
+
 Run it on a quiet machine (nothing else running; figures taken under load are off by 2-5x):
 
     python scripts/bench_dots.py
+    python scripts/bench_dots.py --stack
 """
 
 from __future__ import annotations
@@ -42,10 +50,63 @@ def _time(fn, *args, reps: int = 30) -> float:
     return (time.perf_counter() - start) / reps * 1e3
 
 
+STACKS = [(32, 768, 2048, 12), (64, 256, 688, 4), (16, 256, 688, 4)]
+"""(rows, hidden, intermediate, layers): cpu-125m's decode, cpu-tiny's, and cpu-mixed's at batch 16."""
+
+
+def stack(args) -> None:
+    import torch  # before JAX starts, as bench_engine.py does
+
+    import jax
+    import jax.numpy as jnp
+
+    def step(linear, silu, x, layers):
+        """One decode step's projections: q, k, v and o, then gate, up and down, per layer."""
+        for w in layers:
+            h = linear(x, w["q"]) + linear(x, w["k"]) + linear(x, w["v"])
+            x = x + linear(h, w["o"])
+            x = x + linear(silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
+        return x
+
+    def f32_result(order, contract):
+        """x times w as `order` puts them, contracting `contract`: a float32 result rounded to x's dtype."""
+        return lambda x, w: jax.lax.dot_general(*order(x, w), (contract, ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
+
+    ways = {  # name: (x as given, each weight (out, in) -> as held, the projection)
+        "rows_first_out_in_ms": (False, lambda w: w, f32_result(lambda x, w: (x, w), ((1,), (1,)))),
+        "rows_first_in_out_ms": (False, lambda w: w.T.copy(), f32_result(lambda x, w: (x, w), ((1,), (0,)))),
+        "weight_first_embed_rows_ms": (True, lambda w: w, f32_result(lambda x, w: (w, x), ((1,), (0,)))),
+    }
+    rng = np.random.default_rng(0)
+    for rows, hidden, mlp, n_layers in STACKS:
+        shapes = dict(q=(hidden, hidden), k=(hidden, hidden), v=(hidden, hidden), o=(hidden, hidden),
+                      gate=(mlp, hidden), up=(mlp, hidden), down=(hidden, mlp))
+        weights = [{k: rng.standard_normal(shape, np.float32) * 0.02 for k, shape in shapes.items()} for _ in range(n_layers)]
+        x = rng.standard_normal((rows, hidden), np.float32)
+        for dtype in ("float32", "bfloat16"):
+            jdt = jnp.dtype(dtype)
+            row = {"rows": rows, "hidden": hidden, "intermediate": mlp, "layers": n_layers, "dtype": dtype,
+                   "weights_mb": round(sum(w.size for layer in weights for w in layer.values()) * jdt.itemsize / 1e6)}
+            for name, (transposed, hold, linear) in ways.items():
+                held = [{k: jnp.asarray(hold(w), jdt) for k, w in layer.items()} for layer in weights]
+                xj = jnp.asarray(x.T.copy() if transposed else x, jdt)
+                row[name] = round(_time(jax.jit(lambda x, ws, linear=linear: step(linear, jax.nn.silu, x, ws)), xj, held, reps=args.reps), 2)
+            tdt = getattr(torch, dtype)
+            torch_layers = [{k: torch.tensor(w, dtype=tdt) for k, w in layer.items()} for layer in weights]
+            silu, linear = torch.nn.functional.silu, torch.nn.functional.linear
+            with torch.inference_mode():
+                row["torch_ms"] = round(_time(lambda: step(linear, silu, torch.tensor(x, dtype=tdt), torch_layers), reps=args.reps), 2)
+            print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--stack", action="store_true", help="time whole models' projections per decode step (see above)")
     args = parser.parse_args()
+    if args.stack:
+        stack(args)
+        return
 
     import torch  # before JAX starts, as bench_engine.py does
 
