@@ -50,6 +50,15 @@ def _time(fn, *args, reps: int = 30) -> float:
     return (time.perf_counter() - start) / reps * 1e3
 
 
+def _f32_result(order, contract):
+    """A projection x, w -> the dot of `order(x, w)` contracting `contract` (lhs, rhs axes), with
+    a float32 result rounded to x's dtype, as the engine's `linear` asks XLA for it."""
+    import jax
+    import jax.numpy as jnp
+
+    return lambda x, w: jax.lax.dot_general(*order(x, w), (contract, ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 STACKS = [(32, 768, 2048, 12), (64, 256, 688, 4), (16, 256, 688, 4)]
 """(rows, hidden, intermediate, layers): cpu-125m's decode, cpu-tiny's, and cpu-mixed's at batch 16."""
 
@@ -68,14 +77,10 @@ def stack(args) -> None:
             x = x + linear(silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
         return x
 
-    def f32_result(order, contract):
-        """x times w as `order` puts them, contracting `contract`: a float32 result rounded to x's dtype."""
-        return lambda x, w: jax.lax.dot_general(*order(x, w), (contract, ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
-
     ways = {  # name: (x as given, each weight (out, in) -> as held, the projection)
-        "rows_first_out_in_ms": (False, lambda w: w, f32_result(lambda x, w: (x, w), ((1,), (1,)))),
-        "rows_first_in_out_ms": (False, lambda w: w.T.copy(), f32_result(lambda x, w: (x, w), ((1,), (0,)))),
-        "weight_first_embed_rows_ms": (True, lambda w: w, f32_result(lambda x, w: (w, x), ((1,), (0,)))),
+        "rows_first_out_in_ms": (False, lambda w: w, _f32_result(lambda x, w: (x, w), ((1,), (1,)))),
+        "rows_first_in_out_ms": (False, lambda w: w.T.copy(), _f32_result(lambda x, w: (x, w), ((1,), (0,)))),
+        "weight_first_embed_rows_ms": (True, lambda w: w, _f32_result(lambda x, w: (w, x), ((1,), (0,)))),
     }
     rng = np.random.default_rng(0)
     for rows, hidden, mlp, n_layers in STACKS:
@@ -121,10 +126,10 @@ def main() -> None:
             jdt = jnp.dtype(dtype)
             xj, w_in_out = jnp.asarray(x, jdt), jnp.asarray(w, jdt)
             w_out_in = jnp.asarray(w.T.copy(), jdt)
-            contract = (((1,), (1,)), ((), ()))  # x's second axis with the (out, in) weight's second
-            f32_result = jax.jit(lambda x, w: jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.float32).astype(x.dtype))
-            same_dtype = jax.jit(lambda x, w: jax.lax.dot_general(x, w, contract))
-            weight_first = jax.jit(lambda x, w: jax.lax.dot_general(w, x, contract, preferred_element_type=jnp.float32).astype(x.dtype))
+            contract = ((1,), (1,))  # x's second axis with the (out, in) weight's second
+            f32_result = jax.jit(_f32_result(lambda x, w: (x, w), contract))
+            same_dtype = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (contract, ((), ()))))
+            weight_first = jax.jit(_f32_result(lambda x, w: (w, x), contract))
             in_out = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
             matmul_t = jax.jit(lambda x, w: jnp.matmul(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype))
             xt = torch.tensor(x, dtype=getattr(torch, dtype))
