@@ -167,8 +167,8 @@ def prefill_chunk(
     contexts = tuple(PrefillChunk(kv, slots, positions, write_positions, reach, fresh) for kv in cache.layers)
     hidden, layers = model.forward(hax.named(tokens, (Batch, Pos)), hax.named(positions, (Batch, Pos)), contexts)
 
-    last = hidden.rearrange(("batch", "position", "embed")).array[jnp.arange(R), lengths - 1]
-    logits = model.logits(hax.named(last, (Batch, model.config.Embed))).rearrange(("vocab", "batch")).array
+    last = hidden.rearrange(("embed", "batch", "position")).array[:, jnp.arange(R), lengths - 1]
+    logits = model.logits(hax.named(last, (model.config.Embed, Batch))).rearrange(("vocab", "batch")).array
 
     # Each (row, sample) pair j = r * n + i that starts decoding now, and which slot it fills.
     flat_slots = jnp.where(jnp.repeat(is_last, n), slots.reshape(-1), num_slots)

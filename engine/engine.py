@@ -285,11 +285,7 @@ class Engine:
             prefill_tokens=engine.prefill_tokens,
             prefill_chunk_tokens=engine.prefill_chunk_tokens,
         )
-        # float32 on the CPU: projections held (in, out), which XLA's CPU backend runs faster
-        # (load_checkpoint); bfloat16 measured the same either way, so it stays as saved.
-        in_out = dtype == "float32" and devices[0].platform == "cpu" and not layout.is_global
-        model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding,
-                                projections_in_out=in_out)
+        model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding)
         return Engine(model, config, dtype=dtype, engine_config=engine, sampling=sampling,
                       max_prompt_tokens=max_prompt_tokens, plan=plan, eos_token_ids=tuple(eos), tokenizer=tokenizer,
                       layout=layout, source=model_path)

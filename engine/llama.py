@@ -172,31 +172,24 @@ def _normal(key: jax.Array, axes: tuple[Axis, ...], std: float = 0.02) -> NamedA
 
 
 def _xla_cpu() -> bool:
-    """The programs being traced are for XLA's CPU backend, whose bfloat16 quirks `linear` and
-    `embed` work around."""
+    """The programs being traced are for XLA's CPU backend, whose bfloat16 gather `embed` works
+    around."""
     return jax.default_backend() == "cpu"
 
 
 def linear(x: NamedArray, weight: NamedArray, axis: str) -> NamedArray:
-    """x times a projection weight, summed over `axis`: accumulated in float32 and rounded once
-    to x's dtype, as torch's Linear does.
+    """A projection weight times x, summed over `axis`: (weight's out axis, x's other axes...),
+    accumulated in float32 and rounded once to x's dtype, as torch's Linear does.
 
-    Asking XLA for a float32 result matters on its CPU backend: a bfloat16 dot with a bfloat16
-    result runs a generic loop, one with a float32 result the YNNPACK library (`__ynn_fusion`
-    in the optimized HLO), about 5x faster (scripts/bench_dots.py). The weight stays as
-    transformers saves it, (out, in): a contraction over its second axis is as fast as over
-    the first of an (in, out) copy. (`x @ w.T` in jax.numpy is not: it runs 6x slower.)
-
-    On the CPU a 16-bit x with several other axes (batch, position) is flattened to one row
-    axis first: given a 3-D x, XLA's CPU backend copied every bfloat16 (out, in) weight to
-    (in, out) at the start of each decode call (185 ms of each 1.2 s call of the 125M model).
-    float32 weights are not copied, and accelerators' programs are left as they were."""
-    keep = tuple(a for a in x.axes if a.name != axis)
-    if x.dtype.itemsize != 2 or len(keep) < 2 or not _xla_cpu():
-        return hax.dot(x, weight, axis=axis, preferred_element_type=jnp.float32).astype(x.dtype)
-    rows = hax.flatten_axes(x.rearrange((*keep, x.resolve_axis(axis))), tuple(a.name for a in keep), "rows")
-    out = hax.dot(rows, weight, axis=axis, preferred_element_type=jnp.float32).astype(x.dtype)
-    return hax.unflatten_axis(out, "rows", keep)
+    The engine holds activations feature axis first, (embed, batch, position), and weights as
+    transformers saves them, (out, in): each projection is then the plain weight @ x, with no
+    transpose of either side, and its result comes out feature first for the next one. XLA's
+    CPU backend runs a decode step's projections fastest this way at the 125M shape: a fifth
+    less time than x @ weight in float32, a quarter to a third less in bfloat16 (scripts/
+    bench_dots.py --stack), about 7 % of the whole decode step (docs/performance-notes.md). Asking for a float32 result matters
+    there too: a bfloat16 dot with a bfloat16 result runs a generic loop, one with a float32
+    result the YNNPACK library (`__ynn_fusion` in the optimized HLO), about 5x faster."""
+    return hax.dot(weight, x, axis=axis, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def embed(table: NamedArray, tokens: NamedArray) -> NamedArray:
@@ -416,7 +409,7 @@ class Attention(eqx.Module):
         )
 
     def __call__(self, x: NamedArray, cos: NamedArray, sin: NamedArray, context) -> tuple[NamedArray, LayerKV]:
-        """x (Batch, Pos, Embed); returns (output, keys/values), by the kind of `context`:
+        """x (Embed, Batch, Pos); returns (output, keys/values), by the kind of `context`:
 
         - a mask (Batch, Pos, KPos), True where a query may attend (prefill without a cache):
           keys are this call's own positions, returned as a fresh LayerKV.
@@ -433,7 +426,8 @@ class Attention(eqx.Module):
         v = hax.unflatten_axis(linear(x, self.v_proj, "embed"), "kv_heads_dim", (c.KVHeads, c.HeadDim))
         if self.q_bias is not None:
             q, k, v = q + self.q_bias, k + self.k_bias, v + self.v_bias
-        q = apply_rotary(q, cos, sin)
+        # Attention runs rows first over the cache's rows: q, k and v (small) turn, then its result.
+        q = apply_rotary(q, cos, sin).rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim"))
         k = apply_rotary(k, cos, sin).rearrange(("batch", "kv_heads", "position", "head_dim"))
         v = v.rearrange(("batch", "kv_heads", "position", "head_dim"))
         scale = 1.0 / math.sqrt(self.config.head_dim)
@@ -446,7 +440,7 @@ class Attention(eqx.Module):
             else:
                 keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
                 new_kv, attn = LayerKV(keys, values), _attend(q, keys, values, context, scale)
-        attn = attn.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).astype(x.dtype)
+        attn = attn.rearrange(("kv_heads", "q_per_kv", "head_dim", "batch", "position")).astype(x.dtype)
         out = linear(hax.flatten_axes(attn, ("kv_heads", "q_per_kv", "head_dim"), "q_heads_dim"), self.o_proj, "q_heads_dim")
         if self.o_bias is not None:
             out = out + self.o_bias
@@ -582,7 +576,7 @@ class LlamaLM(eqx.Module):
         each layer's fresh keys/values), or one PrefillChunk / DecodeStep per layer."""
         # auto_sharded: on a global mesh (engine/mesh.py) keeps rows on the data axis between
         # layers, so FSDP gathers weights instead of splitting activations; a no-op otherwise.
-        x = hax.auto_sharded(embed(self.embed_tokens, tokens))
+        x = hax.auto_sharded(embed(self.embed_tokens, tokens).rearrange(("embed", ...)))  # feature first: `linear`
         cos, sin = rotary_tables(self.config, positions, x.dtype)
         per_layer = isinstance(context, (tuple, list))
         new_kvs = []
@@ -593,11 +587,8 @@ class LlamaLM(eqx.Module):
         return self.norm(x), tuple(new_kvs)
 
     def logits(self, hidden: NamedArray) -> NamedArray:
-        """float32 logits (vocab, hidden's other axes...): the head times hidden, in that order,
-        which XLA's CPU backend runs faster (scripts/bench_dots.py, 32 x 768 by 768 x 32,000: 8.6
-        ms against 13.2 ms with the batch first in float32, 5.8 against 7.3 in bfloat16); the
-        sampler takes the vocabulary first. Projections are not computed this way: their (out,
-        rows) results made XLA transpose between layers (cpu-125m float32: 16.8 s to 24.4 s)."""
+        """float32 logits (vocab, hidden's other axes...): the head times hidden, weight first as
+        every projection (`linear`); the sampler takes the vocabulary first."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return hax.dot(head, hidden, axis="embed", preferred_element_type=jnp.float32)
 
@@ -641,7 +632,7 @@ def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM
     return mapping
 
 
-def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None, projections_in_out: bool = False) -> LlamaLM:
+def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> LlamaLM:
     """Reads every weight into `dtype`, tensor by tensor, straight into its sharding.
 
     The files are engine/checkpoint.py's to read; this places each tensor by the mapping above.
@@ -649,14 +640,8 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None, pro
     Sharding, or None (the first local device). For each of this host's devices only the rows of
     the tensor's first axis its block spans are read (once per distinct row range), so a host
     reads about its own share of a sharded model (all of it when replicated) and holds at most
-    one tensor's worth of host memory beyond what is on its devices.
-
-    projections_in_out: hold the layers' projections (q/k/v/o, gate/up/down) transposed, (in,
-    out), instead of as saved; each is read whole (meant for devices that hold whole tensors). The
-    projections contract by axis name (`linear`), so only the memory layout changes: XLA's CPU
-    backend runs float32 faster that way (the 125M benchmark: 16.3-16.8 s to 14.9-15.1 s in
-    alternating quiet runs, the same tokens; the 4 x 256 one unchanged). Embedding and LM head
-    stay as saved."""
+    one tensor's worth of host memory beyond what is on its devices. Every tensor stays as saved:
+    projections (out, in), which `linear` multiplies weight first."""
     tensors = checkpoint.read_tensors(path)
     skeleton = eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0))
     mapping = checkpoint_mapping(config)
@@ -678,19 +663,13 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None, pro
             )
         # Devices holding different columns of the same rows share one read of those rows.
         rows = functools.lru_cache(maxsize=None)(functools.partial(checkpoint.read_rows, tensor, shape))
-        axes = target.axes
-        if projections_in_out and name.endswith("_proj.weight"):
-            axes = axes[::-1]
 
-            def block(index, rows=rows, shape=shape):
-                return rows(0, shape[0]).T[index].astype(dtype)
-        else:
-            def block(index, rows=rows, shape=shape):
-                first = range(shape[0])[index[0]]
-                return rows(first.start, first.stop)[(slice(None),) + tuple(index[1:])].astype(dtype)
+        def block(index, rows=rows, shape=shape):
+            first = range(shape[0])[index[0]]
+            return rows(first.start, first.stop)[(slice(None),) + tuple(index[1:])].astype(dtype)
 
-        array = jax.make_array_from_callback(tuple(a.size for a in axes), sharding_for(axes), block)
+        array = jax.make_array_from_callback(shape, sharding_for(target.axes), block)
         rows.cache_clear()
         wheres.append(where)
-        values.append(hax.named(array, axes))
+        values.append(hax.named(array, target.axes))
     return eqx.tree_at(lambda m: [w(m) for w in wheres], skeleton, values)

@@ -1,16 +1,16 @@
 """Time one projection (x times a weight) the ways XLA's CPU backend can be asked for it, beside torch.
 
-The engine's `llama.linear` contracts x with the weight as transformers saves it, (out, in),
-over its second axis, and asks for a float32 result rounded to the model's dtype; this script
-is the measurement behind both choices. For each shape (batch, in, out) it times, in float32
+The engine's `llama.linear` multiplies the weight as transformers saves it, (out, in), by
+activations held feature first, and asks for a float32 result rounded to the model's dtype;
+this script is the measurement behind these choices. For each shape (batch, in, out) it times, in float32
 and bfloat16:
 
 - `(out,in) f32 result`: what `linear` does (a dot_general over the weight's second axis;
   for bfloat16, rounded back to bfloat16 after);
 - `(out,in) same-dtype result`: the same contraction with the result in the weights' dtype;
 - `(in,out) f32 result`: the same dot from a transposed copy of the weight;
-- `weight first`: the weight times x, giving (out, batch), float32 result: how `LlamaLM.logits`
-  computes the LM head;
+- `weight first`: the weight times x, giving (out, batch), float32 result: how the engine
+  computes the LM head and (with x held (in, batch) between layers) every projection;
 - `x @ w.T`: jax.numpy's spelling of the first (`jnp.matmul(x, w.T)`, float32 result), which
   XLA's CPU backend runs far slower in bfloat16;
 - torch's `nn.functional.linear` on the same values (its weights are (out, in)).
@@ -18,9 +18,9 @@ and bfloat16:
 With `--stack`, it times instead one decode step's projections of whole models (each layer's
 own q/k/v/o/gate/up/down weights, as the engine reads them: a single repeated weight stays in
 the CPU's cache and flatters every layout), at the cpu-125m and cpu-tiny shapes, three ways:
-rows first from (out, in) weights (the engine's bfloat16 path), rows first from (in, out)
-weights (its float32 path on the CPU), and weight first with the activations held (embed, rows)
-between layers, so that no layer transposes; torch beside them.
+rows first from (out, in) weights, rows first from (in, out) weights (the engine's two earlier
+layouts, bfloat16 and float32 on the CPU), and weight first with the activations held (embed,
+rows) between layers, so that no layer transposes (what the engine does now); torch beside them.
 
 Run it on a quiet machine (nothing else running; figures taken under load are off by 2-5x):
 

@@ -102,23 +102,6 @@ def test_sharded_checkpoint_from_fsspec_url(llama, tmp_path):
     np.testing.assert_array_equal(got, expected)
 
 
-def test_projections_held_in_out_give_the_same_logits(llama):
-    """float32 on the CPU holds q/k/v/o and gate/up/down transposed, (in, out): a faster layout
-    for XLA's CPU backend, the same model (projections contract by axis name)."""
-    path, _ = llama
-    config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
-    ids = np.random.RandomState(2).randint(0, VOCAB, (2, 20))
-    saved = load_checkpoint(path, config, dtype=jnp.float32)
-    in_out = load_checkpoint(path, config, dtype=jnp.float32, projections_in_out=True)
-    assert [a.name for a in in_out.layers[0].mlp.gate_proj.axes] == ["embed", "mlp"]
-    assert [a.name for a in in_out.layers[1].self_attn.o_proj.axes] == ["q_heads_dim", "embed"]
-    assert [a.name for a in in_out.embed_tokens.axes] == ["vocab", "embed"]  # as saved
-    np.testing.assert_array_equal(np.asarray(in_out.layers[0].mlp.gate_proj.array).T, np.asarray(saved.layers[0].mlp.gate_proj.array))
-    np.testing.assert_allclose(_our_logits(in_out, ids), _our_logits(saved, ids), atol=1e-5, rtol=0)
-    engine = Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
-    assert [a.name for a in engine.model.layers[0].self_attn.q_proj.axes] == ["embed", "q_heads_dim"]
-
-
 def _edited_checkpoint(src: str, dst, **config_values) -> str:
     shutil.copytree(src, dst)
     data = json.loads((dst / "config.json").read_text())
