@@ -71,6 +71,7 @@ def test_defaults_fill_optional_sections():
     (with_section("wandb", project=""), "wandb.project must be a non-empty project name"),
     (with_section("wandb", api_key="sentinel"), "unknown key wandb.api_key"),
     ({**MINIMAL, 1: {}}, "unknown key 1 (valid keys in the top level"),
+    (with_section("run", **{"na\nme": 1}), "unknown key run.'na\\nme' (valid keys in run"),
 ])
 def test_bad_values_name_the_key_path(data, message):
     with pytest.raises(ConfigError) as err:

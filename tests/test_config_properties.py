@@ -138,7 +138,8 @@ def test_unknown_keys_are_refused_naming_their_path(flat, key, value):
     assume(key and key not in {p.split(".")[1] for p in VALID} and "=" not in key and "." not in key)
     tree = nest(flat)
     tree.setdefault("wandb", {})[key] = value
-    with pytest.raises(ConfigError, match=re.escape(f"unknown key wandb.{key}")):
+    shown = key if key.isprintable() else repr(key)  # a key with a newline is named on one line
+    with pytest.raises(ConfigError, match=re.escape(f"unknown key wandb.{shown}")):
         build_config(tree)
 
 

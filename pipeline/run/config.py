@@ -235,8 +235,9 @@ def _build(cls: type, data: Any, prefix: str, blame: _Blame) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted((str(k) for k in data if k not in fields))  # YAML keys may be numbers, null, ...
     if unknown:
+        shown = unknown[0] if unknown[0].isprintable() else repr(unknown[0])  # a newline in a key stays on one line
         raise ConfigError(
-            f"{blame(prefix + unknown[0], unknown=True)}: unknown key {prefix}{unknown[0]} (valid keys in {where}: {', '.join(fields)})"
+            f"{blame(prefix + unknown[0], unknown=True)}: unknown key {prefix}{shown} (valid keys in {where}: {', '.join(fields)})"
         )
     values = {}
     for name, f in fields.items():
