@@ -8,6 +8,7 @@ falls below LOGIT_TOL the rest of that sequence is not compared (a near-tie may 
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -73,17 +74,21 @@ def test_greedy_matches_transformers_generate(name, request):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_bfloat16_logits_close(name, request):
-    """qwen2's embeddings are tied: its LM head is the embedding table."""
+def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
+    """Our bfloat16 logits are about as far from the float32 ones as transformers' own bfloat16
+    model's: both round the same weights, in different orders, so their largest errors differ
+    a little (measured: ours 0.35 and 0.25, transformers' 0.34 and 0.29, about 5 % of the
+    largest logit). qwen2's embeddings are tied: its LM head is the embedding table."""
     path, hf = request.getfixturevalue(name)
     config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
     model = load_checkpoint(path, config, dtype=jnp.bfloat16)
     ids = np.random.RandomState(1).randint(0, VOCAB, (1, 24))
     with torch.no_grad():
         expected = hf(torch.tensor(ids)).logits.numpy()
-    ours = _our_logits(model, ids)
-    scale = np.abs(expected).max()
-    assert np.abs(ours - expected).max() < 0.05 * scale  # bf16 has ~3 significant digits
+        peer = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor(ids)).logits.float().numpy()
+    peer_error = np.abs(peer - expected).max()
+    assert peer_error > 0.01 * np.abs(expected).max(), "bfloat16 should round visibly"
+    assert np.abs(_our_logits(model, ids) - expected).max() <= 1.25 * peer_error
 
 
 def test_sharded_checkpoint_from_fsspec_url(llama, tmp_path):
