@@ -185,10 +185,11 @@ def linear(x: NamedArray, weight: NamedArray, axis: str) -> NamedArray:
     transformers saves them, (out, in): each projection is then the plain weight @ x, with no
     transpose of either side, and its result comes out feature first for the next one. XLA's
     CPU backend runs a decode step's projections fastest this way at the 125M shape: a fifth
-    less time than x @ weight in float32, a quarter to a third less in bfloat16 (scripts/
-    bench_dots.py --stack), about 7 % of the whole decode step (docs/performance-notes.md). Asking for a float32 result matters
-    there too: a bfloat16 dot with a bfloat16 result runs a generic loop, one with a float32
-    result the YNNPACK library (`__ynn_fusion` in the optimized HLO), about 5x faster."""
+    less time than x @ weight in float32, a quarter to a third less in bfloat16
+    (scripts/bench_dots.py --stack), about 7 % of the whole decode step
+    (docs/performance-notes.md). Asking for a float32 result matters there too: a bfloat16
+    dot with a bfloat16 result runs a generic loop, one with a float32 result the YNNPACK
+    library (`__ynn_fusion` in the optimized HLO), about 5x faster."""
     return hax.dot(weight, x, axis=axis, preferred_element_type=jnp.float32).astype(x.dtype)
 
 

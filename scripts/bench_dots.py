@@ -2,11 +2,11 @@
 
 The engine's `llama.linear` multiplies the weight as transformers saves it, (out, in), by
 activations held feature first, and asks for a float32 result rounded to the model's dtype;
-this script is the measurement behind these choices. For each shape (batch, in, out) it times, in float32
-and bfloat16:
+this script is the measurement behind these choices. For each shape (batch, in, out) it
+times, in float32 and bfloat16:
 
-- `(out,in) f32 result`: what `linear` does (a dot_general over the weight's second axis;
-  for bfloat16, rounded back to bfloat16 after);
+- `(out,in) f32 result`: x times the weight as saved, over its second axis (for bfloat16,
+  rounded back to bfloat16 after): what `linear` did while activations were held rows first;
 - `(out,in) same-dtype result`: the same contraction with the result in the weights' dtype;
 - `(in,out) f32 result`: the same dot from a transposed copy of the weight;
 - `weight first`: the weight times x, giving (out, batch), float32 result: how the engine
