@@ -2,7 +2,7 @@
 
 Owns: the device-side decode state (one slot per row being generated), the preallocated KV
 cache (`KVCache`: per layer a `PagedKV` of keys and values (batch, kv_heads, key_position,
-head_dim) split along key_position into page buffers, written in place and never copied), and
+head_dim) split along key_position into four page buffers, written in place and never copied), and
 the on-device stop rule
 (EOS / stop token ids / max_new_tokens). The host (engine.py) decides which rows go to which
 slots and when; it does not own stop strings or scheduling.
@@ -25,12 +25,12 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
   of every prompt whose chunk ends it.
 - A decode chunk runs up to `steps` tokens in one `lax.while_loop` (no Python per token), stopping
   early when every slot is done. It attends over the cache where it lives, masked by each row's
-  position: only over its first page (`cache_pages`: a quarter of it) when that holds every live row,
-  plus a small buffer of the chunk's own keys/values, scattered into the cache once after the
+  position: only over the first of its four pages (`cache_pages`: quarters) that hold every live
+  row, plus a small buffer of the chunk's own keys/values, scattered into the cache once after the
   loop. No window of the cache is copied (before issue 13 a per-chunk copy of a window doubled
   the GPU peak).
 - How many pages a call reads is chosen on the device, by a `lax.switch` inside the one program:
-  the choice adds no programs.
+  the choice adds no programs (a decode chunk: 1-4 pages; a prefill chunk: the first or all).
 
 Both return what the host reads back (new tokens and done flags) as separate arrays laid out
 by `spec.host_sharding`: on a global mesh they are replicated, so every host holds a copy.
@@ -194,7 +194,7 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
     nothing, done [slots])), the last two laid out for the host.
 
     Inside the loop the cache is only read, where it lives, masked to each row's positions
-    written before this chunk: only its first page when that holds every live row (`by_pages`). Each
+    written before this chunk: only the first pages that hold every live row (`by_pages`). Each
     step's keys/values go to a small chunk buffer at the step index (the same for every row),
     which is scattered into the cache at each row's own position once, after the loop (a scatter
     inside the loop made XLA copy the cache every step).

@@ -263,14 +263,16 @@ class LayerKV(NamedTuple):
 
 
 def cache_pages(seq_len: int) -> tuple[int, ...]:
-    """Where the cache's pages end along key positions: a first page of a quarter of the cache
-    (rounded up to 16 positions) and a second with the rest (one page when that is all of it).
-    A call whose rows all fit the first page reads only it, where it lives (`by_pages`):
-    attention over prompts that fill a quarter of the cache costs a quarter, and nothing is
-    copied (cpu-mixed: most rows hold under 144 of 576 positions). More pages were measured:
-    four cost 3 s more compile on cpu-mixed for no faster run (a lax.switch branch each)."""
+    """Where the cache's pages end along key positions: four pages of a quarter of the cache each
+    (rounded up to 16 positions; fewer when the cache is that short). A decode call whose live
+    rows all fit the first k pages reads only those, where they live (`by_pages`): attention
+    costs what the longest live row holds, to a quarter, and nothing is copied. With the two
+    pages before (a quarter and the rest), a row past the first quarter read the whole cache: a
+    generation from short prompts read on average 1.6x the positions it held (Llama-3-8B seed
+    workload, 128 + 2,048 tokens), with quarters 1.2x. Each page count is a branch of the decode
+    program: more pages compile longer (docs/performance-notes.md)."""
     quarter = -(-seq_len // 64) * 16  # a quarter, rounded up to a multiple of 16
-    return tuple(sorted({min(seq_len, quarter), seq_len}))
+    return tuple(sorted({min(seq_len, quarter * i) for i in range(1, 5)}))
 
 
 def page_spans(ends: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -278,11 +280,13 @@ def page_spans(ends: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(zip((0,) + ends[:-1], ends))
 
 
-def by_pages(reach: jax.Array, ends: tuple[int, ...], run):
+def by_pages(reach: jax.Array, ends: tuple[int, ...], run, counts: tuple[int, ...] | None = None):
     """run(k) for the fewest pages k whose `ends` cover `reach` positions (a traced scalar), as
-    one lax.switch. Branches only read the cache: one that wrote it would make XLA copy it."""
-    index = jnp.sum(jnp.asarray(ends[:-1], jnp.int32) < reach)
-    return jax.lax.switch(index, [lambda k=k: run(k) for k in range(1, len(ends) + 1)])
+    one lax.switch over the page counts `counts` (every count by default; the last must be all of
+    them). Branches only read the cache: one that wrote it would make XLA copy it."""
+    counts = counts or tuple(range(1, len(ends) + 1))
+    index = jnp.sum(jnp.asarray([ends[k - 1] for k in counts[:-1]], jnp.int32) < reach)
+    return jax.lax.switch(index, [lambda k=k: run(k) for k in counts])
 
 
 class PagedKV(NamedTuple):
@@ -470,7 +474,8 @@ class Attention(eqx.Module):
                 parts.append((keys, values, mask, "key_position"))
             return _attend_pages(q, parts, scale)
 
-        return by_pages(context.reach, cache.ends, attend)
+        # The first page, or all: a prefill call is big work, and each count compiles a branch.
+        return by_pages(context.reach, cache.ends, attend, counts=tuple(sorted({1, len(cache.ends)})))
 
     @staticmethod
     def _decode(q, k, v, context: DecodeStep, scale: float):

@@ -10,6 +10,7 @@ import numpy as np
 
 import engine.engine as engine_module
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, compile_cache
+from engine.llama import by_pages, cache_pages
 from engine_testlib import VOCAB, hf_greedy
 
 
@@ -23,11 +24,12 @@ def _load(path):
                        engine=EngineConfig(batch_size=4, prefill_chunk_tokens=8, prefill_tokens=16), max_prompt_tokens=40)
 
 
-def test_every_prompt_length_runs_on_the_same_same_few_programs(llama, tmp_path):
+def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
     """Prompts of every length from 1 to max_prompt_tokens (several prefill chunks for most),
     then a second generate with other lengths: four programs (init, decode, prefill of first
-    chunks, of later chunks), obtained once. Rows and chunks that fit the cache's first page
-    (16 of 45 positions) read only it, the others both pages, in the same programs."""
+    chunks, of later chunks), obtained once. Decode calls read the cache's first one to three
+    pages (ending at 16, 32 and 45 positions), prefill calls the first or all, in the same
+    programs."""
     path, hf = llama
     previous = jax.config.jax_compilation_cache_dir
     try:
@@ -53,6 +55,22 @@ def test_every_prompt_length_runs_on_the_same_same_few_programs(llama, tmp_path)
         assert any((tmp_path / "jax-compile").iterdir())
     finally:
         compile_cache.enable(previous)
+
+
+def test_a_call_reads_the_fewest_pages_that_hold_its_rows():
+    """The cache is split in quarters (multiples of 16 positions), and a call whose rows hold
+    `reach` positions runs the branch of the fewest pages covering them; prefill, limited to
+    the first page or all, reads all as soon as the first is not enough."""
+    assert cache_pages(45) == (16, 32, 45)
+    assert cache_pages(192) == (48, 96, 144, 192)
+    assert cache_pages(2176) == (544, 1088, 1632, 2176)
+    assert cache_pages(10) == (10,)
+
+    def pages_read(reach, counts=None):
+        return int(by_pages(jax.numpy.int32(reach), (16, 32, 45), lambda k: jax.numpy.int32(k), counts))
+
+    assert [pages_read(r) for r in (0, 1, 16, 17, 32, 33, 45)] == [1, 1, 1, 2, 2, 3, 3]
+    assert [pages_read(r, (1, 3)) for r in (16, 17, 33)] == [1, 3, 3]
 
 
 def test_bfloat16_programs_neither_copy_nor_convert_a_weight(tmp_path):
