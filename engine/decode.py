@@ -2,10 +2,10 @@
 
 Owns: the device-side decode state (one slot per row being generated), the preallocated KV
 cache (`KVCache`: per layer a `PagedKV` of keys and values (batch, kv_heads, key_position,
-head_dim) split along key_position into four page buffers, written in place and never copied), and
-the on-device stop rule
-(EOS / stop token ids / max_new_tokens). The host (engine.py) decides which rows go to which
-slots and when; it does not own stop strings or scheduling.
+head_dim) split along key_position into four page buffers, written in place and never
+copied), and the on-device stop rule (EOS / stop token ids / max_new_tokens). The host
+(engine.py) decides which rows go to which slots and when; it does not own stop strings or
+scheduling.
 
     cache = new_cache(config, slots, seq_len, cache_dtype)      # compiled with spec.cache_sharding
     state = new_state(slots)
