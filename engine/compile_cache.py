@@ -8,7 +8,7 @@ writes no entries itself: JAX does, for every program (`jax_persistent_cache_min
 
     compile_cache.enable()            # Engine.load calls this; a no-op if the dir is already set
     compile_cache.enable("/tmp/cc")   # somewhere else
-    compile_cache.hits()              # programs loaded from the cache so far in this process
+    compile_cache.hits()              # programs this thread loaded from the cache so far
 
 Sharing: several local processes (the hosts of `pipeline launch`) may use one folder. jax 0.10.2
 writes an entry with a plain `write_bytes` unless eviction is on, when reads and writes take a
@@ -31,7 +31,9 @@ MAX_SIZE_BYTES = 8 << 30
 """Bound on the folder (least recently used entries go first); also what turns JAX's file lock on."""
 
 _lock = threading.Lock()
-_hits = 0
+_hits = threading.local()
+"""Per thread: JAX reports a hit in the thread that compiles, and the engine compiles its decode
+program in a thread of its own while the main one compiles the others."""
 _listening = False
 
 
@@ -69,15 +71,13 @@ def enable(path: str | None = None) -> str | None:
 
 
 def hits() -> int:
-    """Programs loaded from the persistent cache (instead of compiled) so far in this process."""
-    return _hits
+    """Programs this thread loaded from the persistent cache (instead of compiling them) so far."""
+    return getattr(_hits, "count", 0)
 
 
 def _on_event(event: str, **kwargs) -> None:
-    global _hits
     if event == "/jax/compilation_cache/cache_hits":
-        with _lock:
-            _hits += 1
+        _hits.count = hits() + 1
 
 
 def _listen() -> None:

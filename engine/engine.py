@@ -25,15 +25,18 @@ compiles at most four programs whatever its prompts (init, decode, prefill of fi
 later ones; three when every prompt fits one chunk: a call reading only the cache's first
 quarter runs in the same program, see decode.py),
 and JAX's persistent compilation cache (engine/compile_cache.py, on by default) lets a rerun or
-resume load them instead.
+resume load them instead. The decode program, the largest, is compiled in a thread of its own
+from the start of `generate`, while the prefill programs are compiled and run.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
@@ -51,6 +54,9 @@ from engine.mesh import Layout, mesh_shape
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _COMPILED: dict[tuple, Any] = {}
 """Compiled programs by (program, static args, sampling spec, input structure and shapes)."""
+_COMPILING: dict[tuple, threading.Lock] = collections.defaultdict(threading.Lock)
+"""Held while a program is compiled, so a second thread asking for it waits instead of compiling it again."""
+_COMPILING_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,23 +327,53 @@ class Engine:
         leaves, treedef = jax.tree.flatten(args)
         key = (kind, static, self._spec, self.layout.is_global, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
         compiled = _COMPILED.get(key)
-        if compiled is None:
-            if self.on_compile is not None:
-                self.on_compile(kind)
-            hits = compile_cache.hits()
-            start = time.perf_counter()
-            with self.layout.tracing():
-                compiled = jitted.lower(*args).compile()
-            self.stats.count_program(kind, time.perf_counter() - start, loaded=compile_cache.hits() > hits)
-            _COMPILED[key] = compiled
+        if compiled is not None:
+            return compiled
+        with _COMPILING_LOCK:
+            lock = _COMPILING[key]
+        with lock:
+            compiled = _COMPILED.get(key)
+            if compiled is None:
+                if self.on_compile is not None:
+                    self.on_compile(kind)
+                hits = compile_cache.hits()  # this thread's
+                start = time.perf_counter()
+                with self.layout.tracing():
+                    compiled = jitted.lower(*args).compile()
+                with _COMPILING_LOCK:
+                    self.stats.count_program(kind, time.perf_counter() - start, loaded=compile_cache.hits() > hits)
+                _COMPILED[key] = compiled
         return compiled
 
-    def _run(self, kind: str, fn, static: tuple, *args):
-        """Runs fn(model, cache, state, ...) compiled, the cache and state donated (updated in place)."""
+    def _jit(self, fn):
+        """fn(model, cache, state, ...) jitted with the cache and state donated (updated in place)."""
         # Explicit output shardings: XLA would otherwise simplify them (P('data') on one device
         # comes back as P()), and the next call's inputs would key another compile.
         out_shardings = (self.layout.cache_sharding, self._batch_sharding, self.layout.host_sharding)
-        compiled = self._program(kind, static, jax.jit(fn, donate_argnums=(1, 2), out_shardings=out_shardings), args)
+        return jax.jit(fn, donate_argnums=(1, 2), out_shardings=out_shardings)
+
+    def _decode_program(self):
+        return functools.partial(decode_chunk, spec=self._spec, steps=self.engine_config.decode_chunk_steps)
+
+    def _compile_decode_early(self, cache, state) -> concurrent.futures.Future | None:
+        """Starts getting the decode program in a thread while the prefill programs are compiled
+        and run: XLA compiles with the GIL released, so on an accelerator the host compiles the
+        largest program while the device prefills (on the CPU they share its cores). None when
+        no row can need it (a single new token) or it is already at hand."""
+        if self.sampling.max_new_tokens <= 1:
+            return None
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (cache, state))
+        kill = jax.ShapeDtypeStruct((self.plan.batch_size,), jnp.bool_, sharding=self._batch_sharding)
+        args = (self.model, *abstract, kill)
+        steps = (self.engine_config.decode_chunk_steps,)
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-decode")
+        future = pool.submit(self._program, "decode", steps, self._jit(self._decode_program()), args)
+        pool.shutdown(wait=False)
+        return future
+
+    def _run(self, kind: str, fn, static: tuple, *args):
+        """Runs fn(model, cache, state, ...) compiled, the cache and state donated (updated in place)."""
+        compiled = self._program(kind, static, self._jit(fn), args)
         start = time.perf_counter()
         out = compiled(*args)
         jax.block_until_ready(out)
@@ -388,6 +424,7 @@ class Engine:
         steps = self.engine_config.decode_chunk_steps
         refill_min = max(1, slots // 8)
         cache, state = self._init(slots)
+        decode_compile = self._compile_decode_early(cache, state)
         live: list[_Row | None] = [None] * slots
         """A slot's row, from when it is taken (prefill) until the row finishes."""
         prefilling: collections.deque[_Prompt] = collections.deque()
@@ -414,9 +451,12 @@ class Engine:
                             live[s], kill[s] = None, not done[s]
                             yield completion
                     continue
+                if decode_compile is not None:
+                    decode_compile.result()  # raises what compiling raised
+                    decode_compile = None
                 cache, state, (out, done) = self._run(
-                    "decode", functools.partial(decode_chunk, spec=self._spec, steps=steps), (steps,),
-                    self.model, cache, state, jax.device_put(kill, self._batch_sharding),
+                    "decode", self._decode_program(), (steps,), self.model, cache, state,
+                    jax.device_put(kill, self._batch_sharding),
                 )
                 self.stats.decode_calls += 1
                 kill[:] = False
@@ -429,6 +469,8 @@ class Engine:
                         live[s], kill[s] = None, not done[s]
                         yield completion
         finally:
+            if decode_compile is not None:
+                decode_compile.cancel()  # if it has not started; a compile under way runs to its end
             self.stats.peak_memory_bytes = peak_memory_bytes(self.devices)
 
     def _admit(self, pending: "_Pending", free: list[int], live: list, prefilling: collections.deque) -> None:

@@ -5,6 +5,8 @@ mixed prompts, all compiled again on every rerun or resume)."""
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import numpy as np
 
@@ -36,12 +38,16 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
         compile_cache.enable(str(tmp_path / "jax-compile"))
         engine_module._COMPILED.clear()
         engine = _load(path)
+        threads = {}
+        engine.on_compile = lambda kind: threads.setdefault(kind, threading.current_thread().name)
         first = {c.prompt_index: c.token_ids for c in engine.generate(_requests(range(1, 41)))}
         assert sorted(first) == list(range(40)) and all(len(t) == 5 for t in first.values())
         for i in (7, 8, 22, 39):  # one chunk, exactly one, three, five
             assert first[i] == hf_greedy(hf, _requests(range(1, 41))[i].input_ids, 5), i
         assert sorted(engine.stats.programs) == ["decode", "init", "prefill", "prefill_fresh"]
         assert engine.stats.compilations == 4 and engine.stats.cache_loads == 0, engine.stats.programs
+        # The decode program is compiled beside the others, from the start of generate.
+        assert threads["decode"].startswith("compile-decode") and threads["prefill_fresh"] == "MainThread", threads
         list(engine.generate(_requests([3, 40, 17])))
         assert engine.stats.compilations == 4, engine.stats.programs
 
