@@ -359,7 +359,8 @@ class Engine:
         """Starts getting the decode program in a thread while the prefill programs are compiled
         and run: XLA compiles with the GIL released, so on an accelerator the host compiles the
         largest program while the device prefills (on the CPU they share its cores). None when
-        no row can need it (a single new token) or it is already at hand."""
+        no row can need it (a single new token); the thread returns at once when this process
+        already holds the program."""
         if self.sampling.max_new_tokens <= 1:
             return None
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (cache, state))
