@@ -352,8 +352,11 @@ class Engine:
         out_shardings = (self.layout.cache_sharding, self._batch_sharding, self.layout.host_sharding)
         return jax.jit(fn, donate_argnums=(1, 2), out_shardings=out_shardings)
 
-    def _decode_program(self):
-        return functools.partial(decode_chunk, spec=self._spec, steps=self.engine_config.decode_chunk_steps)
+    def _decode_program(self) -> tuple[str, tuple, Callable]:
+        """(kind, static args, function) of the decode chunk: one definition for its early
+        compile and its calls, so both find the same program."""
+        steps = self.engine_config.decode_chunk_steps
+        return "decode", (steps,), functools.partial(decode_chunk, spec=self._spec, steps=steps)
 
     def _compile_decode_early(self, cache, state) -> concurrent.futures.Future | None:
         """Starts getting the decode program in a thread while the prefill programs are compiled
@@ -366,9 +369,9 @@ class Engine:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (cache, state))
         kill = jax.ShapeDtypeStruct((self.plan.batch_size,), jnp.bool_, sharding=self._batch_sharding)
         args = (self.model, *abstract, kill)
-        steps = (self.engine_config.decode_chunk_steps,)
+        kind, static, fn = self._decode_program()
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-decode")
-        future = pool.submit(self._program, "decode", steps, self._jit(self._decode_program()), args)
+        future = pool.submit(self._program, kind, static, self._jit(fn), args)
         pool.shutdown(wait=False)
         return future
 
@@ -422,7 +425,6 @@ class Engine:
         # Always every slot of the plan, even for a small job: the shapes, hence the programs,
         # stay the same for a resume of a few rows (compiling costs more than idle slots).
         slots = self.plan.batch_size
-        steps = self.engine_config.decode_chunk_steps
         refill_min = max(1, slots // 8)
         cache, state = self._init(slots)
         decode_compile = self._compile_decode_early(cache, state)
@@ -455,9 +457,9 @@ class Engine:
                 if decode_compile is not None:
                     decode_compile.result()  # raises what compiling raised
                     decode_compile = None
+                kind, static, fn = self._decode_program()
                 cache, state, (out, done) = self._run(
-                    "decode", self._decode_program(), (steps,), self.model, cache, state,
-                    jax.device_put(kill, self._batch_sharding),
+                    kind, fn, static, self.model, cache, state, jax.device_put(kill, self._batch_sharding),
                 )
                 self.stats.decode_calls += 1
                 kill[:] = False
