@@ -20,7 +20,10 @@ own q/k/v/o/gate/up/down weights, as the engine reads them: a single repeated we
 the CPU's cache and flatters every layout), at the cpu-125m and cpu-tiny shapes, three ways:
 rows first from (out, in) weights, rows first from (in, out) weights (the engine's two earlier
 layouts, bfloat16 and float32 on the CPU), and weight first with the activations held (embed,
-rows) between layers, so that no layer transposes (what the engine does now); torch beside them.
+rows) between layers, so that no layer transposes (what the engine does now); and weight first
+with q/k/v fused into one weight and gate/up into another (what the engine does not do: it
+saved at most 0.3 ms of a tiny bfloat16 step and was slower at the 125M float32 shape,
+docs/performance-notes.md); torch beside them.
 
 Run it on a quiet machine (nothing else running; figures taken under load are off by 2-5x):
 
@@ -70,17 +73,33 @@ def stack(args) -> None:
     import jax.numpy as jnp
 
     def step(linear, silu, x, layers):
-        """One decode step's projections: q, k, v and o, then gate, up and down, per layer."""
+        """One decode step's projections: q, k, v and o, then gate, up and down, per layer; with
+        fused weights, q/k/v as one product and gate/up as one, each result split (weight first,
+        the split is along its leading axis)."""
         for w in layers:
+            if "qkv" in w:
+                q, k, v = jnp.split(linear(x, w["qkv"]), 3)
+                x = x + linear(q + k + v, w["o"])
+                gate, up = jnp.split(linear(x, w["gate_up"]), 2)
+                x = x + linear(silu(gate) * up, w["down"])
+                continue
             h = linear(x, w["q"]) + linear(x, w["k"]) + linear(x, w["v"])
             x = x + linear(h, w["o"])
             x = x + linear(silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
         return x
 
-    ways = {  # name: (x as given, each weight (out, in) -> as held, the projection)
-        "rows_first_out_in_ms": (False, lambda w: w, _f32_result(lambda x, w: (x, w), ((1,), (1,)))),
-        "rows_first_in_out_ms": (False, lambda w: w.T.copy(), _f32_result(lambda x, w: (x, w), ((1,), (0,)))),
-        "weight_first_embed_rows_ms": (True, lambda w: w, _f32_result(lambda x, w: (w, x), ((1,), (0,)))),
+    def fuse(layer):
+        """q/k/v stacked into one (3 hidden, hidden) weight, gate/up into one (2 intermediate, hidden)."""
+        rest = {k: w for k, w in layer.items() if k not in ("q", "k", "v", "gate", "up")}
+        return dict(rest, qkv=np.concatenate([layer["q"], layer["k"], layer["v"]]),
+                    gate_up=np.concatenate([layer["gate"], layer["up"]]))
+
+    weight_first = _f32_result(lambda x, w: (w, x), ((1,), (0,)))
+    ways = {  # name: (x as given, each weight (out, in) -> as held, the projection, fused q/k/v and gate/up)
+        "rows_first_out_in_ms": (False, lambda w: w, _f32_result(lambda x, w: (x, w), ((1,), (1,))), False),
+        "rows_first_in_out_ms": (False, lambda w: w.T.copy(), _f32_result(lambda x, w: (x, w), ((1,), (0,))), False),
+        "weight_first_embed_rows_ms": (True, lambda w: w, weight_first, False),
+        "weight_first_fused_ms": (True, lambda w: w, weight_first, True),
     }
     rng = np.random.default_rng(0)
     for rows, hidden, mlp, n_layers in STACKS:
@@ -92,8 +111,9 @@ def stack(args) -> None:
             jdt = jnp.dtype(dtype)
             row = {"rows": rows, "hidden": hidden, "intermediate": mlp, "layers": n_layers, "dtype": dtype,
                    "weights_mb": round(sum(w.size for layer in weights for w in layer.values()) * jdt.itemsize / 1e6)}
-            for name, (transposed, hold, linear) in ways.items():
-                held = [{k: jnp.asarray(hold(w), jdt) for k, w in layer.items()} for layer in weights]
+            for name, (transposed, hold, linear, fused) in ways.items():
+                held = [{k: jnp.asarray(hold(w), jdt) for k, w in (fuse(layer) if fused else layer).items()}
+                        for layer in weights]
                 xj = jnp.asarray(x.T.copy() if transposed else x, jdt)
                 row[name] = round(_time(jax.jit(lambda x, ws, linear=linear: step(linear, jax.nn.silu, x, ws)), xj, held, reps=args.reps), 2)
             tdt = getattr(torch, dtype)
