@@ -8,6 +8,7 @@ the same machine.
 
     python scripts/profile_decode.py --preset tinyllama-1.1b 16 128 368     # on a GPU
     python scripts/profile_decode.py --preset cpu-tiny --dtype float32 64
+    python scripts/profile_decode.py --preset cpu-mixed --batch 16 --dtype bfloat16 40 300
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(bench.PRESETS), default="cpu-tiny")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--bandwidth-tbps", type=float, default=3.0, help="for the bound column (H100: ~3.0)")
+    parser.add_argument("--batch", type=int, help="decode slots (default: the preset's batch; the first of a mixed preset's)")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--checkpoint", help="keep the random checkpoint in this folder (built if empty) and "
                                              "reuse it, e.g. to profile two checkouts on the same weights")
     args = parser.parse_args()
     preset = dict(bench.PRESETS[args.preset])
+    batches = preset["batch"] if isinstance(preset["batch"], tuple) else (preset["batch"],)
+    preset["batch"] = args.batch or batches[0]
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.checkpoint or scratch
         if not os.path.exists(os.path.join(folder, "config.json")):
