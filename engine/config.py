@@ -16,6 +16,7 @@ value and what would be valid: `sampling.top_p must be a number in (0, 1], got 1
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,6 +29,16 @@ def require(ok: bool, key: str, value: Any, expected: str) -> None:
     """Raise InvalidConfig('{key} must be {expected}, got {value!r}') unless ok."""
     if not ok:
         raise InvalidConfig(f"{key} must be {expected}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (numpy's too), not a bool: the checks below compare values, and a tuple or a
+    string given from Python would otherwise raise TypeError instead of naming the key."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -53,14 +64,15 @@ class SamplingParams:
         # Tuples keep the dataclass hashable (it is baked into compiled programs) when a caller passes lists.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        require(self.max_new_tokens > 0, "sampling.max_new_tokens", self.max_new_tokens, "an integer > 0")
-        require(math.isfinite(self.temperature) and self.temperature >= 0, "sampling.temperature", self.temperature,
-                "a number >= 0 (0 = greedy), not inf")
-        require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "a number in (0, 1]")
-        require(self.top_k >= 0, "sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
-        require(self.n > 0, "sampling.n", self.n, "an integer > 0")
+        require(_is_int(self.max_new_tokens) and self.max_new_tokens > 0, "sampling.max_new_tokens",
+                self.max_new_tokens, "an integer > 0")
+        require(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+                "sampling.temperature", self.temperature, "a number >= 0 (0 = greedy), not inf")
+        require(_is_number(self.top_p) and 0 < self.top_p <= 1, "sampling.top_p", self.top_p, "a number in (0, 1]")
+        require(_is_int(self.top_k) and self.top_k >= 0, "sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
+        require(_is_int(self.n) and self.n > 0, "sampling.n", self.n, "an integer > 0")
         # jax.random.key keeps 32 bits: seeds outside [0, 2**32) would silently share keys.
-        require(0 <= self.seed < 2**32, "sampling.seed", self.seed, "an integer in [0, 2**32)")
+        require(_is_int(self.seed) and 0 <= self.seed < 2**32, "sampling.seed", self.seed, "an integer in [0, 2**32)")
         require(all(self.stop), "sampling.stop", list(self.stop), "non-empty strings")
         require(all(t >= 0 for t in self.stop_token_ids), "sampling.stop_token_ids", list(self.stop_token_ids),
                 "token ids >= 0")
@@ -74,8 +86,10 @@ class MeshConfig:
     """Devices splitting heads and MLP (tensor parallel); must divide the KV heads; auto = gcd(devices, KV heads)."""
 
     def __post_init__(self):
-        require(self.data == "auto" or self.data > 0, "engine.mesh.data", self.data, "an integer > 0 or auto")
-        require(self.model == "auto" or self.model > 0, "engine.mesh.model", self.model, "an integer > 0 or auto")
+        require(self.data == "auto" or (_is_int(self.data) and self.data > 0),
+                "engine.mesh.data", self.data, "an integer > 0 or auto")
+        require(self.model == "auto" or (_is_int(self.model) and self.model > 0),
+                "engine.mesh.model", self.model, "an integer > 0 or auto")
 
 
 @dataclass(frozen=True)
@@ -103,15 +117,18 @@ class EngineConfig:
     chunks of the prompts started, several of one prompt when fewer prompts are left."""
 
     def __post_init__(self):
-        require(self.batch_size == "auto" or self.batch_size > 0, "engine.batch_size", self.batch_size,
-                "an integer > 0 or auto")
+        require(self.batch_size == "auto" or (_is_int(self.batch_size) and self.batch_size > 0),
+                "engine.batch_size", self.batch_size, "an integer > 0 or auto")
         require(self.mode in ("host_dp", "global_mesh"), "engine.mode", self.mode, "host_dp or global_mesh")
         if self.mesh != "auto" and self.mode != "global_mesh":
             raise InvalidConfig(f"engine.mesh applies only with engine.mode: global_mesh (engine.mode is {self.mode}); "
                                 "remove it or set engine.mode=global_mesh")
-        require(0 < self.memory_fraction <= 1, "engine.memory_fraction", self.memory_fraction, "a number in (0, 1]")
-        require(self.decode_chunk_steps > 0, "engine.decode_chunk_steps", self.decode_chunk_steps, "an integer > 0")
-        require(self.prefill_chunk_tokens > 0, "engine.prefill_chunk_tokens", self.prefill_chunk_tokens,
-                "an integer > 0")
-        require(self.prefill_tokens >= self.prefill_chunk_tokens, "engine.prefill_tokens", self.prefill_tokens,
+        require(_is_number(self.memory_fraction) and 0 < self.memory_fraction <= 1,
+                "engine.memory_fraction", self.memory_fraction, "a number in (0, 1]")
+        require(_is_int(self.decode_chunk_steps) and self.decode_chunk_steps > 0,
+                "engine.decode_chunk_steps", self.decode_chunk_steps, "an integer > 0")
+        require(_is_int(self.prefill_chunk_tokens) and self.prefill_chunk_tokens > 0,
+                "engine.prefill_chunk_tokens", self.prefill_chunk_tokens, "an integer > 0")
+        require(_is_int(self.prefill_tokens) and self.prefill_tokens >= self.prefill_chunk_tokens,
+                "engine.prefill_tokens", self.prefill_tokens,
                 f"an integer >= engine.prefill_chunk_tokens ({self.prefill_chunk_tokens})")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
+
+from engine.config import EngineConfig, InvalidConfig, MeshConfig, SamplingParams
 
 from pipeline.cli import app
 from pipeline.run.config import apply_override, build_config, load_config
@@ -77,6 +80,27 @@ def test_bad_values_name_the_key_path(data, message):
     with pytest.raises(ConfigError) as err:
         build_config(data)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: EngineConfig(batch_size=(16, 64)), "engine.batch_size must be an integer > 0 or auto, got (16, 64)"),
+    (lambda: EngineConfig(prefill_tokens="512"), "engine.prefill_tokens must be an integer >= engine.prefill_chunk_tokens"),
+    (lambda: EngineConfig(memory_fraction=None), "engine.memory_fraction must be a number in (0, 1], got None"),
+    (lambda: MeshConfig(model="2"), "engine.mesh.model must be an integer > 0 or auto, got '2'"),
+    (lambda: SamplingParams(max_new_tokens=True), "sampling.max_new_tokens must be an integer > 0, got True"),
+    (lambda: SamplingParams(top_p="0.9"), "sampling.top_p must be a number in (0, 1], got '0.9'"),
+])
+def test_the_engine_api_names_the_key_of_a_wrong_type(make, message):
+    """Engine.load takes these classes from Python too, where no YAML reader checked the types:
+    a wrong one is named like a wrong value, not a TypeError from comparing it."""
+    with pytest.raises(InvalidConfig) as err:
+        make()
+    assert message in str(err.value)
+
+
+def test_the_engine_api_takes_numpy_integers():
+    assert EngineConfig(batch_size=np.int64(16)).batch_size == 16
+    assert SamplingParams(max_new_tokens=np.int32(8), top_p=np.float32(0.5)).max_new_tokens == 8
 
 
 def test_set_overrides_are_yaml_typed_and_dotted():
