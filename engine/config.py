@@ -48,7 +48,8 @@ class SamplingParams:
     temperature: float = 0.0
     """0 means greedy decoding."""
     top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1 = off."""
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1 = off.
+    Without top_k, tokens as probable as the least probable one kept are all kept (a tie)."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 = off."""
     n: int = 1

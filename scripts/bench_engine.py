@@ -13,6 +13,7 @@ when it starts, and torch's cache would otherwise hold memory JAX needs.
 
     python scripts/bench_engine.py --preset cpu-tiny --dtype float32 bfloat16
     python scripts/bench_engine.py --preset cpu-125m --dtype bfloat16
+    python scripts/bench_engine.py --preset cpu-tiny --dtype float32 --temperature 0.8 --top-p 0.95
     python scripts/bench_engine.py --preset tinyllama-1.1b --dtype bfloat16            # on a GPU
     python scripts/bench_engine.py --preset llama3-8b --dtype bfloat16                 # on a GPU
     python scripts/bench_engine.py --preset cpu-mixed                                  # batch 16 and 64
@@ -89,7 +90,8 @@ def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
 def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pass: bool) -> dict:
     from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
-    engine = Engine.load(folder, dtype=dtype, sampling=SamplingParams(max_new_tokens=p["new"]), engine=EngineConfig(batch_size=p["batch"]),
+    sampling = SamplingParams(max_new_tokens=p["new"], **p.get("sampling", {}))
+    engine = Engine.load(folder, dtype=dtype, sampling=sampling, engine=EngineConfig(batch_size=p["batch"]),
                          max_prompt_tokens=p["prompt_len"])
     requests = [GenerationRequest(i, row.tolist(), [0]) for i, row in enumerate(prompts)]
     start = time.perf_counter()
@@ -118,10 +120,15 @@ def bench_hf(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
     model = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
     batches = [torch.tensor(prompts[i : i + p["batch"]], device=device) for i in range(0, len(prompts), p["batch"])]
 
+    sampling = p.get("sampling", {})
+    # top_k=0 switches off transformers' default top_k of 50, as sampling.top_k=0 means in ours.
+    draw = dict(do_sample=True, temperature=sampling["temperature"], top_p=sampling.get("top_p", 1.0),
+                top_k=sampling.get("top_k", 0)) if sampling else dict(do_sample=False)
+
     def run(ids: torch.Tensor, new: int) -> torch.Tensor:
         with torch.inference_mode():
             return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                  do_sample=False, pad_token_id=0)
+                                  pad_token_id=0, **draw)
 
     run(batches[0][:2], 2)  # warm-up
     if device == "cuda":
@@ -234,6 +241,10 @@ def main() -> None:
     parser.add_argument("--new", type=int, help="override the preset's new tokens per prompt")
     parser.add_argument("--batch", type=int, help="override the preset's batch size")
     parser.add_argument("--skip-hf", action="store_true", help="only time our engine")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample instead of greedy (steady-state presets; both sides, same settings)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off on both sides (transformers' default is 50)")
     parser.add_argument("--single-pass", action="store_true",
                         help="time our first pass minus its compile time instead of a second pass (halves our run time)")
     args = parser.parse_args()
@@ -242,8 +253,12 @@ def main() -> None:
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if "mixed" in p:
+        if args.temperature:
+            parser.error("--temperature applies to the steady-state presets only")
         run_mixed(args, p)
         return
+    if args.temperature:
+        p["sampling"] = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     prompts = np.random.RandomState(0).randint(0, p["vocab"], (p["prompts"], p["prompt_len"]))
 
     with tempfile.TemporaryDirectory() as folder:
@@ -258,6 +273,7 @@ def main() -> None:
         for dtype in args.dtype:
             ours = bench_ours(folder, p, dtype, prompts, args.single_pass)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
+                      "sampling": p.get("sampling", "greedy"),
                       "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
                       "ours_timed": "first pass minus compile" if args.single_pass else "second pass",
                       "ours_compile_s": round(ours["compile_s"], 2),

@@ -10,8 +10,10 @@ from pipeline.run.step import Step
 from steps import generate, merge, tokenize, upload  # the modules: `steps.tokenize` stays a module
 
 TOKENIZE = Step("tokenize", tokenize.tokenize, about="read prompts, tokenize, write balanced Parquet shards")
+# version 2: sampling without top_k draws one uniform number per token (engine/sampler.py), so
+# a seed gives other tokens than version 1 did; a run of version 1 is redone, never mixed in.
 GENERATE = Step("generate", generate.generate, inputs=(TOKENIZE,), on="every host", finish=generate.finish,
-                about="every host generates completions for its shards")
+                version="2", about="every host generates completions for its shards")
 MERGE = Step("merge", merge.merge, inputs=(GENERATE,),
              about="verify every (prompt, sample) once, order, write the result")
 UPLOAD = Step("upload", upload.upload, inputs=(MERGE,), about="log a W&B table artifact, resuming the same W&B run")

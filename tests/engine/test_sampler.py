@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine import SamplingParams
-from engine.sampler import greedy, row_keys, sample, step_keys
+from engine.sampler import greedy, inverse_cdf, row_keys, sample, step_keys
 
 
 def _keys(rows: int, seed: int = 0):
@@ -61,3 +61,62 @@ def test_a_rows_token_depends_on_its_own_logits_and_key_only():
     shuffled = np.asarray(sample(jnp.asarray(logits[:, order]), keys[order], params))
     assert shuffled.tolist() == tokens[order].tolist()
     assert len(set(tokens.tolist())) > 8  # not a constant
+
+
+def _drawn(logits: np.ndarray, params: SamplingParams, seed: int = 0) -> np.ndarray:
+    return np.asarray(sample(jnp.asarray(logits), _keys(logits.shape[1], seed), params))
+
+
+def test_top_p_without_top_k_draws_from_the_renormalized_nucleus():
+    """0.5 / 0.3 / 0.15 / 0.05 at temperature 1: top_p 0.7 keeps the first two (0.5 < 0.7 before the
+    second, 0.8 before the third), top_p 0.85 the first three; 4,000 rows, each its own key."""
+    rows = 4000
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    tokens = [3, 140, 77, 200]  # over two of the 128-token blocks the draw cumulates in
+    logits = np.full((260, rows), -np.inf, np.float32)
+    logits[tokens, :] = np.log(probs)[:, None]
+    for top_p, kept in ((0.7, 2), (0.85, 3)):
+        drawn = _drawn(logits, SamplingParams(temperature=1.0, top_p=top_p), seed=kept)
+        expected = probs[:kept] / probs[:kept].sum()
+        shares = np.array([(drawn == t).mean() for t in tokens[:kept]])
+        assert shares.sum() == 1.0 and np.abs(shares - expected).max() < 0.03, (top_p, shares, expected)
+
+
+def test_tokens_tied_with_the_least_probable_in_the_nucleus_are_all_kept():
+    rows = 3000
+    logits = np.full((40, rows), -np.inf, np.float32)
+    logits[[5, 9, 30], :] = np.log(np.array([0.4, 0.3, 0.3]))[:, None]  # 9 and 30 tie
+    drawn = _drawn(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert set(drawn.tolist()) == {5, 9, 30}
+    assert abs((drawn == 5).mean() - 0.4) < 0.03
+
+
+def test_a_weightless_token_is_never_drawn_whatever_the_uniform_number():
+    """u close to 1 must land on the last token with any weight, not on the zeros after it (the
+    vocabulary of 300 is not a multiple of the 128-token blocks either)."""
+    weights = np.zeros((300, 4), np.float32)
+    weights[[0, 129, 250], 0] = [1.0, 2.0, 3.0]
+    weights[7, 1] = 1e-30  # one tiny weight only
+    weights[:, 2] = 1.0 / 300  # uniform
+    weights[299, 3] = 5.0  # the last token only
+    for u in (0.0, 0.5, np.nextafter(np.float32(1.0), np.float32(0.0))):
+        tokens = np.asarray(inverse_cdf(jnp.asarray(weights), jnp.full(4, u, jnp.float32))).tolist()
+        assert tokens[0] in (0, 129, 250) and tokens[1] == 7 and 0 <= tokens[2] < 300 and tokens[3] == 299, (u, tokens)
+    rng = np.random.default_rng(4)  # rounding: cumulated in blocks, then again within a block
+    many = rng.exponential(size=(1000, 256)).astype(np.float32) * (rng.random((1000, 256)) < 0.3)
+    for u in (np.nextafter(np.float32(1.0), np.float32(0.0)), np.float32(0.9999)):
+        tokens = np.asarray(inverse_cdf(jnp.asarray(many), jnp.full(256, u, jnp.float32)))
+        assert (many[tokens, np.arange(256)] > 0).all()
+    high = np.asarray(inverse_cdf(jnp.asarray(weights), jnp.full(4, 0.985, jnp.float32))).tolist()
+    assert high[0] == 250 and high[2] == 295  # the first token whose cumulative weight exceeds 295.5 / 300
+
+
+def test_without_top_k_a_rows_token_depends_on_its_own_logits_and_key_only():
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((1000, 16)).astype(np.float32)
+    keys = _keys(16, seed=6)
+    for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_p=0.9)):
+        tokens = np.asarray(sample(jnp.asarray(logits), keys, params))
+        order = rng.permutation(16)
+        shuffled = np.asarray(sample(jnp.asarray(logits[:, order]), keys[order], params))
+        assert shuffled.tolist() == tokens[order].tolist() and len(set(tokens.tolist())) > 8, params
