@@ -59,9 +59,9 @@ def _last_positive(x: jax.Array) -> jax.Array:
 def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     """Per row, a token drawn with probability proportional to weights [vocab, rows] (>= 0, not
     normalized), given one uniform u [rows] in [0, 1): the first token whose cumulative weight
-    exceeds u times the row's total. A token of weight 0 is never drawn. Cumulated in two stages,
-    over blocks of ARGMAX_BLOCK tokens and then within the chosen block: a cumulative sum over a
-    whole vocabulary is slow on XLA's CPU backend."""
+    exceeds u times the row's total. A token of weight 0 is never drawn (unless all are 0: a row of
+    -inf logits). Cumulated in two stages, over blocks of ARGMAX_BLOCK tokens and then within the
+    chosen block: a cumulative sum over a whole vocabulary is slow on XLA's CPU backend."""
     blocks = _blocks(weights, 0.0)
     sums = jnp.sum(blocks, axis=1)  # [blocks, rows]
     totals = jnp.cumsum(sums, axis=0)
