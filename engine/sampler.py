@@ -94,6 +94,26 @@ def nucleus_floor(probs: jax.Array, top_p: float) -> jax.Array:
     return jax.lax.bitcast_convert_type(high, jnp.float32)
 
 
+def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k of each row of scores [vocab, rows] (vocabulary first): (values, indices), each
+    [rows, k], largest first, the lower index first among equals: exactly what lax.top_k of
+    scores.T gives. When k is small beside the vocabulary, it takes the k blocks of ARGMAX_BLOCK
+    entries with the best maxima (the lower block first among equals), which hold every entry
+    of the top k, and runs lax.top_k over those only, in block order so that ties resolve as
+    they would over the whole row. On the CPU lax.top_k of [64, 32000] with k = 50 took 4 ms."""
+    vocab, rows = scores.shape
+    count = -(-vocab // ARGMAX_BLOCK)
+    if k > count or k * ARGMAX_BLOCK >= vocab:
+        return jax.lax.top_k(scores.T, k)
+    blocks = _blocks(scores, -jnp.inf)  # the padding is -inf after every entry: it never wins a tie
+    _, chosen = jax.lax.top_k(jnp.max(blocks, axis=1).T, k)  # [rows, k]
+    chosen = jnp.sort(chosen, axis=1)
+    candidates = jnp.take_along_axis(blocks, chosen.T[:, None, :], axis=0)  # [k, ARGMAX_BLOCK, rows]
+    values, where = jax.lax.top_k(candidates.transpose(2, 0, 1).reshape(rows, k * ARGMAX_BLOCK), k)
+    block = jnp.take_along_axis(chosen, where // ARGMAX_BLOCK, axis=1)
+    return values, block * ARGMAX_BLOCK + where % ARGMAX_BLOCK
+
+
 def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams) -> jax.Array:
     """logits [vocab, rows] float32 (vocabulary first, as `LlamaLM.logits` computes them fastest)
     -> token ids [rows] int32. Branches only on static params.
@@ -101,7 +121,7 @@ def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams) -> jax.Ar
     Without top_k, a row draws one uniform number and takes the token where it falls in the
     cumulative distribution (`inverse_cdf`), over the whole vocabulary or over the nucleus
     (`nucleus_floor`; tokens tied with its least probable one are all kept). With top_k, its k
-    best tokens (lax.top_k) are cut by top_p in order and drawn with Gumbel noise. On the CPU
+    best tokens (`top_k`) are cut by top_p in order and drawn with Gumbel noise. On the CPU
     the Gumbel draw over a whole vocabulary ([64, 32000]) took 30 ms and top_p's sort 430 ms,
     against 1-7 ms this way."""
     if params.temperature == 0.0:
@@ -113,8 +133,7 @@ def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams) -> jax.Ar
             probs = weights / jnp.sum(weights, axis=0)[None, :]
             weights = jnp.where(probs >= nucleus_floor(probs, params.top_p)[None, :], probs, 0.0)
         return inverse_cdf(weights, jax.vmap(lambda key: jax.random.uniform(key, ()))(keys))
-    logits = logits.T / params.temperature
-    values, indices = jax.lax.top_k(logits, min(params.top_k, logits.shape[-1]))  # sorted, most likely first
+    values, indices = top_k(logits / params.temperature, min(params.top_k, logits.shape[0]))  # most likely first
     if params.top_p < 1.0:
         probs = jax.nn.softmax(values, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs

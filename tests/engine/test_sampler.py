@@ -5,12 +5,13 @@ logits and key only."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from engine import SamplingParams
-from engine.sampler import greedy, inverse_cdf, row_keys, sample, step_keys
+from engine.sampler import greedy, inverse_cdf, row_keys, sample, step_keys, top_k
 
 
 def _keys(rows: int, seed: int = 0):
@@ -120,3 +121,21 @@ def test_without_top_k_a_rows_token_depends_on_its_own_logits_and_key_only():
         order = rng.permutation(16)
         shuffled = np.asarray(sample(jnp.asarray(logits[:, order]), keys[order], params))
         assert shuffled.tolist() == tokens[order].tolist() and len(set(tokens.tolist())) > 8, params
+
+
+@pytest.mark.parametrize("vocab, k", [(32000, 50), (1000, 5), (300, 2), (300, 3)])
+def test_top_k_in_blocks_is_lax_top_k_exactly_ties_included(vocab, k):
+    """Values and indices, in order, as jax.lax.top_k over the whole row gives them: ties take the
+    lower index first, also across blocks and beside the padding of a vocabulary that is not a
+    multiple of the 128-token blocks (300 with k = 3 is answered by lax.top_k itself)."""
+    rng = np.random.default_rng(vocab + k)
+    scores = rng.integers(-3, 4, (vocab, 8)).astype(np.float32)  # few distinct values: ties everywhere
+    scores[:, 1] = rng.standard_normal(vocab)
+    scores[:, 2] = -np.inf
+    scores[rng.integers(0, vocab, 40), 3] = 9.0  # the best value spread over several blocks
+    scores[:, 4] = -np.inf
+    scores[[vocab - 1, vocab - 2], 4] = 1.0  # the only finite entries, beside the padding
+    values, indices = top_k(jnp.asarray(scores), k)
+    expected_values, expected_indices = jax.lax.top_k(jnp.asarray(scores.T), k)
+    assert np.asarray(indices).tolist() == np.asarray(expected_indices).tolist()
+    assert np.array_equal(np.asarray(values), np.asarray(expected_values))
