@@ -120,10 +120,8 @@ def bench_hf(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
     model = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
     batches = [torch.tensor(prompts[i : i + p["batch"]], device=device) for i in range(0, len(prompts), p["batch"])]
 
-    sampling = p.get("sampling", {})
-    # top_k=0 switches off transformers' default top_k of 50, as sampling.top_k=0 means in ours.
-    draw = dict(do_sample=True, temperature=sampling["temperature"], top_p=sampling.get("top_p", 1.0),
-                top_k=sampling.get("top_k", 0)) if sampling else dict(do_sample=False)
+    # The same temperature, top_p and top_k as ours: top_k=0 switches off transformers' default of 50.
+    draw = dict(do_sample=True, **p["sampling"]) if "sampling" in p else dict(do_sample=False)
 
     def run(ids: torch.Tensor, new: int) -> torch.Tensor:
         with torch.inference_mode():
