@@ -25,10 +25,15 @@ with q/k/v fused into one weight and gate/up into another (what the engine does 
 saved at most 0.3 ms of a tiny bfloat16 step and was slower at the 125M float32 shape,
 docs/performance-notes.md); torch beside them.
 
+With `--peak`, it times large square products (2,048 cubed) and the decode LM heads, in float32
+and bfloat16 (float32 result), and prints GFLOP/s for XLA and torch: the ceiling that decode's
+compute-bound products are read against (docs/performance-notes.md, Limits).
+
 Run it on a quiet machine (nothing else running; figures taken under load are off by 2-5x):
 
     python scripts/bench_dots.py
     python scripts/bench_dots.py --stack
+    python scripts/bench_dots.py --peak
 """
 
 from __future__ import annotations
@@ -124,13 +129,44 @@ def stack(args) -> None:
             print(json.dumps(row), flush=True)
 
 
+PEAK_SHAPES = [(2048, 2048, 2048), (32000, 256, 64), (32000, 768, 32)]
+"""(m, k, n): a large square product, and the LM heads of a cpu-tiny and a cpu-125m decode step
+(vocabulary x hidden times hidden x rows, weight first, as the engine computes them)."""
+
+
+def peak(args) -> None:
+    import torch  # before JAX starts, as bench_engine.py does
+
+    import jax
+    import jax.numpy as jnp
+
+    product = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    rng = np.random.default_rng(0)
+    for m, k, n in PEAK_SHAPES:
+        a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+        for dtype in ("float32", "bfloat16"):
+            aj, bj = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
+            at, bt = torch.tensor(a, dtype=getattr(torch, dtype)), torch.tensor(b, dtype=getattr(torch, dtype))
+            with torch.inference_mode():
+                torch_ms = _time(lambda: at @ bt, reps=args.reps)
+            xla_ms = _time(product, aj, bj, reps=args.reps)
+            gflop = 2 * m * k * n / 1e9
+            print(json.dumps({"shape": [m, k, n], "dtype": dtype, "xla_ms": round(xla_ms, 3), "torch_ms": round(torch_ms, 3),
+                              "xla_gflop_s": round(gflop / xla_ms * 1e3), "torch_gflop_s": round(gflop / torch_ms * 1e3)}),
+                  flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--stack", action="store_true", help="time whole models' projections per decode step (see above)")
+    parser.add_argument("--peak", action="store_true", help="GFLOP/s of large products and the LM heads (see above)")
     args = parser.parse_args()
     if args.stack:
         stack(args)
+        return
+    if args.peak:
+        peak(args)
         return
 
     import torch  # before JAX starts, as bench_engine.py does

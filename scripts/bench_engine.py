@@ -6,6 +6,12 @@ engine and with transformers in the same dtype, and prints tokens/s and their ra
 compile time is shown apart: tokens/s is from a second, fully compiled pass (or, with
 --single-pass, from the first pass minus its compile time).
 
+Each side's time is also split: `*_prefill_s` is ours running the prefill programs during the
+timed pass, and transformers' `generate` of one new token on the same batches (its prompts and
+one step), timed after its whole run; `prefill_speedup` and `decode_speedup` compare the two
+parts (decode: the whole time minus prefill, host work included). The same FLOPs go into both
+sides' prefill, so where prefill is a large share, it bounds the whole run's ratio.
+
 transformers runs on CUDA when torch sees a GPU, else on the CPU. Everything torch does
 (building the checkpoint, the peer's runs) happens in spawned child processes before JAX
 starts in this one, so each side has the device to itself: JAX reserves 75 % of GPU memory
@@ -94,20 +100,27 @@ def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pas
     engine = Engine.load(folder, dtype=dtype, sampling=sampling, engine=EngineConfig(batch_size=p["batch"]),
                          max_prompt_tokens=p["prompt_len"])
     requests = [GenerationRequest(i, row.tolist(), [0]) for i, row in enumerate(prompts)]
+
+    def prefill_run_s() -> float:
+        return sum(engine.stats.programs.get(kind, {}).get("run_s", 0.0) for kind in ("prefill_fresh", "prefill"))
+
     start = time.perf_counter()
     first = list(engine.generate(requests))
     first_wall = time.perf_counter() - start
     compile_s, compilations = engine.stats.compile_time_s, engine.stats.compilations
     if single_pass:
-        wall, second = first_wall - compile_s, first
+        wall, second, prefill_s = first_wall - compile_s, first, prefill_run_s()
     else:
+        before = prefill_run_s()
         start = time.perf_counter()
         second = list(engine.generate(requests))
         wall = time.perf_counter() - start
+        prefill_s = prefill_run_s() - before
         assert [c.token_ids for c in first] == [c.token_ids for c in second]
     tokens = sum(len(c.token_ids) for c in second)
     assert tokens == len(prompts) * p["new"], "every row should make exactly --new tokens"
-    return dict(tok_s=tokens / wall, wall_s=wall, first_pass_s=first_wall, compile_s=compile_s, compilations=compilations,
+    return dict(tok_s=tokens / wall, wall_s=wall, prefill_s=prefill_s, first_pass_s=first_wall, compile_s=compile_s,
+                compilations=compilations,
                 peak_memory_gib=(engine.stats.peak_memory_bytes or 0) / 2**30, describe=engine.describe(),
                 device_kind=engine.devices[0].device_kind)
 
@@ -128,16 +141,20 @@ def bench_hf(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
             return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                                   pad_token_id=0, **draw)
 
+    def timed(new: int) -> tuple[int, float]:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        tokens = sum(run(ids, new).shape[1] - ids.shape[1] for ids in batches) * p["batch"]
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return tokens, time.perf_counter() - start
+
     run(batches[0][:2], 2)  # warm-up
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    tokens = sum(run(ids, p["new"]).shape[1] - ids.shape[1] for ids in batches) * p["batch"]
-    if device == "cuda":
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
+    tokens, wall = timed(p["new"])
+    _, prefill_s = timed(1)  # the prompts and one token: what the whole run spends before decoding
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    return dict(tok_s=tokens / wall, wall_s=wall, device=f"{name}, torch {torch.__version__}",
+    return dict(tok_s=tokens / wall, wall_s=wall, prefill_s=prefill_s, device=f"{name}, torch {torch.__version__}",
                 peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None)
 
 
@@ -273,6 +290,7 @@ def main() -> None:
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
                       "sampling": p.get("sampling", "greedy"),
                       "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
+                      "ours_prefill_s": round(ours["prefill_s"], 2),
                       "ours_timed": "first pass minus compile" if args.single_pass else "second pass",
                       "ours_compile_s": round(ours["compile_s"], 2),
                       "ours_compilations": ours["compilations"], "ours_first_pass_s": round(ours["first_pass_s"], 2),
@@ -280,7 +298,9 @@ def main() -> None:
             if dtype in peers:
                 hf = peers[dtype]
                 result.update(hf_tok_s=round(hf["tok_s"], 1), hf_wall_s=round(hf["wall_s"], 2), hf_device=hf["device"],
-                              ratio=round(ours["tok_s"] / hf["tok_s"], 2))
+                              ratio=round(ours["tok_s"] / hf["tok_s"], 2), hf_prefill_s=round(hf["prefill_s"], 2),
+                              prefill_speedup=round(hf["prefill_s"] / ours["prefill_s"], 2),
+                              decode_speedup=round((hf["wall_s"] - hf["prefill_s"]) / (ours["wall_s"] - ours["prefill_s"]), 2))
             print(ours["describe"], flush=True)
             print(json.dumps(result), flush=True)
 
