@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -91,7 +92,11 @@ class EngineStats:
     cache_loads: int = 0
     """Programs loaded from JAX's persistent compilation cache instead of compiled."""
     compile_time_s: float = 0.0
-    """Seconds getting programs: compiling, plus loading those found in the persistent cache."""
+    """Seconds getting programs: compiling, plus loading those found in the persistent cache.
+    Summed over threads: the decode program is compiled beside the others (`compile_wait_s`)."""
+    compile_wait_s: float = 0.0
+    """Seconds `generate` itself waited for programs: what getting them added to its wall time
+    (at most compile_time_s, as the decode program's compile overlaps the prefill)."""
     programs: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     """Per program kind (init, prefill_fresh, prefill, decode): compiled, loaded, seconds (getting
     the programs), run_s (running them)."""
@@ -377,7 +382,8 @@ class Engine:
 
     def _run(self, kind: str, fn, static: tuple, *args):
         """Runs fn(model, cache, state, ...) compiled, the cache and state donated (updated in place)."""
-        compiled = self._program(kind, static, self._jit(fn), args)
+        with self._waiting():
+            compiled = self._program(kind, static, self._jit(fn), args)
         start = time.perf_counter()
         out = compiled(*args)
         jax.block_until_ready(out)
@@ -395,7 +401,18 @@ class Engine:
             return new_cache(self.config, slots, self._seq_len, self._cache_dtype), new_state(slots)
 
         jitted = jax.jit(make, out_shardings=(self.layout.cache_sharding, self._batch_sharding))
-        return self._program("init", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name), jitted, ())()
+        with self._waiting():
+            program = self._program("init", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name), jitted, ())
+        return program()
+
+    @contextlib.contextmanager
+    def _waiting(self):
+        """Counts the time inside as generate waiting for programs (stats.compile_wait_s)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.compile_wait_s += time.perf_counter() - start
 
     # ---------------------------------------------------------------------------- generate
 
@@ -455,7 +472,8 @@ class Engine:
                             yield completion
                     continue
                 if decode_compile is not None:
-                    decode_compile.result()  # raises what compiling raised
+                    with self._waiting():
+                        decode_compile.result()  # raises what compiling raised
                     decode_compile = None
                 kind, static, fn = self._decode_program()
                 cache, state, (out, done) = self._run(

@@ -48,8 +48,12 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
         assert engine.stats.compilations == 4 and engine.stats.cache_loads == 0, engine.stats.programs
         # The decode program is compiled beside the others, from the start of generate.
         assert threads["decode"].startswith("compile-decode") and threads["prefill_fresh"] == "MainThread", threads
+        # generate waited for its programs, but not for longer than they took (the decode compile overlaps).
+        waited = engine.stats.compile_wait_s
+        assert 0 < waited <= engine.stats.compile_time_s, (waited, engine.stats.programs)
         list(engine.generate(_requests([3, 40, 17])))
         assert engine.stats.compilations == 4, engine.stats.programs
+        assert engine.stats.compile_wait_s - waited < 0.05  # nothing left to wait for
 
         # A new process would find the same programs on disk: forget them in memory, load again.
         engine_module._COMPILED.clear()
