@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The engine's GPU checks in one go, for a CUDA machine with JAX, PyTorch and transformers
+# installed (and no network needed): the Llama-3-8B memory plan compiled for the GPU, the
+# TinyLlama benchmark beside transformers, and the Llama-3-8B seed workload (128 prompts x 128
+# tokens, 2,048 new, batch 128). Each step's log goes to $OUT (default gpu-bench-out/) as it
+# runs, so a step cut short still leaves what it printed. Each step has its own time limit;
+# together they stay under 9 minutes.
+#
+#   bash scripts/offline_wheels.sh          # first, where PyPI is reachable, if haliax is missing there
+#   bash scripts/gpu_bench.sh               # on the GPU machine, from the repository root
+#   bash scripts/gpu_bench.sh --smoke       # the same steps on tiny shapes (any machine, a minute or two)
+#
+# Wheels found in .whl/ are installed into /tmp/site first (no index, no dependencies).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-bench-out}
+mkdir -p "$OUT"
+python=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+if [ "${1:-}" = "--smoke" ]; then
+    memory=(--preset cpu-tiny --batch 8 --prompt 16 --new 16)
+    tiny=(--preset cpu-tiny --prompts 8 --new 8 --batch 8)
+    seed=(--preset cpu-tiny --prompts 8 --new 8 --batch 8 --skip-hf --single-pass)
+else
+    memory=(--preset llama3-8b)
+    tiny=(--preset tinyllama-1.1b)
+    seed=(--preset llama3-8b --skip-hf --single-pass)  # transformers takes ~200 s here: measured once, in the notes
+fi
+
+failed=0
+step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output to the screen and $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local status=${PIPESTATUS[0]}
+    echo "== $name: exit $status"
+    [ "$status" = 0 ] || failed=1
+}
+
+step versions 30 "$python" -c "
+import jax, torch, transformers
+print('jax', jax.__version__, jax.devices())
+print('torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'no cuda', 'transformers', transformers.__version__)"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.log"
+step memory-plan 100 "$python" scripts/memory_analysis.py "${memory[@]}"
+step tinyllama 170 "$python" scripts/bench_engine.py "${tiny[@]}" --dtype bfloat16
+step seed-workload 240 "$python" scripts/bench_engine.py "${seed[@]}" --dtype bfloat16
+exit $failed
