@@ -73,6 +73,8 @@ class HostMetrics:
     generated_tokens: int
     wall_s: float
     compile_s: float
+    """Seconds getting programs (compiling, or loading them from the persistent cache), summed
+    over the engine's threads: the decode program compiles beside the prefill."""
     tokens_per_s: float
     peak_memory_bytes: int | None
     batch_size: int | None
@@ -83,6 +85,8 @@ class HostMetrics:
     """Programs loaded from JAX's persistent compilation cache instead of compiled."""
     programs: dict | None = None
     """Per program kind: compiled, loaded, seconds getting it, run_s running it (engine.EngineStats)."""
+    compile_wait_s: float = 0.0
+    """Seconds the host waited for programs: what getting them added to wall_s."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,7 @@ def generate(cfg: Config, out: StepOutput) -> None:
         peak_memory_bytes=stats.peak_memory_bytes if stats else None,
         batch_size=stats.batch_size if stats else None, compilations=stats.compilations if stats else 0,
         mode=cfg.engine.mode, cache_loads=stats.cache_loads if stats else 0,
-        programs=stats.programs if stats else None,
+        programs=stats.programs if stats else None, compile_wait_s=round(stats.compile_wait_s, 3) if stats else 0.0,
     )
     storage.write_json(out.path("metrics", f"host-{hosts.process_index():05d}-{_stamp()}.json"), metrics.__dict__)
 

@@ -45,8 +45,12 @@ def test_any_host_count_gives_the_same_rows(make_config, tmp_path, many_prompts,
     result = pipeline("launch", "--hosts", str(hosts), "--", "run", "generate", "--config", config)
     assert result.returncode == 0, result.stdout[-3000:]
     assert generated_rows(tmp_path / f"pod{hosts}") == reference
-    metrics = glob.glob(f"{tmp_path}/pod{hosts}/generate-*/metrics/host-*.json")
+    metrics = [json.load(open(path)) for path in glob.glob(f"{tmp_path}/pod{hosts}/generate-*/metrics/host-*.json")]
     assert len(metrics) == hosts
+    for m in metrics:  # every host got its few programs, and says what waiting for them cost it
+        got = sum(p["compiled"] + p["loaded"] for p in m["programs"].values())
+        assert got == m["compilations"] + m["cache_loads"] and 3 <= got <= 4, m
+        assert 0 < m["compile_wait_s"] <= min(m["wall_s"], m["compile_s"] + 0.05), m
 
 
 PARTS = "generate-*/shard-*/part-*.parquet"
