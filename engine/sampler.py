@@ -102,8 +102,7 @@ def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     of the top k, and runs lax.top_k over those only, in block order so that ties resolve as
     they would over the whole row. On the CPU lax.top_k of [64, 32000] with k = 50 took 4 ms."""
     vocab, rows = scores.shape
-    count = -(-vocab // ARGMAX_BLOCK)
-    if k > count or k * ARGMAX_BLOCK >= vocab:
+    if k * ARGMAX_BLOCK >= vocab:  # k blocks would cover the vocabulary (k beyond the block count included)
         return jax.lax.top_k(scores.T, k)
     blocks = _blocks(scores, -jnp.inf)  # the padding is -inf after every entry: it never wins a tie
     _, chosen = jax.lax.top_k(jnp.max(blocks, axis=1).T, k)  # [rows, k]
