@@ -325,10 +325,17 @@ def _attend_pages(q: NamedArray, parts, scale: float) -> NamedArray:
     """Softmax attention of q over several key sets, each (keys, values, mask, key axis name),
     without concatenating them: a page's scores, weights and weighted values are its own, and
     the parts are combined in a fixed order. A part whose mask is all False for a row adds exact
-    zeros, so a row's result does not depend on how many pages its call read."""
+    zeros, so a row's result does not depend on how many pages its call read.
+
+    Each part's scores take q through its own optimization barrier. Without it XLA's GPU
+    compiler merges dots that share an operand (its DotMerger pass): the small dot over the
+    chunk buffer joined a page's dot over the concatenation of the two, a copy of the page in
+    every layer at every step, so the cache was read three times (measured on an H200: a
+    [kv_heads, batch, 208, head_dim] concatenate was TinyLlama's second-costliest kernel)."""
     scores = []
     for keys, _, mask, axis in parts:
-        s = hax.dot(q, keys, axis="head_dim", preferred_element_type=jnp.float32) * scale
+        q_part, keys = jax.lax.optimization_barrier((q, keys))
+        s = hax.dot(q_part, keys, axis="head_dim", preferred_element_type=jnp.float32) * scale
         scores.append(hax.where(mask, s, -jnp.inf))
     top = functools.reduce(hax.maximum, [hax.max(s, axis=axis) for s, (*_, axis) in zip(scores, parts)])
     total, attn = None, None
