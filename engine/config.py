@@ -112,10 +112,11 @@ class EngineConfig:
     prefill_chunk_tokens: int = 32
     """Prompt tokens per row of one prefill call; a longer prompt takes several rows (chunks), in
     one call when rows are free."""
-    prefill_tokens: int = 512
+    prefill_tokens: int | Literal["auto"] = "auto"
     """Token budget of one prefill call: prefill_tokens // prefill_chunk_tokens rows (at most
     batch_size), each one chunk of a prompt: the first chunks of that many prompts, or the later
-    chunks of the prompts started, several of one prompt when fewer prompts are left."""
+    chunks of the prompts started, several of one prompt when fewer prompts are left. auto: 512
+    on the CPU; on an accelerator up to 4,096, as much as fits beside the batch (engine/memory.py)."""
 
     def __post_init__(self):
         require(self.batch_size == "auto" or (_is_int(self.batch_size) and self.batch_size > 0),
@@ -130,6 +131,6 @@ class EngineConfig:
                 "engine.decode_chunk_steps", self.decode_chunk_steps, "an integer > 0")
         require(_is_int(self.prefill_chunk_tokens) and self.prefill_chunk_tokens > 0,
                 "engine.prefill_chunk_tokens", self.prefill_chunk_tokens, "an integer > 0")
-        require(_is_int(self.prefill_tokens) and self.prefill_tokens >= self.prefill_chunk_tokens,
+        require(self.prefill_tokens == "auto" or (_is_int(self.prefill_tokens) and self.prefill_tokens >= self.prefill_chunk_tokens),
                 "engine.prefill_tokens", self.prefill_tokens,
-                f"an integer >= engine.prefill_chunk_tokens ({self.prefill_chunk_tokens})")
+                f"auto or an integer >= engine.prefill_chunk_tokens ({self.prefill_chunk_tokens})")

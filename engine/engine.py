@@ -223,7 +223,7 @@ class Engine:
         self._seq_len = max_prompt_tokens + sampling.max_new_tokens
         self._cache_dtype = jnp.float32 if self.devices[0].platform == "cpu" else DTYPES[dtype]
         n_dev = layout.data_size
-        rows = max(1, engine_config.prefill_tokens // engine_config.prefill_chunk_tokens)
+        rows = max(1, plan.prefill_tokens // engine_config.prefill_chunk_tokens)
         self._prefill_rows = min(-(-rows // n_dev) * n_dev, plan.batch_size)
         """Rows of a prefill call, each one chunk of a prompt (a multiple of the data-parallel devices)."""
         self._group = min(sampling.n, plan.batch_size)

@@ -34,6 +34,15 @@ AUTO_CAP_CPU = 128
 """On CPU decode is compute-bound: past ~128 rows a bigger batch buys no tokens/s, only memory."""
 AUTO_CAP_ACCELERATOR = 512
 """Per device; past this the attention over the cache, not the weights, dominates each step."""
+PREFILL_TOKENS_CPU = 512
+"""`engine.prefill_tokens: auto` on the CPU: 16 rows of 32-token chunks; no budget or chunk tried
+on the prefill-heavy workload was faster (docs/performance-notes.md)."""
+PREFILL_TOKENS_ACCELERATOR = (4096, 2048, 1024, 512)
+"""`auto` on an accelerator: the first of these whose call fits (`prefill_budget`). A bigger call
+keeps the device busy: TinyLlama's prefill on an H200 took 0.47 s at 512 tokens a call and
+0.26 s at 4,096, the whole benchmark run 1.95 s and 1.62 s."""
+PREFILL_SHARE = 16
+"""`auto` gives one prefill call at most 1/16 of the allowed memory: the rest is for rows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +59,8 @@ class BatchPlan:
     """The stated fraction of one device's memory."""
     working_bytes: int = 0
     """One prefill call's working memory per device (independent of the batch size)."""
+    prefill_tokens: int = PREFILL_TOKENS_CPU
+    """Token budget of one prefill call: `engine.prefill_tokens`, or what `auto` chose."""
 
     def need_bytes(self, batch_size: int, num_devices: int) -> int:
         return self.weights_bytes + self.working_bytes + -(-batch_size // num_devices) * self.row_bytes
@@ -118,22 +129,32 @@ def plan_batch(
     weight_shards: int = 1,
     row_shards: int = 1,
     decode_chunk_steps: int = 16,
-    prefill_tokens: int = 512,
+    prefill_tokens: int | str = 512,
     prefill_chunk_tokens: int = 32,
 ) -> BatchPlan:
     """devices: this host's devices (their memory is planned); batch_shards: ways rows are split
-    (default: one per device); weight_shards / row_shards: devices sharing each weight / each row."""
+    (default: one per device); weight_shards / row_shards: devices sharing each weight / each row;
+    prefill_tokens: a budget, or auto (`prefill_budget`)."""
     n = batch_shards or len(devices)
     seq_len = max_prompt_tokens + max_new_tokens
-    weights, row, working = footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=seq_len,
-                                      decode_chunk_steps=decode_chunk_steps, prefill_tokens=prefill_tokens,
-                                      prefill_chunk_tokens=prefill_chunk_tokens)
-    weights = -(-weights // weight_shards)
-    row = -(-row // row_shards)
-    working = -(-working // (row_shards * n))
+
+    def per_device(tokens: int) -> tuple[int, int, int]:
+        weights, row, working = footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=seq_len,
+                                          decode_chunk_steps=decode_chunk_steps, prefill_tokens=tokens,
+                                          prefill_chunk_tokens=prefill_chunk_tokens)
+        return -(-weights // weight_shards), -(-row // row_shards), -(-working // (row_shards * n))
+
     device_bytes = device_memory_bytes(devices[0], len(devices))
     limit = int(device_bytes * memory_fraction)
-    plan = BatchPlan(0, "", weights, row, limit, working)
+    if prefill_tokens == "auto":
+        def fits(tokens: int) -> bool:
+            weights, row, working = per_device(tokens)
+            rows = -(-batch_size // n) if isinstance(batch_size, int) else 1
+            return working <= limit // PREFILL_SHARE and weights + working + rows * row <= limit
+
+        prefill_tokens = prefill_budget(devices[0].platform, prefill_chunk_tokens, fits)
+    weights, row, working = per_device(prefill_tokens)
+    plan = BatchPlan(0, "", weights, row, limit, working, prefill_tokens)
     where = f"{memory_fraction:.0%} of {devices[0].platform} device memory ({device_bytes / GiB:.1f} GiB) is {limit / GiB:.2f} GiB"
     if weights + working + row > limit:
         raise ValueError(
@@ -163,6 +184,16 @@ def plan_batch(
             " lower engine.batch_size or use auto"
         )
     return dataclasses.replace(plan, batch_size=batch_size, reason="explicit")
+
+
+def prefill_budget(platform: str, chunk_tokens: int, fits) -> int:
+    """`engine.prefill_tokens: auto`: PREFILL_TOKENS_CPU on the CPU; on an accelerator the first
+    of PREFILL_TOKENS_ACCELERATOR for which fits(tokens) holds (the Llama-3-8B seed workload at
+    batch 128 on an 80 GB H100 gets 1,024), else the smallest. Never below one chunk."""
+    if platform == "cpu":
+        return max(PREFILL_TOKENS_CPU, chunk_tokens)
+    budgets = [max(tokens, chunk_tokens) for tokens in PREFILL_TOKENS_ACCELERATOR]
+    return next((tokens for tokens in budgets if fits(tokens)), budgets[-1])
 
 
 def peak_memory_bytes(devices: list[jax.Device]) -> int | None:

@@ -84,7 +84,7 @@ def test_bad_values_name_the_key_path(data, message):
 
 @pytest.mark.parametrize("make, message", [
     (lambda: EngineConfig(batch_size=(16, 64)), "engine.batch_size must be an integer > 0 or auto, got (16, 64)"),
-    (lambda: EngineConfig(prefill_tokens="512"), "engine.prefill_tokens must be an integer >= engine.prefill_chunk_tokens"),
+    (lambda: EngineConfig(prefill_tokens="512"), "engine.prefill_tokens must be auto or an integer >= engine.prefill_chunk_tokens"),
     (lambda: EngineConfig(memory_fraction=None), "engine.memory_fraction must be a number in (0, 1], got None"),
     (lambda: MeshConfig(model="2"), "engine.mesh.model must be an integer > 0 or auto, got '2'"),
     (lambda: SamplingParams(max_new_tokens=True), "sampling.max_new_tokens must be an integer > 0, got True"),

@@ -25,3 +25,41 @@ def test_8b_decode_program_reads_the_cache_in_place_and_matches_the_plan():
     assert decode["alias_gib"] == decode["output_gib"] > 60  # the whole cache is donated and updated in place
     assert decode["temp_gib"] < 1.0, decode  # no copy of the cache or of a window of it
     assert 1.0 <= decode["plan_over_peak"] <= 1.1, decode  # the plan never under-counts, by at most 10 %
+
+
+def test_auto_prefill_budget_is_the_cpu_one_or_the_biggest_that_fits_on_an_accelerator():
+    from engine.memory import prefill_budget
+
+    assert prefill_budget("cpu", 32, lambda tokens: True) == 512
+    assert prefill_budget("cpu", 1024, lambda tokens: True) == 1024  # never below one chunk
+    assert prefill_budget("gpu", 32, lambda tokens: True) == 4096
+    assert prefill_budget("tpu", 32, lambda tokens: tokens <= 1024) == 1024
+    assert prefill_budget("gpu", 32, lambda tokens: False) == 512  # the smallest, for the plan to refuse or fit
+
+
+def test_auto_prefill_budget_on_the_8b_seed_leaves_its_batch_room(tmp_path):
+    """Batch 128 of the 8B seed workload barely fits an H100's share: `auto` must not take the
+    room its rows need, and a small model gets the biggest call."""
+    import jax.numpy as jnp
+
+    from engine.llama import LlamaConfig
+    from engine.memory import plan_batch
+
+    class Accelerator:  # a device's memory as JAX reports it: all the plan reads of a device
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 60_909 * 2**20}  # what JAX gave itself on an H100-sized share
+
+    def plan(layers, hidden, heads, kv_heads, intermediate, vocab, batch, prompt, new):
+        config = LlamaConfig.from_hf(dict(
+            model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096, tie_word_embeddings=False))
+        return plan_batch(config, dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, batch_size=batch, max_prompt_tokens=prompt,
+                          max_new_tokens=new, devices=[Accelerator()], memory_fraction=0.85, prefill_tokens="auto")
+
+    seed = plan(32, 4096, 32, 8, 14336, 128256, 128, 128, 2048)
+    assert (seed.batch_size, seed.prefill_tokens) == (128, 512)
+    assert seed.need_bytes(128, 1) <= seed.limit_bytes
+    tiny = plan(22, 2048, 32, 4, 5632, 32000, 256, 128, 256)
+    assert (tiny.batch_size, tiny.prefill_tokens) == (256, 4096)
