@@ -329,9 +329,10 @@ def _attend_pages(q: NamedArray, parts, scale: float) -> NamedArray:
 
     Each part's scores take q through its own optimization barrier. Without it XLA's GPU
     compiler merges dots that share an operand (its DotMerger pass): the small dot over the
-    chunk buffer joined a page's dot over the concatenation of the two, a copy of the page in
-    every layer at every step, so the cache was read three times (measured on an H200: a
-    [kv_heads, batch, 208, head_dim] concatenate was TinyLlama's second-costliest kernel)."""
+    chunk buffer joined the pages' dots over their concatenation, a copy of the pages in every
+    layer at every step (on an H200, TinyLlama's second-costliest kernel: a [kv_heads, batch,
+    208, head_dim] concatenate). With the barriers the copies are gone and a decode call at
+    position 256 took 4 % less time; the 8B seed workload's time did not change."""
     scores = []
     for keys, _, mask, axis in parts:
         q_part, keys = jax.lax.optimization_barrier((q, keys))
