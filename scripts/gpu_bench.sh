@@ -4,10 +4,14 @@
 # TinyLlama benchmark beside transformers, and the Llama-3-8B seed workload (128 prompts x 128
 # tokens, 2,048 new, batch 128). Each step's log goes to $OUT (default gpu-bench-out/) as it
 # runs, so a step cut short still leaves what it printed. Each step has its own time limit;
-# together they stay under 9 minutes. On a card bigger than an H100, JAX gets an H100's memory.
+# together they stay under 9 minutes (about 4 on an H200). On a card bigger than an H100, JAX
+# gets an H100's memory. With --profile, two more steps trace the decode program of TinyLlama
+# and of the 8B (scripts/profile_decode.py: kernels per layer and step, the optimized programs
+# in $OUT/hlo.tar.gz); about 3 minutes more.
 #
 #   bash scripts/offline_wheels.sh          # first, where PyPI is reachable, if haliax is missing there
 #   bash scripts/gpu_bench.sh               # on the GPU machine, from the repository root
+#   bash scripts/gpu_bench.sh --profile     # and the decode traces
 #   bash scripts/gpu_bench.sh --smoke       # the same steps on tiny shapes (any machine, a minute or two)
 #
 # Wheels found in .whl/ are installed into /tmp/site first (no index, no dependencies).
@@ -22,14 +26,21 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
+profile=
+[ "${1:-}" = "--profile" ] && { profile=1; shift; }
 if [ "${1:-}" = "--smoke" ]; then
+    profile=1
     memory=(--preset cpu-tiny --batch 8 --prompt 16 --new 16)
     tiny=(--preset cpu-tiny --prompts 8 --new 8 --batch 8)
     seed=(--preset cpu-tiny --prompts 8 --new 8 --batch 8 --skip-hf --single-pass)
+    profile_tiny=(--preset cpu-tiny --batch 8 --repeats 3 16 96)
+    profile_seed=(--preset cpu-mixed --batch 8 --repeats 3 16)
 else
     memory=(--preset llama3-8b)
     tiny=(--preset tinyllama-1.1b)
     seed=(--preset llama3-8b --skip-hf --single-pass)  # transformers takes ~200 s here: measured once, in the notes
+    profile_tiny=(--preset tinyllama-1.1b --repeats 5 128 256)
+    profile_seed=(--preset llama3-8b --repeats 3 128 1100 2100)
 fi
 
 failed=0
@@ -60,4 +71,10 @@ fi
 step memory-plan 100 "$python" scripts/memory_analysis.py "${memory[@]}"
 step tinyllama 170 "$python" scripts/bench_engine.py "${tiny[@]}" --dtype bfloat16
 step seed-workload 240 "$python" scripts/bench_engine.py "${seed[@]}" --dtype bfloat16
+if [ -n "$profile" ]; then
+    step profile-tinyllama 100 "$python" scripts/profile_decode.py "${profile_tiny[@]}" --dtype bfloat16 --trace --hlo "$OUT/hlo"
+    step profile-seed 150 "$python" scripts/profile_decode.py "${profile_seed[@]}" --dtype bfloat16 --trace --hlo "$OUT/hlo"
+    # One file: what comes back from a lent machine is counted in files.
+    [ -d "$OUT/hlo" ] && tar -czf "$OUT/hlo.tar.gz" -C "$OUT" hlo && rm -r "$OUT/hlo"
+fi
 exit $failed

@@ -2,11 +2,17 @@
 
 Where `bench_engine.py` measures whole runs side by side with transformers, this isolates
 the decode program: ms per decode step with every row at a given position, the bytes a step
-reads (weights + the whole KV cache, which decode attends over in place), the bound at a given
-bandwidth, and the fraction reached. Compare two commits by running it from each checkout on
-the same machine.
+reads (the weights, less the embedding table, and the cache pages that hold the rows: decode
+attends over them in place), the bound at a given bandwidth, and the fraction reached. Compare
+two commits by running it from each checkout on the same machine.
+
+With --trace it also traces one call per position (`jax.profiler`) and prints where the time
+went: the kernels of the trace's busiest line (on a GPU its compute stream, on the CPU a worker
+thread), in µs per layer and step, largest first. With --hlo DIR it writes the optimized
+program's text there, to look up what a kernel computes.
 
     python scripts/profile_decode.py --preset tinyllama-1.1b 16 128 368     # on a GPU
+    python scripts/profile_decode.py --preset tinyllama-1.1b --trace 128 256 --hlo gpu-bench-out/hlo
     python scripts/profile_decode.py --preset cpu-tiny --dtype float32 64
     python scripts/profile_decode.py --preset cpu-mixed --batch 16 --dtype bfloat16 40 300
 """
@@ -14,7 +20,10 @@ the same machine.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
+import glob
+import gzip
 import json
 import os
 import statistics
@@ -36,6 +45,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--checkpoint", help="keep the random checkpoint in this folder (built if empty) and "
                                              "reuse it, e.g. to profile two checkouts on the same weights")
+    parser.add_argument("--trace", action="store_true", help="trace one call per position and print its kernels")
+    parser.add_argument("--top", type=int, default=25, help="kernels printed with --trace")
+    parser.add_argument("--hlo", metavar="DIR", help="write the optimized decode program's text to DIR")
     args = parser.parse_args()
     preset = dict(bench.PRESETS[args.preset])
     batches = preset["batch"] if isinstance(preset["batch"], tuple) else (preset["batch"],)
@@ -53,25 +65,32 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
     import jax.numpy as jnp
 
     from engine import Engine, EngineConfig, SamplingParams
-    from engine.decode import decode_chunk
+    from engine.decode import decode_chunk, new_state
 
     engine = Engine.load(folder, dtype=args.dtype, sampling=SamplingParams(max_new_tokens=preset["new"]),
                          engine=EngineConfig(batch_size=preset["batch"]), max_prompt_tokens=preset["prompt_len"])
     slots, steps = preset["batch"], engine.engine_config.decode_chunk_steps
-    cache, _ = engine._init(slots)
-    cache = jax.tree.map(lambda c: (jax.random.normal(jax.random.key(1), c.shape) * 0.1).astype(c.dtype), cache)
+    cache, state = engine._init(slots)
+    # Random keys and values, written over the zeros in place (donated): two caches of the 8B
+    # at batch 128 would not fit an H100.
+    cache = jax.jit(lambda c: jax.tree.map(lambda x: (jax.random.normal(jax.random.key(1), x.shape) * 0.1).astype(x.dtype), c),
+                    donate_argnums=0)(cache)
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.model)) - engine.model.embed_tokens.array.nbytes
     kv_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(cache))
+    ends = cache.ends
     kill = jnp.zeros(slots, bool)
     started = time.perf_counter()
     program = jax.jit(functools.partial(decode_chunk, spec=engine._spec, steps=steps), donate_argnums=(1, 2))
-    _, state = engine._init(slots)
     program = program.lower(engine.model, cache, state, kill).compile()
     compile_s = time.perf_counter() - started
+    if args.hlo:
+        os.makedirs(args.hlo, exist_ok=True)
+        with open(os.path.join(args.hlo, f"decode-{args.preset}-{args.dtype}-b{slots}.hlo"), "w") as f:
+            f.write(program.as_text())
     for position in args.positions or [preset["prompt_len"]]:
-        def fresh_state():
-            _, state = engine._init(slots)
-            return state._replace(done=jnp.zeros(slots, bool), position=jnp.full(slots, position, jnp.int32))
+        def fresh_state():  # every row live at `position` (a new state, not a new cache)
+            state = new_state(slots)._replace(done=jnp.zeros(slots, bool), position=jnp.full(slots, position, jnp.int32))
+            return jax.device_put(state, engine._batch_sharding)
 
         times = []
         for _ in range(args.repeats):
@@ -80,12 +99,53 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
             cache, state, host = jax.block_until_ready(program(engine.model, cache, state, kill))
             times.append(time.perf_counter() - started)
         step_s = statistics.median(times[2:] or times) / steps
-        step_bytes = weight_bytes + kv_bytes
-        yield {"position": position, "ms_per_step": round(step_s * 1e3, 3), "compile_s": round(compile_s, 1),
-               "GB_per_step": round(step_bytes / 1e9, 3),
+        read = next(end for end in ends if end >= position)  # the pages a call reads (engine.llama.by_pages)
+        step_bytes = weight_bytes + kv_bytes * read // ends[-1]
+        row = {"position": position, "ms_per_step": round(step_s * 1e3, 3), "compile_s": round(compile_s, 1),
+               "cache_positions_read": read, "GB_per_step": round(step_bytes / 1e9, 3),
                "bound_ms": round(step_bytes / (args.bandwidth_tbps * 1e12) * 1e3, 3),
                "fraction_of_bound": round(step_bytes / (args.bandwidth_tbps * 1e12) / step_s, 3),
                "device": str(jax.devices()[0].device_kind)}
+        if args.trace:
+            with tempfile.TemporaryDirectory() as folder:
+                state = jax.block_until_ready(fresh_state())
+                with jax.profiler.trace(folder):
+                    cache, state, host = jax.block_until_ready(program(engine.model, cache, state, kill))
+                row.update(kernels(folder, layer_steps=steps * engine.config.num_hidden_layers, top=args.top))
+        yield row
+
+
+RUNTIME_SPANS = ("ThunkExecutor", "SlinkyThreadPool", "$")
+"""Names of a CPU trace's spans that hold kernels rather than run one (and Python's, '$...')."""
+
+
+def kernels(folder: str, *, layer_steps: int, top: int) -> dict:
+    """From the one call traced under folder: the busiest line of its trace (a device's line if
+    there is one), its busy time, and its kernels in µs per layer and step, largest first, each
+    with how many times a layer-step runs it."""
+    path = next(f for f in glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True) if "perfetto" not in f)
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            names[(e["pid"], e.get("tid") if e["name"] == "thread_name" else None)] = e["args"]["name"]
+    lines = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X":
+            lines[(str(names.get((e["pid"], None), e["pid"])), str(names.get((e["pid"], e.get("tid")), e.get("tid"))))].append(e)
+    on_device = {k: v for k, v in lines.items() if "device" in k[0].lower()}
+    line, events = max((on_device or lines).items(), key=lambda kv: len(kv[1]))
+    busy, launches = collections.Counter(), collections.Counter()
+    for e in events:
+        if e["name"].startswith(RUNTIME_SPANS):
+            continue
+        busy[e["name"]] += e.get("dur", 0)
+        launches[e["name"]] += 1
+    return {"trace_line": " / ".join(line), "busy_ms": round(sum(busy.values()) / 1e3, 3),
+            "kernels_per_layer_step": round(sum(launches.values()) / layer_steps, 1),
+            "us_per_layer_step": {name: [round(us / layer_steps, 2), round(launches[name] / layer_steps, 2)]
+                                  for name, us in busy.most_common(top)}}
 
 
 if __name__ == "__main__":
