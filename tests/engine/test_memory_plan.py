@@ -37,7 +37,7 @@ def test_auto_prefill_budget_is_the_cpu_one_or_the_biggest_that_fits_on_an_accel
     assert prefill_budget("gpu", 32, lambda tokens: False) == 512  # the smallest, for the plan to refuse or fit
 
 
-def test_auto_prefill_budget_on_the_8b_seed_leaves_its_batch_room(tmp_path):
+def test_auto_prefill_budget_on_the_8b_seed_leaves_its_batch_room():
     """Batch 128 of the 8B seed workload barely fits an H100's share: `auto` must not take the
     room its rows need, and a small model gets the biggest call."""
     import jax.numpy as jnp
