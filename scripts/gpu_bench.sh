@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # The engine's GPU checks in one go, for a CUDA machine with JAX, PyTorch and transformers
 # installed (and no network needed): the Llama-3-8B memory plan compiled for the GPU, the
-# TinyLlama benchmark beside transformers, and the Llama-3-8B seed workload (128 prompts x 128
-# tokens, 2,048 new, batch 128). Each step's log goes to $OUT (default gpu-bench-out/) as it
-# runs, so a step cut short still leaves what it printed. Each step has its own time limit;
-# together they stay under 9 minutes (about 4 on an H200). On a card bigger than an H100, JAX
-# gets an H100's memory. With --profile, two more steps trace the decode program of TinyLlama
-# and of the 8B (scripts/profile_decode.py: kernels per layer and step, the optimized programs
-# in $OUT/hlo.tar.gz); about 3 minutes more.
+# TinyLlama benchmark beside transformers, the Llama-3-8B seed workload (128 prompts x 128
+# tokens, 2,048 new, batch 128), and decode attention alone, the engine's against JAX's Pallas
+# kernel (scripts/bench_decode_attention.py). Each step's log goes to $OUT (default
+# gpu-bench-out/) as it runs, so a step cut short still leaves what it printed. Each step has
+# its own time limit; the first three took about 4 minutes on an H200, the attention steps
+# should take a minute or two more. On a card bigger than an H100, JAX gets an H100's memory.
+# With --profile, two more steps trace the decode program of TinyLlama and of the 8B
+# (scripts/profile_decode.py: kernels per layer and step, the optimized programs in
+# $OUT/hlo.tar.gz); about 3 minutes more. ONLY, a regular expression, runs only the steps
+# whose names it matches.
 #
 #   bash scripts/offline_wheels.sh          # first, where PyPI is reachable, if haliax is missing there
 #   bash scripts/gpu_bench.sh               # on the GPU machine, from the repository root
 #   bash scripts/gpu_bench.sh --profile     # and the decode traces
 #   bash scripts/gpu_bench.sh --smoke       # the same steps on tiny shapes (any machine, a minute or two)
+#   ONLY='attention|profile-seed' bash scripts/gpu_bench.sh --profile   # only the steps whose names match
 #
 # Wheels found in .whl/ are installed into /tmp/site first (no index, no dependencies).
 set -uo pipefail
@@ -35,18 +39,25 @@ if [ "${1:-}" = "--smoke" ]; then
     seed=(--preset cpu-tiny --prompts 8 --new 8 --batch 8 --skip-hf --single-pass)
     profile_tiny=(--preset cpu-tiny --batch 8 --repeats 3 16 96)
     profile_seed=(--preset cpu-mixed --batch 8 --repeats 3 16)
+    attention=("--preset cpu-tiny --batch 2 --layers 1 40 150" "--preset cpu-tiny --batch 2 --layers 1 --ragged 150")
 else
     memory=(--preset llama3-8b)
     tiny=(--preset tinyllama-1.1b)
     seed=(--preset llama3-8b --skip-hf --single-pass)  # transformers takes ~200 s here: measured once, in the notes
     profile_tiny=(--preset tinyllama-1.1b --repeats 5 128 256)
     profile_seed=(--preset llama3-8b --repeats 3 128 1100 2100)
+    attention=("--preset tinyllama-1.1b 128 256 384" "--preset tinyllama-1.1b --ragged 384"
+               "--preset llama3-8b 1100 2100" "--preset llama3-8b --ragged 2176")
 fi
 
 failed=0
 step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output to the screen and $OUT/NAME.log
     local name=$1 limit=$2
     shift 2
+    if [ -n "${ONLY:-}" ] && [ "$name" != versions ] && ! [[ "$name" =~ $ONLY ]]; then
+        echo "== $name: skipped (ONLY=$ONLY)"
+        return
+    fi
     echo "== $name: $*"
     timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     local status=${PIPESTATUS[0]}
@@ -71,6 +82,10 @@ fi
 step memory-plan 100 "$python" scripts/memory_analysis.py "${memory[@]}"
 step tinyllama 170 "$python" scripts/bench_engine.py "${tiny[@]}" --dtype bfloat16
 step seed-workload 240 "$python" scripts/bench_engine.py "${seed[@]}" --dtype bfloat16
+for i in "${!attention[@]}"; do
+    # shellcheck disable=SC2086 - each entry is one command line's arguments
+    step "attention-$i" 60 "$python" scripts/bench_decode_attention.py ${attention[$i]}
+done
 if [ -n "$profile" ]; then
     step profile-tinyllama 100 "$python" scripts/profile_decode.py "${profile_tiny[@]}" --dtype bfloat16 --trace --hlo "$OUT/hlo"
     step profile-seed 150 "$python" scripts/profile_decode.py "${profile_seed[@]}" --dtype bfloat16 --trace --hlo "$OUT/hlo"

@@ -1,0 +1,189 @@
+"""Decode attention alone, two ways over the same paged KV cache, to decide whether a fused kernel
+is worth building into the engine (docs/performance-notes.md, "On a GPU").
+
+- xla: the engine's own attention (`engine.llama._attend_pages`): per cache page, the scores,
+  the softmax and the weighted values as separate XLA operations, over the first pages that
+  hold the longest row (`engine.llama.by_pages`), masked by each row's length.
+- pallas: JAX's Pallas GPU decode-attention kernel (`jax.experimental.pallas.ops.gpu.
+  decode_attention`), one call per page over the same buffers in place, each row stopping at its
+  own length; the pages and the chunk buffer are combined by their softmax residuals.
+
+Each layer of a decode step attends once: over its cache pages and the decode chunk's buffer
+(one position written, as at a chunk's first step). On a GPU both are timed, a few layers in
+a row; anywhere they are checked against each other. On the CPU the kernel runs in Pallas'
+interpreter, slowly: keep shapes small there, and read only the check.
+
+    python scripts/bench_decode_attention.py --preset llama3-8b 1100 2100               # a GPU
+    python scripts/bench_decode_attention.py --preset tinyllama-1.1b --ragged 256       # lengths 1..256
+    python scripts/bench_decode_attention.py --preset cpu-tiny --batch 2 --layers 1 40  # the check, on a CPU
+
+Prints one JSON line per position: ms per layer for each way, the bytes each must read, and
+the largest difference between their outputs relative to the largest output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_engine as bench  # noqa: E402 - the presets
+
+CHUNK = 16
+"""Decode steps per chunk: the engine's default `decode_chunk_steps`, the chunk buffer's length."""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("positions", nargs="+", type=int, help="rows' lengths (cache positions written)")
+    parser.add_argument("--preset", choices=sorted(bench.PRESETS), default="cpu-tiny")
+    parser.add_argument("--batch", type=int, help="rows (default: the preset's batch)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="cache dtype (default: bfloat16 on a GPU, float32 on a CPU)")
+    parser.add_argument("--layers", type=int, default=2, help="layers attended in a row, each over its own pages")
+    parser.add_argument("--ragged", action="store_true", help="each row's length drawn from 1..position, not all at position")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    for row in run(args):
+        print(json.dumps(row), flush=True)
+
+
+def kernel_blocks(page_len: int) -> tuple[int, int]:
+    """(k_splits, block_k) for one page: the kernel splits a page into k_splits parts of a
+    power-of-two length of at least 16 positions (Triton's blocks), each read in block_k steps."""
+    split = page_len & -page_len  # the largest power of two dividing the page
+    while split > 128:
+        split //= 2
+    if split < 16:
+        raise ValueError(f"a page of {page_len} positions does not split into power-of-two parts of >= 16")
+    return page_len // split, min(split, 64)
+
+
+def run(args: argparse.Namespace):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from haliax import Axis
+
+    from engine.jax_compat import hax
+    from engine.llama import _attend_pages, cache_pages, page_spans
+
+    p = dict(bench.PRESETS[args.preset])
+    batch = args.batch or (p["batch"][0] if isinstance(p["batch"], tuple) else p["batch"])
+    kv_heads, group, head_dim = p["kv_heads"], p["heads"] // p["kv_heads"], p["hidden"] // p["heads"]
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = jnp.dtype(args.dtype or ("bfloat16" if on_gpu else "float32"))
+    if dtype != jnp.float32 and not on_gpu:
+        raise SystemExit("--dtype bfloat16 needs a GPU: on the CPU the engine keeps a float32 cache (XLA's CPU dots "
+                         "over a 16-bit one are slow or missing)")
+    ends = cache_pages(p["prompt_len"] + p["new"])
+    spans = page_spans(ends)
+    scale = 1.0 / math.sqrt(head_dim)
+    Batch, Pos, KVHeads, QPerKV, HeadDim = (Axis("batch", batch), Axis("position", 1), Axis("kv_heads", kv_heads),
+                                           Axis("q_per_kv", group), Axis("head_dim", head_dim))
+
+    key = jax.random.key(0)
+
+    def normal(shape):
+        nonlocal key
+        key, part = jax.random.split(key)
+        return jax.random.normal(part, shape, jnp.float32).astype(dtype)
+
+    def buffers(length):  # keys, values (batch, kv_heads, length, head_dim)
+        return normal((batch, kv_heads, length, head_dim)), normal((batch, kv_heads, length, head_dim))
+
+    layers = [([buffers(end - start) for start, end in spans], buffers(CHUNK)) for _ in range(args.layers)]
+    q0 = normal((batch, kv_heads, group, head_dim))
+
+    def xla_layer(q, pages, chunk, lengths):
+        parts = []
+        for (k, v), (start, end) in zip(pages, spans):
+            KPos = Axis("key_position", end - start)
+            written = start + jnp.arange(end - start)[None, :] < lengths[:, None]
+            axes = (Batch, KVHeads, KPos, HeadDim)
+            parts.append((hax.named(k, axes), hax.named(v, axes), hax.named(written[:, None, :], (Batch, Pos, KPos)),
+                          "key_position"))
+        Chunk = Axis("chunk", CHUNK)
+        first = jnp.broadcast_to(jnp.arange(CHUNK) == 0, (batch, 1, CHUNK))
+        axes = (Batch, KVHeads, Chunk, HeadDim)
+        parts.append((hax.named(chunk[0], axes), hax.named(chunk[1], axes), hax.named(first, (Batch, Pos, Chunk)), "chunk"))
+        out = _attend_pages(hax.named(q[:, None], (Batch, Pos, KVHeads, QPerKV, HeadDim)), parts, scale)
+        return out.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array[:, 0].astype(q.dtype)
+
+    def pallas_layer(q, pages, chunk, lengths, *, interpret):
+        from jax.experimental.pallas.ops.gpu import decode_attention
+
+        outs, sums, maxima = [], [], []
+        for (k, v), (start, end) in zip(pages, spans):
+            k_splits, block_k = kernel_blocks(end - start)
+            inner = functools.partial(
+                decode_attention.decode_attn_unbatched, sm_scale=scale, block_h=16, block_k=block_k, k_splits=k_splits,
+                num_warps=None, num_stages=2, grid=None, interpret=interpret, debug=False, return_residuals=True,
+                normalize_output=False)
+            length = jnp.broadcast_to(jnp.clip(lengths - start, 0, end - start)[:, None], (batch, kv_heads))
+            o, (total, top) = jax.vmap(jax.vmap(lambda q, k, v, n: inner(q, k, v, None, n)))(q, k, v, length)
+            outs.append(o.astype(jnp.float32))
+            sums.append(total)
+            maxima.append(top)
+        # The chunk buffer: its first position only, as at a decode chunk's first step.
+        s = jnp.einsum("bhgd,bhd->bhg", q.astype(jnp.float32), chunk[0][:, :, 0].astype(jnp.float32)) * scale
+        outs.append(chunk[1][:, :, None, 0].astype(jnp.float32) * jnp.ones_like(s)[..., None])
+        sums.append(jnp.ones_like(s))
+        maxima.append(s)
+        top = functools.reduce(jnp.maximum, maxima)
+        weights = [jnp.exp(m - top) for m in maxima]
+        out = sum(o * w[..., None] for o, w in zip(outs, weights)) / sum(t * w for t, w in zip(sums, weights))[..., None]
+        return out.astype(q.dtype)
+
+    def stack(layer_fn):
+        """Every layer in a row over its first `count` pages: the pages that hold the longest row,
+        as the engine's decode call reads (`engine.llama.by_pages`, chosen there once per call)."""
+        def f(q, layers, lengths, count):
+            for pages, chunk in layers:
+                q = layer_fn(q, pages[:count], chunk, lengths)
+            return q
+        return jax.jit(f, static_argnames="count")
+
+    xla = stack(xla_layer)
+    pallas = stack(functools.partial(pallas_layer, interpret=not on_gpu))
+    itemsize = dtype.itemsize
+    rng = np.random.default_rng(0)
+    for position in args.positions:
+        if not 1 <= position <= ends[-1]:
+            raise SystemExit(f"position {position} is outside the cache (1..{ends[-1]})")
+        lengths = rng.integers(1, position + 1, batch) if args.ragged else np.full(batch, position)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        row = {"preset": args.preset, "position": position, "ragged": args.ragged, "batch": batch, "dtype": dtype.name,
+               "device": str(jax.devices()[0].device_kind)}
+        count = next(i for i, end in enumerate(ends, 1) if end >= int(lengths.max()))
+        read = ends[count - 1]
+        per_position = 2 * kv_heads * head_dim * itemsize  # keys and values
+        row["xla_MB_per_layer"] = round(batch * read * per_position / 1e6, 3)
+        row["exact_MB_per_layer"] = round(int(lengths.sum()) * per_position / 1e6, 3)
+        a = jax.block_until_ready(xla(q0, layers, lengths, count))
+        try:
+            b = jax.block_until_ready(pallas(q0, layers, lengths, count))
+        except Exception as e:  # the kernel's module is experimental and version-bound: report, keep the xla figures
+            row["pallas_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            b = None
+        if b is not None:
+            diff = jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(a.astype(jnp.float32)))
+            row["max_difference"] = float(diff)
+        timed = {"xla": xla, "pallas": pallas} if on_gpu and b is not None else {"xla": xla}  # the interpreter is no measure
+        for name, fn in timed.items():
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                jax.block_until_ready(fn(q0, layers, lengths, count))
+                times.append(time.perf_counter() - start)
+            row[f"{name}_ms_per_layer"] = round(statistics.median(times) / args.layers * 1e3, 3)
+        yield row
+
+
+if __name__ == "__main__":
+    main()
