@@ -117,6 +117,10 @@ class EngineConfig:
     batch_size), each one chunk of a prompt: the first chunks of that many prompts, or the later
     chunks of the prompts started, several of one prompt when fewer prompts are left. auto: 512
     on the CPU; on an accelerator up to 4,096, as much as fits beside the batch (engine/memory.py)."""
+    lanes: int | Literal["auto"] = "auto"
+    """host_dp only: decode streams run side by side, each with batch_size / lanes rows, its own
+    KV cache and its own calls. auto: 2 on a CPU host with two or more cores and a batch of 32 or
+    more (XLA's CPU runtime runs much of a decode step on one thread), else 1 (engine/memory.py)."""
 
     def __post_init__(self):
         require(self.batch_size == "auto" or (_is_int(self.batch_size) and self.batch_size > 0),
@@ -131,6 +135,11 @@ class EngineConfig:
                 "engine.decode_chunk_steps", self.decode_chunk_steps, "an integer > 0")
         require(_is_int(self.prefill_chunk_tokens) and self.prefill_chunk_tokens > 0,
                 "engine.prefill_chunk_tokens", self.prefill_chunk_tokens, "an integer > 0")
+        require(self.lanes == "auto" or (_is_int(self.lanes) and self.lanes > 0), "engine.lanes", self.lanes,
+                "an integer > 0 or auto")
+        if self.lanes not in ("auto", 1) and self.mode != "host_dp":
+            raise InvalidConfig(f"engine.lanes applies only with engine.mode: host_dp (engine.mode is {self.mode}); "
+                                "remove it or set it to 1: every host of a global mesh must make the same calls in one order")
         require(self.prefill_tokens == "auto" or (_is_int(self.prefill_tokens) and self.prefill_tokens >= self.prefill_chunk_tokens),
                 "engine.prefill_tokens", self.prefill_tokens,
                 f"auto or an integer >= engine.prefill_chunk_tokens ({self.prefill_chunk_tokens})")

@@ -27,6 +27,11 @@ quarter runs in the same program, see decode.py),
 and JAX's persistent compilation cache (engine/compile_cache.py, on by default) lets a rerun or
 resume load them instead. The decode program, the largest, is compiled in a thread of its own
 from the start of `generate`, while the prefill programs are compiled and run.
+
+On a CPU host the slots may be split into lanes (`engine.lanes`, host_dp only): each lane is the
+loop above over its share of the slots, with its own cache, in a thread of its own, taking rows
+from the one queue. XLA's CPU runtime runs the attention's dots of a decode step on one thread,
+so a second lane keeps the other core busy; the lanes run the same programs.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import queue
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -156,6 +162,8 @@ class _Pending:
         self._window_rows = window_rows
         self._rows: collections.deque[_Row] = collections.deque()
         self._exhausted = False
+        self.lock = threading.RLock()
+        """Held to read or take rows: lanes share the queue (`_admit` holds it across its takes)."""
 
     def _read_ahead(self) -> None:
         """Once half the window is used up, read the next window's worth of requests."""
@@ -172,12 +180,22 @@ class _Pending:
         self._rows.extend(window)
 
     def __bool__(self) -> bool:
-        self._read_ahead()
-        return bool(self._rows)
+        with self.lock:
+            self._read_ahead()
+            return bool(self._rows)
 
     def popleft(self) -> _Row:
-        self._read_ahead()
-        return self._rows.popleft()
+        with self.lock:
+            self._read_ahead()
+            return self._rows.popleft()
+
+
+class _LaneFailed(NamedTuple):
+    error: BaseException
+
+
+_LANE_DONE = object()
+"""What a lane's thread sends last (`Engine._side_by_side`)."""
 
 
 @dataclasses.dataclass
@@ -224,10 +242,16 @@ class Engine:
         self._cache_dtype = jnp.float32 if self.devices[0].platform == "cpu" else DTYPES[dtype]
         n_dev = layout.data_size
         rows = max(1, plan.prefill_tokens // engine_config.prefill_chunk_tokens)
-        self._prefill_rows = min(-(-rows // n_dev) * n_dev, plan.batch_size)
+        self._lanes = plan.lanes
+        self._lane_slots = plan.batch_size // plan.lanes
+        """Slots of each lane: its programs' batch."""
+        self._prefill_rows = min(-(-rows // n_dev) * n_dev, self._lane_slots)
         """Rows of a prefill call, each one chunk of a prompt (a multiple of the data-parallel devices)."""
-        self._group = min(sampling.n, plan.batch_size)
+        self._group = min(sampling.n, self._lane_slots)
         """Samples of one prompt that share one prefill (each needs a slot)."""
+        self._stats_lock = threading.Lock()
+        self._local = threading.local()
+        """Per thread: `lane`, the lane it runs (0 when unset)."""
 
     @staticmethod
     def load(
@@ -295,6 +319,7 @@ class Engine:
             decode_chunk_steps=engine.decode_chunk_steps,
             prefill_tokens=engine.prefill_tokens,
             prefill_chunk_tokens=engine.prefill_chunk_tokens,
+            lanes=engine.lanes if engine.mode == "host_dp" else 1,
         )
         model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding)
         return Engine(model, config, dtype=dtype, engine_config=engine, sampling=sampling,
@@ -316,7 +341,7 @@ class Engine:
         return (
             f"{c.model_type} {c.num_hidden_layers}x{c.hidden_size} (vocab {c.vocab_size}) from {self.source},"
             f" {self.dtype} on {where};"
-            f" batch_size {p.batch_size} ({p.reason}); memory ~{need / GiB:.2f} GiB per device"
+            f" batch_size {p.batch_size} ({p.reason}){f' in {p.lanes} lanes' if p.lanes > 1 else ''}; memory ~{need / GiB:.2f} GiB per device"
             f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row + prefill"
             f" {p.working_bytes / 2**20:.0f} MiB) of {p.limit_bytes / GiB:.2f} GiB allowed;"
             f" prompts <= {self.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new;"
@@ -372,7 +397,7 @@ class Engine:
         if self.sampling.max_new_tokens <= 1:
             return None
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (cache, state))
-        kill = jax.ShapeDtypeStruct((self.plan.batch_size,), jnp.bool_, sharding=self._batch_sharding)
+        kill = jax.ShapeDtypeStruct((self._lane_slots,), jnp.bool_, sharding=self._batch_sharding)
         args = (self.model, *abstract, kill)
         kind, static, fn = self._decode_program()
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-decode")
@@ -388,9 +413,10 @@ class Engine:
         out = compiled(*args)
         jax.block_until_ready(out)
         seconds = time.perf_counter() - start
-        self.stats.decode_time_s += seconds
-        entry = self.stats.programs.setdefault(kind, {"compiled": 0, "loaded": 0, "seconds": 0.0})
-        entry["run_s"] = entry.get("run_s", 0.0) + seconds
+        with self._stats_lock:
+            self.stats.decode_time_s += seconds
+            entry = self.stats.programs.setdefault(kind, {"compiled": 0, "loaded": 0, "seconds": 0.0})
+            entry["run_s"] = entry.get("run_s", 0.0) + seconds
         return out
 
     def _init(self, slots: int):
@@ -407,12 +433,14 @@ class Engine:
 
     @contextlib.contextmanager
     def _waiting(self):
-        """Counts the time inside as generate waiting for programs (stats.compile_wait_s)."""
+        """Counts the time inside as generate waiting for programs (stats.compile_wait_s): the
+        first lane's waits only, as the lanes wait for the same programs at the same time."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.stats.compile_wait_s += time.perf_counter() - start
+            if getattr(self._local, "lane", 0) == 0:
+                self._count(compile_wait_s=time.perf_counter() - start)
 
     # ---------------------------------------------------------------------------- generate
 
@@ -434,14 +462,68 @@ class Engine:
         global mesh every host must abandon at the same point: use `stop`).
 
         stop: asked before every compiled call; once it returns True on any host, every host's
-        generate returns there, together, and sets `self.stopped`."""
+        generate returns there, together, and sets `self.stopped`.
+
+        With several lanes (`engine.lanes`, host_dp only) each lane runs in a thread of its own,
+        taking rows from the same queue, and their completions come back here in the order they
+        finish; a row's tokens do not depend on its lane."""
         self.stopped = False
         pending = _Pending(requests, self._rows, window_rows=READ_AHEAD_ROWS_PER_SLOT * self.plan.batch_size)
         if not pending:
             return
-        # Always every slot of the plan, even for a small job: the shapes, hence the programs,
+        try:
+            if self._lanes == 1:
+                yield from self._lane(pending, stop, threading.Event())
+            else:
+                yield from self._side_by_side(pending, stop)
+        finally:
+            self.stats.peak_memory_bytes = peak_memory_bytes(self.devices)
+
+    def _side_by_side(self, pending: "_Pending", stop: Callable[[], bool] | None) -> Iterator[Completion]:
+        """Every lane in a thread of its own; their completions, and the first error, through a
+        queue. Leaving (done, an error, or the caller abandoning the generator) halts the lanes
+        at their next compiled call and waits for them, so nothing runs on after a yield."""
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        halt = threading.Event()
+
+        def lane(index: int) -> None:
+            self._local.lane = index
+            try:
+                for completion in self._lane(pending, stop, halt):
+                    results.put(completion)
+            except BaseException as error:  # handed to the caller's thread, raised there
+                halt.set()
+                results.put(_LaneFailed(error))
+            finally:
+                results.put(_LANE_DONE)
+
+        threads = [threading.Thread(target=lane, args=(i,), name=f"engine-lane-{i}", daemon=True) for i in range(self._lanes)]
+        for thread in threads:
+            thread.start()
+        try:
+            running = len(threads)
+            while running:
+                try:
+                    item = results.get(timeout=1.0)  # wakes up for signal handlers (a preemption notice)
+                except queue.Empty:
+                    continue
+                if item is _LANE_DONE:
+                    running -= 1
+                elif isinstance(item, _LaneFailed):
+                    raise item.error
+                else:
+                    yield item
+        finally:
+            halt.set()
+            for thread in threads:
+                thread.join()
+
+    def _lane(self, pending: "_Pending", stop: Callable[[], bool] | None, halt: threading.Event) -> Iterator[Completion]:
+        """One lane's loop: its own slots, cache and calls, rows taken from `pending`; returns at
+        its next compiled call once `halt` is set or `stop` asks."""
+        # Always every slot of the lane, even for a small job: the shapes, hence the programs,
         # stay the same for a resume of a few rows (compiling costs more than idle slots).
-        slots = self.plan.batch_size
+        slots = self._lane_slots
         refill_min = max(1, slots // 8)
         cache, state = self._init(slots)
         decode_compile = self._compile_decode_early(cache, state)
@@ -453,10 +535,12 @@ class Engine:
             while pending or prefilling or any(live):
                 if stop is not None and self.layout.any_host(stop()):
                     self.stopped = True
+                    halt.set()
+                if halt.is_set():
                     return
                 decoding = [s for s in range(slots) if live[s] is not None and live[s].decoding]
                 free = [s for s in range(slots) if live[s] is None]
-                if pending and free and (len(free) >= refill_min or not decoding):
+                if free and (len(free) >= refill_min or not decoding):
                     self._admit(pending, free, live, prefilling)
                 if prefilling:
                     # Prefill first: every taken slot joins the next decode chunk.
@@ -471,6 +555,8 @@ class Engine:
                             live[s], kill[s] = None, not done[s]
                             yield completion
                     continue
+                if not decoding:  # the queue emptied in another lane's hands
+                    continue
                 if decode_compile is not None:
                     with self._waiting():
                         decode_compile.result()  # raises what compiling raised
@@ -479,7 +565,7 @@ class Engine:
                 cache, state, (out, done) = self._run(
                     kind, fn, static, self.model, cache, state, jax.device_put(kill, self._batch_sharding),
                 )
-                self.stats.decode_calls += 1
+                self._count(decode_calls=1)
                 kill[:] = False
                 out, done = np.asarray(out), np.asarray(done)
                 for s in decoding:
@@ -492,22 +578,28 @@ class Engine:
         finally:
             if decode_compile is not None:
                 decode_compile.cancel()  # if it has not started; a compile under way runs to its end
-            self.stats.peak_memory_bytes = peak_memory_bytes(self.devices)
+
+    def _count(self, **amounts: float) -> None:
+        """Adds to the run's statistics; lanes add from their own threads."""
+        with self._stats_lock:
+            for name, amount in amounts.items():
+                setattr(self.stats, name, getattr(self.stats, name) + amount)
 
     def _admit(self, pending: "_Pending", free: list[int], live: list, prefilling: collections.deque) -> None:
         """The next rows take free slots; samples of one prompt taken together share its prefill."""
-        for s in free:
-            if not pending:
-                break
-            row = pending.popleft()
-            job = prefilling[-1] if prefilling else None
-            if job is not None and job.index == row.prompt_index and job.written == 0 and len(job.rows) < self._group:
-                job.rows.append(row)
-                job.slots.append(s)
-            else:
-                prefilling.append(_Prompt(row.prompt_index, row.prompt, [row], [s]))
-                self.stats.prompt_tokens += len(row.prompt)
-            live[s] = row
+        with pending.lock:
+            for s in free:
+                if not pending:
+                    break
+                row = pending.popleft()
+                job = prefilling[-1] if prefilling else None
+                if job is not None and job.index == row.prompt_index and job.written == 0 and len(job.rows) < self._group:
+                    job.rows.append(row)
+                    job.slots.append(s)
+                else:
+                    prefilling.append(_Prompt(row.prompt_index, row.prompt, [row], [s]))
+                    self._count(prompt_tokens=len(row.prompt))
+                live[s] = row
 
     def _prefill(self, cache, state, prefilling: collections.deque):
         """One prefill call: the first chunk of up to `_prefill_rows` prompts not started yet, or
@@ -518,7 +610,7 @@ class Engine:
         alone (prefill_fresh, no cache read: about a quarter of a cpu-mixed prefill's work was
         attention over the mostly empty cache row), so each chunk of a prompt is computed the
         same way whatever its neighbours."""
-        R, C, n, slots = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group, self.plan.batch_size
+        R, C, n, slots = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group, self._lane_slots
         tokens = np.zeros((R, C), np.int32)
         slot_ids = np.full((R, n), slots, np.int32)  # out of range: none
         starts = np.zeros(R, np.int32)
@@ -542,8 +634,7 @@ class Engine:
             sample_index[r, : len(job.rows)] = [row.sample_index for row in job.rows]
         for job in [job for job in prefilling if job.written == len(job.ids)]:
             prefilling.remove(job)
-        self.stats.padded_prompt_tokens += R * C
-        self.stats.prefill_calls += 1
+        self._count(padded_prompt_tokens=R * C, prefill_calls=1)
         rows = functools.partial(jax.device_put, device=self._batch_sharding)
         return self._run(
             "prefill_fresh" if fresh else "prefill", functools.partial(prefill_chunk, spec=self._spec, fresh=fresh), (fresh,),
@@ -574,7 +665,7 @@ class Engine:
             return None
         else:
             text = self._decode(body)
-        self.stats.generated_tokens += len(tokens)
+        self._count(generated_tokens=len(tokens))
         return Completion(row.prompt_index, row.sample_index, list(body), text, reason)
 
     def _find_stop_string(self, tokens: list[int], *, whole: bool) -> tuple[list[int], str] | None:

@@ -1,16 +1,16 @@
 """Memory planning: how many rows fit on a device, and how much memory a run peaked at.
 
 Owns: the estimate of weights + KV cache + prefill working memory per device, the choice of
-`engine.batch_size: auto`, the refusal of an explicit batch that cannot fit (before anything is
-compiled), and reading peak memory back. It allocates nothing.
+`engine.batch_size: auto` and of `engine.lanes: auto`, the refusal of an explicit batch that
+cannot fit (before anything is compiled), and reading peak memory back. It allocates nothing.
 
     plan = plan_batch(config, dtype=jnp.bfloat16, cache_dtype=jnp.float32, batch_size="auto",
-                      max_prompt_tokens=512, max_new_tokens=256, devices=jax.local_devices())
-    plan.batch_size, plan.reason
+                      max_prompt_tokens=512, max_new_tokens=256, devices=jax.local_devices(), lanes="auto")
+    plan.batch_size, plan.reason, plan.lanes
 
 The estimate is linear in the batch: per row, its KV cache for prompt + new tokens plus the
 decode chunk's per-row temporaries (the chunk's own keys/values, float32 logits, one layer's
-attention scores; the cache itself is read in place); plus, once, the working memory of
+attention scores; the cache itself is read in place); plus, once per lane, the working memory of
 one prefill call (its rows x chunk tokens: attention scores over the whole cache length, the
 cache rows it reads, MLP activations); plus the weights, replicated on every local device (host
 data parallel) or split over the whole mesh (global mesh: `weight_shards` devices share each
@@ -43,6 +43,13 @@ keeps the device busy: TinyLlama's prefill on an H200 took 0.47 s at 512 tokens 
 0.26 s at 4,096, the whole benchmark run 1.95 s and 1.62 s."""
 PREFILL_SHARE = 16
 """`auto` gives one prefill call at most 1/16 of the allowed memory: the rest is for rows."""
+LANES_CPU = 2
+LANES_CPU_MIN_BATCH = 32
+"""`engine.lanes: auto` on a CPU host with two or more cores: two lanes from a batch of 32 up.
+XLA's CPU runtime runs the attention's dots over the cache on one thread while the other core
+waits (docs/performance-notes.md); a second decode stream fills it. Whole steady-state runs took
+10-17 % less time at batch 64 and 32 (cpu-tiny, cpu-125m); the mixed workload at batch 16, in
+two lanes of 8, took as long or longer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +68,12 @@ class BatchPlan:
     """One prefill call's working memory per device (independent of the batch size)."""
     prefill_tokens: int = PREFILL_TOKENS_CPU
     """Token budget of one prefill call: `engine.prefill_tokens`, or what `auto` chose."""
+    lanes: int = 1
+    """Decode streams side by side (`engine.lanes`), each with batch_size / lanes rows; their
+    prefill calls may run at once, so each has its working memory."""
 
     def need_bytes(self, batch_size: int, num_devices: int) -> int:
-        return self.weights_bytes + self.working_bytes + -(-batch_size // num_devices) * self.row_bytes
+        return self.weights_bytes + self.lanes * self.working_bytes + -(-batch_size // num_devices) * self.row_bytes
 
 
 def device_memory_bytes(device: jax.Device, num_local_devices: int) -> int:
@@ -131,10 +141,12 @@ def plan_batch(
     decode_chunk_steps: int = 16,
     prefill_tokens: int | str = 512,
     prefill_chunk_tokens: int = 32,
+    lanes: int | str = 1,
 ) -> BatchPlan:
     """devices: this host's devices (their memory is planned); batch_shards: ways rows are split
     (default: one per device); weight_shards / row_shards: devices sharing each weight / each row;
-    prefill_tokens: a budget, or auto (`prefill_budget`)."""
+    prefill_tokens: a budget, or auto (`prefill_budget`); lanes: decode streams, or auto
+    (`auto_lanes`, decided with the batch size)."""
     n = batch_shards or len(devices)
     seq_len = max_prompt_tokens + max_new_tokens
 
@@ -162,18 +174,31 @@ def plan_batch(
             + ("(use more devices, bfloat16, or shorter prompts)" if weight_shards > 1 else
                "(shard the model over the pod with engine.mode: global_mesh, or use bfloat16 or shorter prompts)")
         )
-    rows_per_device = (limit - weights - working) // row
     if batch_size == "auto":
         cap = AUTO_CAP_CPU if devices[0].platform == "cpu" else AUTO_CAP_ACCELERATOR * n
-        fit = rows_per_device * n
-        chosen = min(fit, cap) // n * n
+        step = n * (1 if lanes == "auto" else lanes)
+        fit = (limit - weights - working * (1 if lanes == "auto" else lanes)) // row * n
+        chosen = min(fit, cap) // step * step
+        if chosen < 1:
+            raise ValueError(f"engine.lanes={lanes} needs {step} rows, but {where} fits {fit}: lower engine.lanes or use auto")
         reason = f"auto: memory fits {fit} rows, capped at {cap}" if fit > cap else f"auto: largest that fits {where}"
-        return dataclasses.replace(plan, batch_size=chosen, reason=reason)
+        plan = dataclasses.replace(plan, batch_size=chosen, reason=reason)
+        plan = dataclasses.replace(plan, lanes=auto_lanes(devices[0].platform, chosen, n) if lanes == "auto" else lanes)
+        if plan.need_bytes(chosen, n) > limit:  # two lanes' prefill working memory, where one fitted
+            plan = dataclasses.replace(plan, lanes=1)
+        return plan
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"engine.batch_size must be a positive integer or 'auto', got {batch_size!r}")
     if batch_size % n:
         raise ValueError(f"engine.batch_size={batch_size} must be a multiple of the {n} data-parallel devices"
                          f" ({'engine.mesh.data' if batch_shards else 'local devices'})")
+    if lanes == "auto":
+        lanes = auto_lanes(devices[0].platform, batch_size, n)
+    elif batch_size % (lanes * n):
+        raise ValueError(f"engine.batch_size={batch_size} must be a multiple of engine.lanes={lanes} times the {n}"
+                         f" data-parallel devices ({lanes * n}): each lane takes an equal share of the rows")
+    plan = dataclasses.replace(plan, lanes=lanes)
+    rows_per_device = (limit - weights - lanes * working) // row
     need = plan.need_bytes(batch_size, n)
     if need > limit:
         kv = kv_row_bytes(config, seq_len, cache_dtype) * -(-batch_size // n)
@@ -184,6 +209,15 @@ def plan_batch(
             " lower engine.batch_size or use auto"
         )
     return dataclasses.replace(plan, batch_size=batch_size, reason="explicit")
+
+
+def auto_lanes(platform: str, batch_size: int, num_devices: int) -> int:
+    """`engine.lanes: auto`: LANES_CPU on a CPU host with as many cores, from a batch of
+    LANES_CPU_MIN_BATCH rows that splits evenly; else 1 (an accelerator keeps itself busy)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if platform != "cpu" or cores < LANES_CPU or batch_size < LANES_CPU_MIN_BATCH or batch_size % (LANES_CPU * num_devices):
+        return 1
+    return LANES_CPU
 
 
 def prefill_budget(platform: str, chunk_tokens: int, fits) -> int:

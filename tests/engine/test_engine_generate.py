@@ -171,3 +171,69 @@ def test_data_parallel_over_two_forced_devices_matches_one(llama):
     one_engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=6, temperature=0.9, n=2), engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
     one = {f"{c.prompt_index},{c.sample_index}": c.token_ids for c in one_engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate(PROMPTS))}
     assert two == one
+
+
+def _lane_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("engine-lane-")]
+
+
+def test_two_lanes_make_the_same_rows_as_one(llama):
+    """Two lanes (each half the slots, its own cache and calls, in threads of their own) take rows
+    from one queue; every (prompt, sample) comes out once, with the tokens one lane gives it, and
+    the statistics count both lanes' work."""
+    path, _ = llama
+    prompts = PROMPTS + [np.random.RandomState(40 + i).randint(0, VOCAB, 3 + 2 * i).tolist() for i in range(7)]
+    requests = [GenerationRequest(i, p, range(3)) for i, p in enumerate(prompts)]
+    one = Engine.load(path, dtype="float32", sampling=SAMPLED, engine=EngineConfig(batch_size=4, lanes=1), max_prompt_tokens=16)
+    two = Engine.load(path, dtype="float32", sampling=SAMPLED, engine=EngineConfig(batch_size=4, lanes=2), max_prompt_tokens=16)
+    assert "batch_size 4 (explicit) in 2 lanes" in two.describe() and "prefill 2 rows" in two.describe()
+    expected = _run(one, requests)
+    completions = list(two.generate(requests))
+    assert len(completions) == len(expected) == 3 * len(prompts)
+    assert {(c.prompt_index, c.sample_index): c.token_ids for c in completions} == {k: c.token_ids for k, c in expected.items()}
+    assert two.stats.generated_tokens == one.stats.generated_tokens
+    assert two.stats.prompt_tokens >= sum(map(len, prompts))
+    assert two.stats.prefill_calls > 0 and two.stats.decode_calls > 0
+    assert not _lane_threads()
+
+
+def test_lanes_stop_together_and_can_be_abandoned(llama, greedy_ref):
+    path, _ = llama
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12),
+                         engine=EngineConfig(batch_size=4, lanes=2, decode_chunk_steps=2), max_prompt_tokens=16)
+    requests = [GenerationRequest(i, PROMPTS[i % len(PROMPTS)], [0]) for i in range(20)]
+    gen = engine.generate(requests)
+    next(gen)
+    gen.close()  # the lanes halt at their next call; none runs on
+    assert not _lane_threads()
+
+    asked = []
+    finished = list(engine.generate(requests, stop=lambda: asked.append(1) or len(asked) > 6))
+    assert engine.stopped and len(finished) < len(requests)
+    assert not _lane_threads()
+    (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
+    assert c.token_ids == greedy_ref and not engine.stopped
+
+
+def test_an_error_in_a_lane_reaches_the_caller(llama):
+    path, _ = llama
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=4),
+                         engine=EngineConfig(batch_size=4, lanes=2), max_prompt_tokens=16)
+    requests = [GenerationRequest(i, PROMPTS[0], [0]) for i in range(3)] + [GenerationRequest(3, [VOCAB + 5], [0])]
+    with pytest.raises(ValueError, match=rf"prompt 3 has token ids outside \[0, {VOCAB}\)"):
+        list(engine.generate(requests))
+    assert not _lane_threads()
+
+
+def test_lanes_config_is_checked(llama):
+    from engine.config import InvalidConfig
+
+    path, _ = llama
+    with pytest.raises(InvalidConfig, match="engine.lanes applies only with engine.mode: host_dp"):
+        EngineConfig(mode="global_mesh", lanes=2)
+    with pytest.raises(InvalidConfig, match="engine.lanes"):
+        EngineConfig(lanes=0)
+    with pytest.raises(ValueError, match=r"engine.batch_size=6 must be a multiple of engine.lanes=4"):
+        Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=6, lanes=4), max_prompt_tokens=16)

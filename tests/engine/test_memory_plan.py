@@ -63,3 +63,16 @@ def test_auto_prefill_budget_on_the_8b_seed_leaves_its_batch_room():
     assert seed.need_bytes(128, 1) <= seed.limit_bytes
     tiny = plan(22, 2048, 32, 4, 5632, 32000, 256, 128, 256)
     assert (tiny.batch_size, tiny.prefill_tokens) == (256, 4096)
+
+
+def test_auto_lanes_split_big_cpu_batches_only(monkeypatch):
+    from engine import memory
+
+    monkeypatch.setattr(memory.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert memory.auto_lanes("cpu", 64, 1) == 2
+    assert memory.auto_lanes("cpu", 32, 1) == 2
+    assert memory.auto_lanes("cpu", 16, 1) == 1  # lanes of 8 rows were no faster (cpu-mixed)
+    assert memory.auto_lanes("cpu", 34, 2) == 1  # does not split evenly over 2 lanes x 2 devices
+    assert memory.auto_lanes("gpu", 256, 1) == 1
+    monkeypatch.setattr(memory.os, "sched_getaffinity", lambda pid: {0})
+    assert memory.auto_lanes("cpu", 64, 1) == 1
