@@ -4,7 +4,8 @@ Where `bench_engine.py` measures whole runs side by side with transformers, this
 the decode program: ms per decode step with every row at a given position, the bytes a step
 reads (the weights, less the embedding table, and the cache pages that hold the rows: decode
 attends over them in place), the bound at a given bandwidth, and the fraction reached. Compare
-two commits by running it from each checkout on the same machine.
+two commits by running it from each checkout on the same machine. It times one program at the
+whole batch; on a CPU host the engine may run two at half the batch side by side (`engine.lanes`).
 
 With --trace it also traces one call per position (`jax.profiler`) and prints where the time
 went: the kernels of the trace's busiest line (on a GPU its compute stream, on the CPU a worker
