@@ -35,7 +35,8 @@ compiled). transformers gets the same token ids, sorted by length and batched (l
 within a batch), which favours it. Each side is timed two ways, the same for both:
 `generate_s` from the first generate call to the last token (ours includes compiling or loading
 its programs), and `process_s` from before the library's import (JAX and the engine, or torch
-and transformers) through loading the checkpoint to the last token.
+and transformers) through loading the checkpoint to the last token. `run_s` is our programs'
+running time, summed over the lanes when there are two (they run side by side).
 
 Presets (layers x width, vocab; prompts x prompt tokens, new tokens, batch) are the workloads
 in docs/performance-notes.md.
