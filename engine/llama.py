@@ -289,6 +289,12 @@ def by_pages(reach: jax.Array, ends: tuple[int, ...], run, counts: tuple[int, ..
     return jax.lax.switch(index, [lambda k=k: run(k) for k in counts])
 
 
+def pages_covering(reach: int, ends: tuple[int, ...]) -> int:
+    """On the host, the fewest pages whose `ends` cover `reach` positions: the page count a
+    decode call's `by_pages` picks on the device (every count allowed)."""
+    return 1 + sum(end < reach for end in ends[:-1])
+
+
 class PagedKV(NamedTuple):
     """One layer's cache: keys and values (batch, kv_heads, key_position, head_dim) in separate
     page buffers along key_position (`cache_pages`), so a call that needs only the first pages

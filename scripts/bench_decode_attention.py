@@ -71,7 +71,7 @@ def run(args: argparse.Namespace):
     from haliax import Axis
 
     from engine.jax_compat import hax
-    from engine.llama import _attend_pages, cache_pages, page_spans
+    from engine.llama import _attend_pages, cache_pages, page_spans, pages_covering
 
     p = dict(bench.PRESETS[args.preset])
     batch = args.batch or (p["batch"][0] if isinstance(p["batch"], tuple) else p["batch"])
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace):
 
     def stack(layer_fn):
         """Every layer in a row over its first `count` pages: the pages that hold the longest row,
-        as the engine's decode call reads (`engine.llama.by_pages`, chosen there once per call)."""
+        as the engine's decode call reads (`pages_covering`; on the device, `by_pages`)."""
         def f(q, layers, lengths, count):
             for pages, chunk in layers:
                 q = layer_fn(q, pages[:count], chunk, lengths)
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace):
         lengths = jnp.asarray(lengths, jnp.int32)
         row = {"preset": args.preset, "position": position, "ragged": args.ragged, "batch": batch, "dtype": dtype.name,
                "device": str(jax.devices()[0].device_kind)}
-        count = next(i for i, end in enumerate(ends, 1) if end >= int(lengths.max()))
+        count = pages_covering(int(lengths.max()), ends)
         read = ends[count - 1]
         per_position = 2 * kv_heads * head_dim * itemsize  # keys and values
         row["xla_MB_per_layer"] = round(batch * read * per_position / 1e6, 3)

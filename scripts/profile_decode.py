@@ -67,6 +67,7 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
 
     from engine import Engine, EngineConfig, SamplingParams
     from engine.decode import decode_chunk, new_state
+    from engine.llama import pages_covering
 
     engine = Engine.load(folder, dtype=args.dtype, sampling=SamplingParams(max_new_tokens=preset["new"]),
                          engine=EngineConfig(batch_size=preset["batch"]), max_prompt_tokens=preset["prompt_len"])
@@ -100,7 +101,7 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
             cache, state, host = jax.block_until_ready(program(engine.model, cache, state, kill))
             times.append(time.perf_counter() - started)
         step_s = statistics.median(times[2:] or times) / steps
-        read = next(end for end in ends if end >= position)  # the pages a call reads (engine.llama.by_pages)
+        read = ends[pages_covering(position, ends) - 1]  # the pages a call reads
         step_bytes = weight_bytes + kv_bytes * read // ends[-1]
         row = {"position": position, "ms_per_step": round(step_s * 1e3, 3), "compile_s": round(compile_s, 1),
                "cache_positions_read": read, "GB_per_step": round(step_bytes / 1e9, 3),

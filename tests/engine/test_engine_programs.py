@@ -12,7 +12,7 @@ import numpy as np
 
 import engine.engine as engine_module
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, compile_cache
-from engine.llama import by_pages, cache_pages
+from engine.llama import by_pages, cache_pages, pages_covering
 from engine_testlib import VOCAB, hf_greedy
 
 
@@ -80,6 +80,8 @@ def test_a_call_reads_the_fewest_pages_that_hold_its_rows():
         return int(by_pages(jax.numpy.int32(reach), (16, 32, 45), lambda k: jax.numpy.int32(k), counts))
 
     assert [pages_read(r) for r in (0, 1, 16, 17, 32, 33, 45)] == [1, 1, 1, 2, 2, 3, 3]
+    # The host's twin of the rule (the benchmarks' byte counts) picks the same pages.
+    assert [pages_covering(r, (16, 32, 45)) for r in (0, 1, 16, 17, 32, 33, 45)] == [1, 1, 1, 2, 2, 3, 3]
     assert [pages_read(r, (1, 3)) for r in (16, 17, 33)] == [1, 3, 3]
 
 
