@@ -176,15 +176,15 @@ def plan_batch(
         )
     if batch_size == "auto":
         cap = AUTO_CAP_CPU if devices[0].platform == "cpu" else AUTO_CAP_ACCELERATOR * n
-        step = n * (1 if lanes == "auto" else lanes)
-        fit = (limit - weights - working * (1 if lanes == "auto" else lanes)) // row * n
-        chosen = min(fit, cap) // step * step
+        sized_for = 1 if lanes == "auto" else lanes  # auto picks the lanes from the batch, below
+        fit = (limit - weights - sized_for * working) // row * n
+        chosen = min(fit, cap) // (sized_for * n) * (sized_for * n)
         if chosen < 1:
-            raise ValueError(f"engine.lanes={lanes} needs {step} rows, but {where} fits {fit}: lower engine.lanes or use auto")
+            raise ValueError(f"engine.lanes={lanes} needs {sized_for * n} rows, but {where} fits {fit}: lower engine.lanes or use auto")
         reason = f"auto: memory fits {fit} rows, capped at {cap}" if fit > cap else f"auto: largest that fits {where}"
-        plan = dataclasses.replace(plan, batch_size=chosen, reason=reason)
-        plan = dataclasses.replace(plan, lanes=auto_lanes(devices[0].platform, chosen, n) if lanes == "auto" else lanes)
-        if plan.need_bytes(chosen, n) > limit:  # two lanes' prefill working memory, where one fitted
+        plan = dataclasses.replace(plan, batch_size=chosen, reason=reason,
+                                   lanes=auto_lanes(devices[0].platform, chosen, n) if lanes == "auto" else lanes)
+        if lanes == "auto" and plan.need_bytes(chosen, n) > limit:  # two lanes' prefill working memory, where one fitted
             plan = dataclasses.replace(plan, lanes=1)
         return plan
     if not isinstance(batch_size, int) or batch_size < 1:

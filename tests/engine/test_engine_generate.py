@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -174,8 +175,6 @@ def test_data_parallel_over_two_forced_devices_matches_one(llama):
 
 
 def _lane_threads() -> list[str]:
-    import threading
-
     return [t.name for t in threading.enumerate() if t.name.startswith("engine-lane-")]
 
 
