@@ -122,7 +122,15 @@ class EngineConfig:
     KV cache and its own calls. auto: 2 on a CPU host with two or more cores and a batch of 32 or
     more (XLA's CPU runtime runs much of a decode step on one thread), else 1 (engine/memory.py)."""
 
+    decode_attention: Literal["auto", "xla", "pallas"] = "auto"
+    """How a decode step attends over the KV cache: xla, the engine's own operations over the
+    cache pages that hold the longest live row; pallas, JAX's Pallas GPU decode-attention kernel,
+    each row read to its own length (one device per host: host_dp on one GPU; on the CPU Pallas'
+    interpreter runs it, for checks only). auto: pallas on a single GPU, else xla (engine/kernels.py)."""
+
     def __post_init__(self):
+        require(self.decode_attention in ("auto", "xla", "pallas"), "engine.decode_attention", self.decode_attention,
+                "auto, xla or pallas")
         require(self.batch_size == "auto" or (_is_int(self.batch_size) and self.batch_size > 0),
                 "engine.batch_size", self.batch_size, "an integer > 0 or auto")
         require(self.mode in ("host_dp", "global_mesh"), "engine.mode", self.mode, "host_dp or global_mesh")

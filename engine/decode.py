@@ -66,6 +66,8 @@ class DecodeSpec:
     """How the KV cache [batch, kv_heads, seq, head_dim] is spread (engine/mesh.py)."""
     host_sharding: jax.sharding.Sharding
     """Layout of the tokens and done flags the host reads back after each call."""
+    attention: str = "xla"
+    """Decode attention: xla or pallas (`engine.decode_attention`, resolved by engine/kernels.py)."""
 
 
 class KVCache(NamedTuple):
@@ -241,7 +243,7 @@ def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState,
     def body(carry):
         i, chunk_kv, st, out = carry
         chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= i, (slots, 1, steps)), (Batch, Pos, Chunk))
-        contexts = tuple(DecodeStep(kv.pages[:count], ckv, i, tuple(page_masks), chunk_mask)
+        contexts = tuple(DecodeStep(kv.pages[:count], ckv, i, tuple(page_masks), chunk_mask, state.position, spec.attention)
                          for kv, ckv in zip(cache.layers, chunk_kv))
         hidden, chunk_kv = model.forward(
             hax.named(st.last_token[:, None], (Batch, Pos)), hax.named(st.position[:, None], (Batch, Pos)), contexts,

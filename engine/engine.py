@@ -32,6 +32,10 @@ On a CPU host the slots may be split into lanes (`engine.lanes`, host_dp only): 
 loop above over its share of the slots, with its own cache, in a thread of its own, taking rows
 from the one queue. XLA's CPU runtime runs the attention's dots of a decode step on one thread,
 so a second lane keeps the other core busy; the lanes run the same programs.
+
+On one GPU a decode step attends through JAX's Pallas decode-attention kernel, each row read to
+its own length (`engine.decode_attention`, engine/kernels.py); elsewhere through the engine's
+own XLA operations (engine/llama.py).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import checkpoint, compile_cache
+from engine import checkpoint, compile_cache, kernels
 from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
 from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state, prefill_chunk
 from engine.llama import LlamaConfig, UnsupportedModelError, load_checkpoint
@@ -213,7 +217,7 @@ class _Prompt:
 class Engine:
     def __init__(self, model, config: LlamaConfig, *, dtype: str, engine_config: EngineConfig, sampling: SamplingParams,
                  max_prompt_tokens: int, plan: BatchPlan, eos_token_ids: tuple[int, ...], tokenizer, layout: Layout,
-                 source: str):
+                 source: str, attention: str = "xla"):
         self.model = model
         self.config = config
         self.dtype = dtype
@@ -237,7 +241,10 @@ class Engine:
         # Only what the programs compute with: engines differing in n or stop strings share them.
         compiled_sampling = dataclasses.replace(sampling, n=1, stop=(), stop_token_ids=())
         stop_ids = tuple(sorted(set(eos_token_ids) | set(sampling.stop_token_ids)))
-        self._spec = DecodeSpec(compiled_sampling, stop_ids, layout.batch_sharding, layout.cache_sharding, layout.host_sharding)
+        self._spec = DecodeSpec(compiled_sampling, stop_ids, layout.batch_sharding, layout.cache_sharding, layout.host_sharding,
+                                attention)
+        self.attention = attention
+        """Decode attention, `engine.decode_attention` resolved: xla or pallas (engine/kernels.py)."""
         self._seq_len = max_prompt_tokens + sampling.max_new_tokens
         self._cache_dtype = jnp.float32 if self.devices[0].platform == "cpu" else DTYPES[dtype]
         n_dev = layout.data_size
@@ -304,6 +311,8 @@ class Engine:
         else:
             layout = Layout.local(jax.local_devices())
         devices = layout.local_devices
+        attention = kernels.resolve(engine.decode_attention, platform=devices[0].platform, devices=layout.data_size,
+                                    is_global=layout.is_global)
         plan = plan_batch(
             config,
             dtype=DTYPES[dtype],
@@ -324,7 +333,7 @@ class Engine:
         model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding)
         return Engine(model, config, dtype=dtype, engine_config=engine, sampling=sampling,
                       max_prompt_tokens=max_prompt_tokens, plan=plan, eos_token_ids=tuple(eos), tokenizer=tokenizer,
-                      layout=layout, source=model_path)
+                      layout=layout, source=model_path, attention=attention)
 
     @property
     def max_programs(self) -> int:
@@ -345,7 +354,8 @@ class Engine:
             f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row + prefill"
             f" {p.working_bytes / 2**20:.0f} MiB) of {p.limit_bytes / GiB:.2f} GiB allowed;"
             f" prompts <= {self.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new;"
-            f" prefill {self._prefill_rows} rows x {self.engine_config.prefill_chunk_tokens} tokens per call"
+            f" prefill {self._prefill_rows} rows x {self.engine_config.prefill_chunk_tokens} tokens per call;"
+            f" decode attention {self.attention}"
         )
 
     # ------------------------------------------------------------------ compiled programs

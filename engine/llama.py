@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from haliax import Axis, NamedArray
 
-from engine import checkpoint
+from engine import checkpoint, kernels
 from engine.jax_compat import hax
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -390,6 +390,11 @@ class DecodeStep(NamedTuple):
     """Per page (batch, position, key_position): its positions written before this decode chunk."""
     chunk_mask: NamedArray
     """(batch, position, chunk): chunk steps up to this one."""
+    lengths: jax.Array
+    """[batch] int32: positions of each row written before this decode chunk (what page_masks hold)."""
+    attention: str = "xla"
+    """How the step attends (static): xla, the operations below; pallas, JAX's fused kernel
+    (engine/kernels.py), each row read to its own length."""
 
 
 class Attention(eqx.Module):
@@ -498,6 +503,8 @@ class Attention(eqx.Module):
             hax.named(jax.lax.dynamic_update_slice(old.array, new.array.astype(old.dtype), (0, 0, context.step, 0)), old.axes)
             for old, new in ((chunk.k, k), (chunk.v, v))
         ))
+        if context.attention == "pallas":
+            return kernels.attend_pages_kernel(q, context.pages, context.lengths, chunk, context.chunk_mask, scale), chunk
         parts = [(page.k, page.v, mask, "key_position") for page, mask in zip(context.pages, context.page_masks)]
         parts.append((chunk.k, chunk.v, context.chunk_mask, "chunk"))  # the current position is always there
         return _attend_pages(q, parts, scale), chunk

@@ -1,0 +1,138 @@
+"""Decode attention through JAX's Pallas GPU decode-attention kernel (`engine.decode_attention: pallas`).
+
+Owns: the choice between the engine's own attention (XLA operations: per cache page the scores,
+the softmax and the weighted values, over every position of the pages that hold the longest live
+row) and the library's fused kernel (`jax.experimental.pallas.ops.gpu.decode_attention`), which
+reads each row's cache only up to that row's length, in place, and skips the blocks past it;
+and the kernel's use over the engine's pages: one call per page, combined with the decode
+chunk's buffer by their softmax residuals (the running maximum and sum of each part).
+
+The kernel is JAX's, not ours: this module only picks its blocks and combines its results. It
+runs on a GPU; on the CPU Pallas' interpreter runs it (slowly: for checks). A page whose length
+is not a multiple of 16 (the kernel's smallest block) is attended the XLA way and combined the
+same way.
+
+    attn = attend_pages_kernel(q, pages, lengths, chunk, chunk_mask, scale)   # inside a decode step
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+
+from engine.config import InvalidConfig
+from engine.jax_compat import hax
+
+BLOCK_H = 16
+"""Query heads per kernel program (the kernel pads a KV head's query group to it)."""
+MAX_BLOCK_K = 64
+"""Longest block of key positions one step of the kernel's loop reads."""
+MIN_PROGRAMS = 1024
+"""A page is split along its positions until batch x kv_heads x splits reaches this many kernel
+programs (a few per streaming multiprocessor), so that small batches still fill the card."""
+_MIN_BLOCK = 16
+
+
+def resolve(setting: str, *, platform: str, devices: int, is_global: bool) -> str:
+    """'xla' or 'pallas' for `engine.decode_attention` (auto: the kernel on a single GPU).
+
+    The kernel is one custom call that XLA cannot split over devices: it runs where one device
+    holds the whole batch (host_dp on one device). Elsewhere `pallas` is refused."""
+    if setting == "auto":
+        return "pallas" if platform == "gpu" and devices == 1 and not is_global else "xla"
+    if setting == "pallas":
+        if platform not in ("gpu", "cpu"):
+            raise InvalidConfig(f"engine.decode_attention: pallas runs JAX's Pallas GPU kernel; this host's devices are {platform}"
+                             " (use auto or xla)")
+        if devices != 1 or is_global:
+            raise InvalidConfig(f"engine.decode_attention: pallas needs the whole batch on one device (engine.mode host_dp on"
+                             f" one device); this engine spreads it over {devices} device(s){' of a global mesh' if is_global else ''}"
+                             " (use auto or xla)")
+    return setting
+
+
+def kernel_blocks(page_len: int, programs: int) -> tuple[int, int] | None:
+    """(k_splits, block_k) for a page of `page_len` positions attended by `programs` (batch x
+    kv_heads) kernel instances, or None where the kernel cannot read it: block_k is the largest
+    power of two up to MAX_BLOCK_K dividing the page (Triton's blocks), at least 16; the page is
+    split into the fewest equal parts, each a whole number of blocks, that give MIN_PROGRAMS."""
+    block_k = page_len & -page_len
+    block_k = min(block_k, MAX_BLOCK_K)
+    if block_k < _MIN_BLOCK:
+        return None
+    blocks = page_len // block_k
+    for k_splits in range(1, blocks + 1):
+        if blocks % k_splits == 0 and (programs * k_splits >= MIN_PROGRAMS or k_splits == blocks):
+            return k_splits, block_k
+    return blocks, block_k  # unreachable: k_splits == blocks returns above
+
+
+def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array, scale: float, *,
+                   blocks: tuple[int, int]):
+    """One page through the kernel, read in `blocks` = (k_splits, block_k): q [batch, kv_heads,
+    group, head_dim], keys/values [batch, kv_heads, page_len, head_dim], lengths [batch]
+    (positions of the page each row has written). Returns (o, l, m): the unnormalized weighted
+    values [batch, kv_heads, group, head_dim] float32 and the softmax's sum and maximum [batch,
+    kv_heads, group]; a row with nothing written gives o = l = 0 and m = float32 min."""
+    from jax.experimental.pallas.ops.gpu import decode_attention  # imported here: experimental, GPU-only
+
+    q = q.astype(keys.dtype)  # a bfloat16 model over the CPU's float32 cache
+    batch, kv_heads = keys.shape[:2]
+    k_splits, block_k = blocks
+    inner = functools.partial(
+        decode_attention.decode_attn_unbatched, sm_scale=scale, block_h=BLOCK_H, block_k=block_k, k_splits=k_splits,
+        num_warps=None, num_stages=2, grid=None, interpret=jax.default_backend() == "cpu", debug=False,
+        return_residuals=True, normalize_output=False)
+    n = jnp.broadcast_to(lengths[:, None], (batch, kv_heads))
+    o, (l, m) = jax.vmap(jax.vmap(lambda q, k, v, n: inner(q, k, v, None, n)))(q, keys, values, n)
+    return o.astype(jnp.float32), l, m
+
+
+def xla_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, scale: float):
+    """The same (o, l, m) as `page_residuals` by XLA operations, for the keys where mask
+    [batch, positions] is True: the decode chunk's buffer, and pages the kernel cannot read."""
+    s = jnp.einsum("bhgd,bhkd->bhgk", q, keys, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
+    o = jnp.einsum("bhgk,bhkd->bhgd", e.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    return o, jnp.sum(e, axis=-1), jnp.where(jnp.isfinite(m), m, jnp.finfo(jnp.float32).min)
+
+
+def combine(parts) -> jax.Array:
+    """Softmax attention from each part's (o, l, m): sum of o * exp(m - top) over sum of l * exp(m - top)."""
+    top = functools.reduce(jnp.maximum, [m for _, _, m in parts])
+    weights = [jnp.exp(m - top) for _, _, m in parts]
+    out = sum(o * w[..., None] for (o, _, _), w in zip(parts, weights))
+    return out / sum(l * w for (_, l, _), w in zip(parts, weights))[..., None]
+
+
+def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_mask: NamedArray, scale: float, *,
+                        split: int | None = None) -> NamedArray:
+    """A decode step's attention (q one position: batch, position, kv_heads, q_per_kv, head_dim)
+    over the cache `pages` (LayerKVs, keys/values batch, kv_heads, key_position, head_dim), each
+    row up to its `lengths` [batch] positions written, and over the chunk buffer's keys/values
+    (batch, kv_heads, chunk, head_dim) where chunk_mask (batch, position, chunk) is True. The
+    same result as `engine.llama._attend_pages` over those parts, float32. `split` (benchmarks)
+    makes every kernel program read that many positions of a page instead of `kernel_blocks`'."""
+    axes = ("batch", "kv_heads", "q_per_kv", "head_dim")
+    q_arr = q["position", 0].rearrange(axes).array
+    batch, kv_heads = q_arr.shape[:2]
+    parts, start = [], 0
+    for page in pages:
+        keys, values = page.k.array, page.v.array
+        page_len = keys.shape[2]
+        written = jnp.clip(lengths - start, 0, page_len)
+        blocks = (page_len // split, min(split, MAX_BLOCK_K)) if split else kernel_blocks(page_len, batch * kv_heads)
+        if blocks is not None:
+            parts.append(page_residuals(q_arr, keys, values, written, scale, blocks=blocks))
+        else:
+            parts.append(xla_residuals(q_arr, keys, values, jnp.arange(page_len)[None, :] < written[:, None], scale))
+        start += page_len
+    mask = chunk_mask["position", 0].rearrange(("batch", "chunk")).array
+    parts.append(xla_residuals(q_arr, chunk.k.array, chunk.v.array, mask, scale))
+    out = combine(parts)[:, None]
+    return hax.named(out, (q.resolve_axis("batch"), q.resolve_axis("position")) + tuple(q.resolve_axis(a) for a in axes[1:]))

@@ -1,0 +1,99 @@
+"""Decode attention through JAX's Pallas kernel (`engine.decode_attention: pallas`,
+engine/kernels.py), run here by Pallas' interpreter: the same attention as the engine's own
+over ragged rows and pages the kernel cannot read, the same tokens from a whole engine, and
+which setting each kind of host gets."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from haliax import Axis
+
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from engine.config import InvalidConfig
+from engine.jax_compat import hax
+from engine.kernels import attend_pages_kernel, kernel_blocks, resolve
+from engine.llama import LayerKV, _attend_pages
+from engine_testlib import VOCAB
+
+
+def test_kernel_attention_matches_the_engines_over_ragged_rows():
+    """Pages of 32 and 16 positions (the kernel's) and of 10 (attended the XLA way), rows of
+    lengths 0..58 (some with nothing in a page), two query heads per KV head, and a chunk buffer
+    with its first 3 steps written: the kernel's result equals _attend_pages' to float32 rounding."""
+    batch, kv_heads, group, head_dim, steps = 6, 2, 2, 16, 4
+    page_lens = (32, 16, 10)
+    keys = iter(jax.random.split(jax.random.key(0), 16))
+    Batch, Pos, KVHeads, QPerKV, HeadDim = (Axis("batch", batch), Axis("position", 1), Axis("kv_heads", kv_heads),
+                                           Axis("q_per_kv", group), Axis("head_dim", head_dim))
+
+    def normal(*axes):
+        return hax.named(jax.random.normal(next(keys), tuple(a.size for a in axes)), axes)
+
+    pages = [LayerKV(*(normal(Batch, KVHeads, Axis("key_position", n), HeadDim) for _ in range(2))) for n in page_lens]
+    Chunk = Axis("chunk", steps)
+    chunk = LayerKV(*(normal(Batch, KVHeads, Chunk, HeadDim) for _ in range(2)))
+    chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= 2, (batch, 1, steps)), (Batch, Pos, Chunk))
+    q = normal(Batch, Pos, KVHeads, QPerKV, HeadDim)
+    lengths = jnp.asarray([0, 5, 32, 40, 48, 58], jnp.int32)
+    scale = 1 / math.sqrt(head_dim)
+
+    parts, start = [], 0
+    for page, n in zip(pages, page_lens):
+        written = hax.named((start + jnp.arange(n))[None, None, :] < lengths[:, None, None], (Batch, Pos, Axis("key_position", n)))
+        parts.append((page.k, page.v, written, "key_position"))
+        start += n
+    parts.append((chunk.k, chunk.v, chunk_mask, "chunk"))
+    axes = ("batch", "position", "kv_heads", "q_per_kv", "head_dim")
+    want = _attend_pages(q, parts, scale).rearrange(axes).array
+    got = attend_pages_kernel(q, pages, lengths, chunk, chunk_mask, scale).rearrange(axes).array
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+
+
+def test_engine_with_the_kernel_makes_the_same_tokens(llama):
+    """float32, sampled, three samples of five prompts, 4 slots (rows join and leave between
+    chunks): every row's tokens are the same with the kernel as with the engine's attention."""
+    path, _ = llama
+    prompts = [np.random.RandomState(30 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([4, 13, 7, 16, 9])]
+    sampling = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, n=3, seed=3)
+
+    def run(attention: str):
+        engine = Engine.load(path, dtype="float32", sampling=sampling, max_prompt_tokens=16,
+                             engine=EngineConfig(batch_size=4, decode_attention=attention))
+        assert engine.attention == attention
+        return {(c.prompt_index, c.sample_index): c.token_ids
+                for c in engine.generate([GenerationRequest(i, p, range(3)) for i, p in enumerate(prompts)])}
+
+    xla, pallas = run("xla"), run("pallas")
+    assert sorted(pallas) == [(p, s) for p in range(5) for s in range(3)]
+    assert pallas == xla
+
+
+def test_which_attention_each_host_gets():
+    assert resolve("auto", platform="cpu", devices=1, is_global=False) == "xla"
+    assert resolve("auto", platform="gpu", devices=1, is_global=False) == "pallas"
+    assert resolve("auto", platform="gpu", devices=2, is_global=False) == "xla"
+    assert resolve("auto", platform="gpu", devices=1, is_global=True) == "xla"
+    assert resolve("auto", platform="tpu", devices=1, is_global=False) == "xla"
+    assert resolve("xla", platform="gpu", devices=1, is_global=False) == "xla"
+    with pytest.raises(InvalidConfig, match="engine.decode_attention: pallas runs JAX's Pallas GPU kernel; this host's devices are tpu"):
+        resolve("pallas", platform="tpu", devices=1, is_global=False)
+    with pytest.raises(InvalidConfig, match="spreads it over 2 device"):
+        resolve("pallas", platform="gpu", devices=2, is_global=False)
+    with pytest.raises(InvalidConfig, match="engine.decode_attention must be auto, xla or pallas, got 'flash'"):
+        EngineConfig(decode_attention="flash")
+
+
+def test_kernel_blocks():
+    """Blocks of the largest power of two up to 64 dividing the page; splits until 1,024 programs."""
+    assert kernel_blocks(544, 128 * 8) == (1, 32)  # the 8B seed workload's pages: 17 blocks of 32
+    assert kernel_blocks(544, 16 * 8) == (17, 32)  # a small batch: every block its own program
+    assert kernel_blocks(96, 256 * 4) == (1, 32)
+    assert kernel_blocks(512, 64) == (8, 64)
+    assert kernel_blocks(512, 256) == (4, 64)
+    assert kernel_blocks(10, 1024) is None
+    assert kernel_blocks(40, 1024) is None  # 8-position blocks: below the kernel's 16
