@@ -1,12 +1,14 @@
-"""Decode attention alone, two ways over the same paged KV cache, to decide whether a fused kernel
-is worth building into the engine (docs/performance-notes.md, "On a GPU").
+"""Decode attention alone, the engine's two ways (`engine.decode_attention`) over the same paged
+KV cache (docs/performance-notes.md, "On a GPU").
 
 - xla: the engine's own attention (`engine.llama._attend_pages`): per cache page, the scores,
   the softmax and the weighted values as separate XLA operations, over the first pages that
   hold the longest row (`engine.llama.by_pages`), masked by each row's length.
 - pallas: JAX's Pallas GPU decode-attention kernel (`jax.experimental.pallas.ops.gpu.
-  decode_attention`), one call per page over the same buffers in place, each row stopping at its
-  own length; the pages and the chunk buffer are combined by their softmax residuals.
+  decode_attention`) as the engine runs it (`engine.kernels.attend_pages_kernel`): one call per
+  page over the same buffers in place, each row stopping at its own length, the pages and the
+  chunk buffer combined by their softmax residuals. With --split N, also the kernel with every
+  program reading N positions of a page (the engine's choice: `engine.kernels.kernel_blocks`).
 
 Each layer of a decode step attends once: over its cache pages and the decode chunk's buffer
 (one position written, as at a chunk's first step). On a GPU both are timed, a few layers in
@@ -14,6 +16,7 @@ a row; anywhere they are checked against each other. On the CPU the kernel runs 
 interpreter, slowly: keep shapes small there, and read only the check.
 
     python scripts/bench_decode_attention.py --preset llama3-8b 1100 2100               # a GPU
+    python scripts/bench_decode_attention.py --preset llama3-8b --split 32 1100         # and 17 programs a page
     python scripts/bench_decode_attention.py --preset tinyllama-1.1b --ragged 256       # lengths 1..256
     python scripts/bench_decode_attention.py --preset cpu-tiny --batch 2 --layers 1 40  # the check, on a CPU
 
@@ -48,20 +51,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="layers attended in a row, each over its own pages")
     parser.add_argument("--ragged", action="store_true", help="each row's length drawn from 1..position, not all at position")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--split", type=int, help="also time the kernel with every program reading this many positions of a page")
     args = parser.parse_args()
     for row in run(args):
         print(json.dumps(row), flush=True)
-
-
-def kernel_blocks(page_len: int) -> tuple[int, int]:
-    """(k_splits, block_k) for one page: the kernel splits a page into k_splits parts of a
-    power-of-two length of at least 16 positions (Triton's blocks), each read in block_k steps."""
-    split = page_len & -page_len  # the largest power of two dividing the page
-    while split > 128:
-        split //= 2
-    if split < 16:
-        raise ValueError(f"a page of {page_len} positions does not split into power-of-two parts of >= 16")
-    return page_len // split, min(split, 64)
 
 
 def run(args: argparse.Namespace):
@@ -71,7 +64,8 @@ def run(args: argparse.Namespace):
     from haliax import Axis
 
     from engine.jax_compat import hax
-    from engine.llama import _attend_pages, cache_pages, page_spans, pages_covering
+    from engine.kernels import attend_pages_kernel, kernel_blocks
+    from engine.llama import LayerKV, _attend_pages, cache_pages, page_spans, pages_covering
 
     p = dict(bench.PRESETS[args.preset])
     batch = args.batch or (p["batch"][0] if isinstance(p["batch"], tuple) else p["batch"])
@@ -115,30 +109,16 @@ def run(args: argparse.Namespace):
         out = _attend_pages(hax.named(q[:, None], (Batch, Pos, KVHeads, QPerKV, HeadDim)), parts, scale)
         return out.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array[:, 0].astype(q.dtype)
 
-    def pallas_layer(q, pages, chunk, lengths, *, interpret):
-        from jax.experimental.pallas.ops.gpu import decode_attention
-
-        outs, sums, maxima = [], [], []
-        for (k, v), (start, end) in zip(pages, spans):
-            k_splits, block_k = kernel_blocks(end - start)
-            inner = functools.partial(
-                decode_attention.decode_attn_unbatched, sm_scale=scale, block_h=16, block_k=block_k, k_splits=k_splits,
-                num_warps=None, num_stages=2, grid=None, interpret=interpret, debug=False, return_residuals=True,
-                normalize_output=False)
-            length = jnp.broadcast_to(jnp.clip(lengths - start, 0, end - start)[:, None], (batch, kv_heads))
-            o, (total, top) = jax.vmap(jax.vmap(lambda q, k, v, n: inner(q, k, v, None, n)))(q, k, v, length)
-            outs.append(o.astype(jnp.float32))
-            sums.append(total)
-            maxima.append(top)
-        # The chunk buffer: its first position only, as at a decode chunk's first step.
-        s = jnp.einsum("bhgd,bhd->bhg", q.astype(jnp.float32), chunk[0][:, :, 0].astype(jnp.float32)) * scale
-        outs.append(chunk[1][:, :, None, 0].astype(jnp.float32) * jnp.ones_like(s)[..., None])
-        sums.append(jnp.ones_like(s))
-        maxima.append(s)
-        top = functools.reduce(jnp.maximum, maxima)
-        weights = [jnp.exp(m - top) for m in maxima]
-        out = sum(o * w[..., None] for o, w in zip(outs, weights)) / sum(t * w for t, w in zip(sums, weights))[..., None]
-        return out.astype(q.dtype)
+    def pallas_layer(q, pages, chunk, lengths, *, split=None):
+        """The engine's kernel path (`engine.kernels.attend_pages_kernel`) over the same parts."""
+        pages = [LayerKV(*(hax.named(x, (Batch, KVHeads, Axis("key_position", end - start), HeadDim)) for x in page))
+                 for page, (start, end) in zip(pages, spans)]
+        Chunk = Axis("chunk", CHUNK)
+        chunk = LayerKV(*(hax.named(x, (Batch, KVHeads, Chunk, HeadDim)) for x in chunk))
+        first = hax.named(jnp.broadcast_to(jnp.arange(CHUNK) == 0, (batch, 1, CHUNK)), (Batch, Pos, Chunk))
+        out = attend_pages_kernel(hax.named(q[:, None], (Batch, Pos, KVHeads, QPerKV, HeadDim)), pages, lengths, chunk,
+                                  first, scale, split=split)
+        return out.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array[:, 0].astype(q.dtype)
 
     def stack(layer_fn):
         """Every layer in a row over its first `count` pages: the pages that hold the longest row,
@@ -150,7 +130,10 @@ def run(args: argparse.Namespace):
         return jax.jit(f, static_argnames="count")
 
     xla = stack(xla_layer)
-    pallas = stack(functools.partial(pallas_layer, interpret=not on_gpu))
+    pallas = stack(pallas_layer)
+    ways = {"xla": xla, "pallas": pallas}
+    if args.split:
+        ways[f"pallas_split{args.split}"] = stack(functools.partial(pallas_layer, split=args.split))
     itemsize = dtype.itemsize
     rng = np.random.default_rng(0)
     for position in args.positions:
@@ -165,6 +148,7 @@ def run(args: argparse.Namespace):
         per_position = 2 * kv_heads * head_dim * itemsize  # keys and values
         row["xla_MB_per_layer"] = round(batch * read * per_position / 1e6, 3)
         row["exact_MB_per_layer"] = round(int(lengths.sum()) * per_position / 1e6, 3)
+        row["kernel_blocks"] = [kernel_blocks(end - start, batch * kv_heads) for start, end in spans[:count]]
         a = jax.block_until_ready(xla(q0, layers, lengths, count))
         try:
             b = jax.block_until_ready(pallas(q0, layers, lengths, count))
@@ -174,7 +158,7 @@ def run(args: argparse.Namespace):
         if b is not None:
             diff = jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(a.astype(jnp.float32)))
             row["max_difference"] = float(diff)
-        timed = {"xla": xla, "pallas": pallas} if on_gpu and b is not None else {"xla": xla}  # the interpreter is no measure
+        timed = ways if on_gpu and b is not None else {"xla": xla}  # the interpreter is no measure
         for name, fn in timed.items():
             times = []
             for _ in range(args.repeats):

@@ -45,6 +45,7 @@ in docs/performance-notes.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import concurrent.futures
 import json
 import multiprocessing
@@ -98,11 +99,11 @@ def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
-def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pass: bool) -> dict:
+def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pass: bool, attention: str) -> dict:
     from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
     sampling = SamplingParams(max_new_tokens=p["new"], **p.get("sampling", {}))
-    engine = Engine.load(folder, dtype=dtype, sampling=sampling, engine=EngineConfig(batch_size=p["batch"]),
+    engine = Engine.load(folder, dtype=dtype, sampling=sampling, engine=EngineConfig(batch_size=p["batch"], decode_attention=attention),
                          max_prompt_tokens=p["prompt_len"])
     requests = [GenerationRequest(i, row.tolist(), [0]) for i, row in enumerate(prompts)]
 
@@ -128,7 +129,7 @@ def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pas
     tokens = sum(len(c.token_ids) for c in second)
     assert tokens == len(prompts) * p["new"], "every row should make exactly --new tokens"
     return dict(tok_s=tokens / wall, wall_s=wall, prefill_s=prefill_s, first_pass_s=first_wall, compile_s=compile_s,
-                compilations=compilations, lanes=engine.plan.lanes,
+                compilations=compilations, lanes=engine.plan.lanes, attention=engine.attention,
                 peak_memory_gib=(engine.stats.peak_memory_bytes or 0) / 2**30, describe=engine.describe(),
                 device_kind=engine.devices[0].device_kind)
 
@@ -266,6 +267,8 @@ def main() -> None:
                         help="sample instead of greedy (steady-state presets; both sides, same settings)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 = off on both sides (transformers' default is 50)")
+    parser.add_argument("--attention", nargs="+", choices=["auto", "xla", "pallas"], default=["auto"],
+                        help="engine.decode_attention: each value is timed in turn (steady-state presets)")
     parser.add_argument("--single-pass", action="store_true",
                         help="time our first pass minus its wait for programs instead of a second pass (halves our run time)")
     args = parser.parse_args()
@@ -274,8 +277,8 @@ def main() -> None:
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if "mixed" in p:
-        if args.temperature:
-            parser.error("--temperature applies to the steady-state presets only")
+        if args.temperature or args.attention != ["auto"]:
+            parser.error("--temperature and --attention apply to the steady-state presets only")
         run_mixed(args, p)
         return
     if args.temperature:
@@ -293,10 +296,10 @@ def main() -> None:
             print(json.dumps({"peer": "transformers", "dtype": dtype, **peers[dtype]}), flush=True)
         # A fresh compilation cache, so that ours_compile_s is compiling, not loading what an earlier run left.
         os.environ["PIPELINE_CACHE_DIR"] = os.path.join(folder, "pipeline-cache")
-        for dtype in args.dtype:
-            ours = bench_ours(folder, p, dtype, prompts, args.single_pass)
+        for dtype, attention in itertools.product(args.dtype, args.attention):
+            ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
-                      "sampling": p.get("sampling", "greedy"),
+                      "sampling": p.get("sampling", "greedy"), "ours_attention": ours["attention"],
                       "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
                       "ours_prefill_s": round(ours["prefill_s"], 2), "ours_lanes": ours["lanes"],
                       "ours_timed": "first pass minus its wait for programs" if args.single_pass else "second pass",

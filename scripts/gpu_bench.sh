@@ -10,7 +10,8 @@
 # With --profile, two more steps trace the decode program of TinyLlama and of the 8B
 # (scripts/profile_decode.py: kernels per layer and step, the optimized programs in
 # $OUT/hlo.tar.gz); about 3 minutes more. ONLY, a regular expression, runs only the steps
-# whose names it matches.
+# whose names it matches. The two benchmarks time each way of decode attention in turn
+# (`engine.decode_attention`); ATTENTION='pallas' (or 'xla') times one.
 #
 #   bash scripts/offline_wheels.sh          # first, where PyPI is reachable, if haliax is missing there
 #   bash scripts/gpu_bench.sh               # on the GPU machine, from the repository root
@@ -46,8 +47,8 @@ else
     seed=(--preset llama3-8b --skip-hf --single-pass)  # transformers takes ~200 s here: measured once, in the notes
     profile_tiny=(--preset tinyllama-1.1b --repeats 5 128 256)
     profile_seed=(--preset llama3-8b --repeats 3 128 1100 2100)
-    attention=("--preset tinyllama-1.1b 128 256 384" "--preset tinyllama-1.1b --ragged 384"
-               "--preset llama3-8b 1100 2100" "--preset llama3-8b --ragged 2176")
+    attention=("--preset tinyllama-1.1b --split 32 128 256 384" "--preset tinyllama-1.1b --ragged 384"
+               "--preset llama3-8b --split 32 1100 2100" "--preset llama3-8b --ragged 2176")
 fi
 
 failed=0
@@ -80,8 +81,9 @@ if command -v nvidia-smi >/dev/null; then
     fi
 fi
 step memory-plan 100 "$python" scripts/memory_analysis.py "${memory[@]}"
-step tinyllama 170 "$python" scripts/bench_engine.py "${tiny[@]}" --dtype bfloat16
-step seed-workload 240 "$python" scripts/bench_engine.py "${seed[@]}" --dtype bfloat16
+read -ra attention_ways <<<"${ATTENTION:-xla pallas}"
+step tinyllama 170 "$python" scripts/bench_engine.py "${tiny[@]}" --dtype bfloat16 --attention "${attention_ways[@]}"
+step seed-workload 300 "$python" scripts/bench_engine.py "${seed[@]}" --dtype bfloat16 --attention "${attention_ways[@]}"
 for i in "${!attention[@]}"; do
     # shellcheck disable=SC2086 - each entry is one command line's arguments
     step "attention-$i" 60 "$python" scripts/bench_decode_attention.py ${attention[$i]}

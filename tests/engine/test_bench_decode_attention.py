@@ -16,7 +16,7 @@ from engine.llama import cache_pages  # noqa: E402
 
 
 def rows(preset: str, positions: list[int], ragged: bool) -> list[dict]:
-    args = argparse.Namespace(positions=positions, preset=preset, batch=2, dtype=None, layers=1, ragged=ragged, repeats=1)
+    args = argparse.Namespace(positions=positions, preset=preset, batch=2, dtype=None, layers=1, ragged=ragged, repeats=1, split=None)
     return list(bench.run(args))
 
 
@@ -32,10 +32,3 @@ def test_engine_attention_matches_the_pallas_kernel(preset, positions, ragged):
             read = next(end for end in cache_pages(PRESETS[preset]["prompt_len"] + PRESETS[preset]["new"]) if end >= row["position"])
             assert row["xla_MB_per_layer"] / row["exact_MB_per_layer"] == pytest.approx(read / row["position"], rel=0.01)
 
-
-def test_page_blocks_are_powers_of_two():
-    assert bench.kernel_blocks(96) == (3, 32)  # TinyLlama's quarter pages: 3 parts of 32 positions
-    assert bench.kernel_blocks(544) == (17, 32)  # the Llama-3-8B seed workload's
-    assert bench.kernel_blocks(2048) == (16, 64)
-    with pytest.raises(ValueError, match="does not split"):
-        bench.kernel_blocks(40)
