@@ -125,8 +125,9 @@ class EngineConfig:
     decode_attention: Literal["auto", "xla", "pallas"] = "auto"
     """How a decode step attends over the KV cache: xla, the engine's own operations over the
     cache pages that hold the longest live row; pallas, JAX's Pallas GPU decode-attention kernel,
-    each row read to its own length (one device per host: host_dp on one GPU; on the CPU Pallas'
-    interpreter runs it, for checks only). auto: pallas on a single GPU, else xla (engine/kernels.py)."""
+    each row read to its own length (over several devices each runs it on its own rows and KV
+    heads; on the CPU Pallas' interpreter runs it, for checks only). auto: pallas on GPUs, else
+    xla (engine/kernels.py)."""
 
     def __post_init__(self):
         require(self.decode_attention in ("auto", "xla", "pallas"), "engine.decode_attention", self.decode_attention,

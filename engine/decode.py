@@ -243,7 +243,8 @@ def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState,
     def body(carry):
         i, chunk_kv, st, out = carry
         chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= i, (slots, 1, steps)), (Batch, Pos, Chunk))
-        contexts = tuple(DecodeStep(kv.pages[:count], ckv, i, tuple(page_masks), chunk_mask, state.position, spec.attention)
+        contexts = tuple(DecodeStep(kv.pages[:count], ckv, i, tuple(page_masks), chunk_mask, state.position, spec.attention,
+                                    spec.cache_sharding)
                          for kv, ckv in zip(cache.layers, chunk_kv))
         hidden, chunk_kv = model.forward(
             hax.named(st.last_token[:, None], (Batch, Pos)), hax.named(st.position[:, None], (Batch, Pos)), contexts,

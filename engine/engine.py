@@ -311,8 +311,7 @@ class Engine:
         else:
             layout = Layout.local(jax.local_devices())
         devices = layout.local_devices
-        attention = kernels.resolve(engine.decode_attention, platform=devices[0].platform, devices=layout.data_size,
-                                    is_global=layout.is_global)
+        attention = kernels.resolve(engine.decode_attention, platform=devices[0].platform)
         plan = plan_batch(
             config,
             dtype=DTYPES[dtype],

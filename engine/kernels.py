@@ -8,11 +8,11 @@ and the kernel's use over the engine's pages: one call per page, combined with t
 chunk's buffer by their softmax residuals (the running maximum and sum of each part).
 
 The kernel is JAX's, not ours: this module only picks its blocks and combines its results. It
-runs on a GPU; on the CPU Pallas' interpreter runs it (slowly: for checks). A page whose length
-is not a multiple of 16 (the kernel's smallest block) is attended the XLA way and combined the
-same way.
+runs on GPUs, over several devices under `jax.shard_map` (each device its own rows and KV
+heads); on the CPU Pallas' interpreter runs it (slowly: for checks). A page whose length is not
+a multiple of 16 (the kernel's smallest block) is attended the XLA way and combined the same way.
 
-    attn = attend_pages_kernel(q, pages, lengths, chunk, chunk_mask, scale)   # inside a decode step
+    attn = attend_pages_kernel(q, pages, lengths, chunk, chunk_mask, scale, sharding=cache_sharding)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
+from jax.sharding import NamedSharding, PartitionSpec
 
 from engine.config import InvalidConfig
 from engine.jax_compat import hax
@@ -36,21 +37,15 @@ programs (a few per streaming multiprocessor), so that small batches still fill 
 _MIN_BLOCK = 16
 
 
-def resolve(setting: str, *, platform: str, devices: int, is_global: bool) -> str:
-    """'xla' or 'pallas' for `engine.decode_attention` (auto: the kernel on a single GPU).
-
-    The kernel is one custom call that XLA cannot split over devices: it runs where one device
-    holds the whole batch (host_dp on one device). Elsewhere `pallas` is refused."""
+def resolve(setting: str, *, platform: str) -> str:
+    """'xla' or 'pallas' for `engine.decode_attention` (auto: the kernel on GPUs). The kernel is
+    Triton's: `pallas` is refused on other accelerators (on the CPU Pallas' interpreter runs it,
+    for checks)."""
     if setting == "auto":
-        return "pallas" if platform == "gpu" and devices == 1 and not is_global else "xla"
-    if setting == "pallas":
-        if platform not in ("gpu", "cpu"):
-            raise InvalidConfig(f"engine.decode_attention: pallas runs JAX's Pallas GPU kernel; this host's devices are {platform}"
-                             " (use auto or xla)")
-        if devices != 1 or is_global:
-            raise InvalidConfig(f"engine.decode_attention: pallas needs the whole batch on one device (engine.mode host_dp on"
-                             f" one device); this engine spreads it over {devices} device(s){' of a global mesh' if is_global else ''}"
-                             " (use auto or xla)")
+        return "pallas" if platform == "gpu" else "xla"
+    if setting == "pallas" and platform not in ("gpu", "cpu"):
+        raise InvalidConfig(f"engine.decode_attention: pallas runs JAX's Pallas GPU kernel; this host's devices are {platform}"
+                            " (use auto or xla)")
     return setting
 
 
@@ -111,28 +106,46 @@ def combine(parts) -> jax.Array:
 
 
 def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_mask: NamedArray, scale: float, *,
-                        split: int | None = None) -> NamedArray:
+                        sharding: NamedSharding | None = None, split: int | None = None) -> NamedArray:
     """A decode step's attention (q one position: batch, position, kv_heads, q_per_kv, head_dim)
     over the cache `pages` (LayerKVs, keys/values batch, kv_heads, key_position, head_dim), each
     row up to its `lengths` [batch] positions written, and over the chunk buffer's keys/values
     (batch, kv_heads, chunk, head_dim) where chunk_mask (batch, position, chunk) is True. The
-    same result as `engine.llama._attend_pages` over those parts, float32. `split` (benchmarks)
-    makes every kernel program read that many positions of a page instead of `kernel_blocks`'."""
+    same result as `engine.llama._attend_pages` over those parts, float32.
+
+    `sharding` is the cache's (rows over `data`, KV heads over `model` on a global mesh): over
+    several devices each runs the kernel on its own rows and heads (`jax.shard_map`), since XLA
+    cannot split the kernel's call itself. `split` (benchmarks) makes every kernel program read
+    that many positions of a page instead of `kernel_blocks`'."""
     axes = ("batch", "kv_heads", "q_per_kv", "head_dim")
     q_arr = q["position", 0].rearrange(axes).array
-    batch, kv_heads = q_arr.shape[:2]
+    kv = [(page.k.array, page.v.array) for page in pages]
+    mask = chunk_mask["position", 0].rearrange(("batch", "chunk")).array
+    args = (q_arr, kv, lengths, (chunk.k.array, chunk.v.array), mask)
+    attend = functools.partial(_attend_arrays, scale=scale, split=split)
+    if sharding is not None and sharding.mesh.size > 1:
+        rows, heads = (tuple(sharding.spec) + (None, None))[:2]
+        by_head, by_row = PartitionSpec(rows, heads), PartitionSpec(rows)
+        attend = jax.shard_map(attend, mesh=sharding.mesh, in_specs=(by_head, by_head, by_row, by_head, by_row),
+                               out_specs=by_head, check_vma=False)
+    out = attend(*args)[:, None]
+    return hax.named(out, (q.resolve_axis("batch"), q.resolve_axis("position")) + tuple(q.resolve_axis(a) for a in axes[1:]))
+
+
+def _attend_arrays(q, pages, lengths, chunk, mask, *, scale: float, split: int | None) -> jax.Array:
+    """attend_pages_kernel on one device's arrays: q [batch, kv_heads, group, head_dim], pages
+    [(keys, values)] and chunk (keys, values) [batch, kv_heads, positions, head_dim], lengths
+    [batch], mask [batch, chunk]. Returns [batch, kv_heads, group, head_dim] float32."""
+    batch, kv_heads = q.shape[:2]
     parts, start = [], 0
-    for page in pages:
-        keys, values = page.k.array, page.v.array
+    for keys, values in pages:
         page_len = keys.shape[2]
         written = jnp.clip(lengths - start, 0, page_len)
         blocks = (page_len // split, min(split, MAX_BLOCK_K)) if split else kernel_blocks(page_len, batch * kv_heads)
         if blocks is not None:
-            parts.append(page_residuals(q_arr, keys, values, written, scale, blocks=blocks))
+            parts.append(page_residuals(q, keys, values, written, scale, blocks=blocks))
         else:
-            parts.append(xla_residuals(q_arr, keys, values, jnp.arange(page_len)[None, :] < written[:, None], scale))
+            parts.append(xla_residuals(q, keys, values, jnp.arange(page_len)[None, :] < written[:, None], scale))
         start += page_len
-    mask = chunk_mask["position", 0].rearrange(("batch", "chunk")).array
-    parts.append(xla_residuals(q_arr, chunk.k.array, chunk.v.array, mask, scale))
-    out = combine(parts)[:, None]
-    return hax.named(out, (q.resolve_axis("batch"), q.resolve_axis("position")) + tuple(q.resolve_axis(a) for a in axes[1:]))
+    parts.append(xla_residuals(q, *chunk, mask, scale))
+    return combine(parts)

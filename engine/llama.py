@@ -395,6 +395,8 @@ class DecodeStep(NamedTuple):
     attention: str = "xla"
     """How the step attends (static): xla, the operations below; pallas, JAX's fused kernel
     (engine/kernels.py), each row read to its own length."""
+    sharding: Any = None
+    """The cache's NamedSharding (static): over several devices the kernel runs per device."""
 
 
 class Attention(eqx.Module):
@@ -504,7 +506,8 @@ class Attention(eqx.Module):
             for old, new in ((chunk.k, k), (chunk.v, v))
         ))
         if context.attention == "pallas":
-            return kernels.attend_pages_kernel(q, context.pages, context.lengths, chunk, context.chunk_mask, scale), chunk
+            return kernels.attend_pages_kernel(q, context.pages, context.lengths, chunk, context.chunk_mask, scale,
+                                               sharding=context.sharding), chunk
         parts = [(page.k, page.v, mask, "key_position") for page, mask in zip(context.pages, context.page_masks)]
         parts.append((chunk.k, chunk.v, context.chunk_mask, "chunk"))  # the current position is always there
         return _attend_pages(q, parts, scale), chunk

@@ -1,11 +1,16 @@
 """Decode attention through JAX's Pallas kernel (`engine.decode_attention: pallas`,
 engine/kernels.py), run here by Pallas' interpreter: the same attention as the engine's own
-over ragged rows and pages the kernel cannot read, the same tokens from a whole engine, and
-which setting each kind of host gets."""
+over ragged rows and pages the kernel cannot read, the same tokens from a whole engine on one
+device and on several (per device), and which setting each kind of host gets."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -74,18 +79,52 @@ def test_engine_with_the_kernel_makes_the_same_tokens(llama):
 
 
 def test_which_attention_each_host_gets():
-    assert resolve("auto", platform="cpu", devices=1, is_global=False) == "xla"
-    assert resolve("auto", platform="gpu", devices=1, is_global=False) == "pallas"
-    assert resolve("auto", platform="gpu", devices=2, is_global=False) == "xla"
-    assert resolve("auto", platform="gpu", devices=1, is_global=True) == "xla"
-    assert resolve("auto", platform="tpu", devices=1, is_global=False) == "xla"
-    assert resolve("xla", platform="gpu", devices=1, is_global=False) == "xla"
+    assert resolve("auto", platform="cpu") == "xla"
+    assert resolve("auto", platform="gpu") == "pallas"
+    assert resolve("auto", platform="tpu") == "xla"
+    assert resolve("xla", platform="gpu") == "xla"
+    assert resolve("pallas", platform="cpu") == "pallas"  # Pallas' interpreter: the tests here
     with pytest.raises(InvalidConfig, match="engine.decode_attention: pallas runs JAX's Pallas GPU kernel; this host's devices are tpu"):
-        resolve("pallas", platform="tpu", devices=1, is_global=False)
-    with pytest.raises(InvalidConfig, match="spreads it over 2 device"):
-        resolve("pallas", platform="gpu", devices=2, is_global=False)
+        resolve("pallas", platform="tpu")
     with pytest.raises(InvalidConfig, match="engine.decode_attention must be auto, xla or pallas, got 'flash'"):
         EngineConfig(decode_attention="flash")
+
+
+def test_the_kernel_runs_per_device_over_several(llama):
+    """Four forced CPU devices: host data parallel (rows over 4 devices) and a global mesh (rows
+    over 2, KV heads over 2), each with the kernel, give one device's tokens (float32, sampled)."""
+    path, _ = llama
+    prompts = [np.random.RandomState(40 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([6, 14, 3, 10])]
+    sampling = dict(max_new_tokens=8, temperature=0.9, top_k=20, n=2, seed=5)
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(**sampling), max_prompt_tokens=16,
+                         engine=EngineConfig(batch_size=4, decode_attention="xla"))
+    want = {f"{c.prompt_index},{c.sample_index}": c.token_ids
+            for c in engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate(prompts))}
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {os.getcwd()!r})
+        import jax
+        from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+        assert jax.device_count() == 4
+        out = {{}}
+        for mode in ("host_dp", "global_mesh"):  # the global mesh: auto, data 2 x model 2
+            engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(**{sampling!r}), max_prompt_tokens=16,
+                                 engine=EngineConfig(batch_size=4, mode=mode, decode_attention="pallas"))
+            assert engine.attention == "pallas"
+            out[mode + " cache"] = [engine.layout.mesh.size, str(engine.layout.cache_sharding.spec)]
+            out[mode] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in engine.generate(
+                GenerationRequest(i, p, [0, 1]) for i, p in enumerate({prompts!r}))}}
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(want) == [f"{p},{s}" for p in range(4) for s in range(2)]
+    assert out["host_dp cache"] == [4, "P('data',)"]
+    assert out["global_mesh cache"] == [4, "P('data', 'model')"]
+    assert out["host_dp"] == want
+    assert out["global_mesh"] == want
 
 
 def test_kernel_blocks():
