@@ -123,7 +123,7 @@ def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_m
     mask = chunk_mask["position", 0].rearrange(("batch", "chunk")).array
     args = (q_arr, kv, lengths, (chunk.k.array, chunk.v.array), mask)
     attend = functools.partial(_attend_arrays, scale=scale, split=split)
-    if sharding is not None and sharding.mesh.size > 1:
+    if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
         rows, heads = (tuple(sharding.spec) + (None, None))[:2]
         by_head, by_row = PartitionSpec(rows, heads), PartitionSpec(rows)
         attend = jax.shard_map(attend, mesh=sharding.mesh, in_specs=(by_head, by_head, by_row, by_head, by_row),

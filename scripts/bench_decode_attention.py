@@ -20,8 +20,9 @@ interpreter, slowly: keep shapes small there, and read only the check.
     python scripts/bench_decode_attention.py --preset tinyllama-1.1b --ragged 256       # lengths 1..256
     python scripts/bench_decode_attention.py --preset cpu-tiny --batch 2 --layers 1 40  # the check, on a CPU
 
-Prints one JSON line per position: ms per layer for each way, the bytes each must read, and
-the largest difference between their outputs relative to the largest output.
+Prints one JSON line per position: ms per layer for each way, the bytes each must read, the
+kernel's blocks per page, and the largest difference between each kernel way's output and the
+engine's own relative to the largest output.
 """
 
 from __future__ import annotations
@@ -149,16 +150,20 @@ def run(args: argparse.Namespace):
         row["xla_MB_per_layer"] = round(batch * read * per_position / 1e6, 3)
         row["exact_MB_per_layer"] = round(int(lengths.sum()) * per_position / 1e6, 3)
         row["kernel_blocks"] = [kernel_blocks(end - start, batch * kv_heads) for start, end in spans[:count]]
-        a = jax.block_until_ready(xla(q0, layers, lengths, count))
-        try:
-            b = jax.block_until_ready(pallas(q0, layers, lengths, count))
-        except Exception as e:  # the kernel's module is experimental and version-bound: report, keep the xla figures
-            row["pallas_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            b = None
-        if b is not None:
-            diff = jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(a.astype(jnp.float32)))
-            row["max_difference"] = float(diff)
-        timed = ways if on_gpu and b is not None else {"xla": xla}  # the interpreter is no measure
+        a = jax.block_until_ready(xla(q0, layers, lengths, count)).astype(jnp.float32)
+        timed = {"xla": xla}
+        for name, fn in ways.items():
+            if name == "xla":
+                continue
+            try:
+                b = jax.block_until_ready(fn(q0, layers, lengths, count)).astype(jnp.float32)
+            except Exception as e:  # the kernel's module is experimental and version-bound: report, keep the xla figures
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                continue
+            suffix = name.removeprefix("pallas")
+            row[f"max_difference{suffix}"] = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
+            if on_gpu:  # the interpreter is no measure
+                timed[name] = fn
         for name, fn in timed.items():
             times = []
             for _ in range(args.repeats):

@@ -53,6 +53,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
+    from engine import kernels
     from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state, prefill_chunk
     from engine.llama import LlamaConfig, LlamaLM
     from engine.memory import GiB, footprint
@@ -75,7 +76,9 @@ def main() -> None:
     seq_len = prompt + new
     cache = abstract(jax.eval_shape(functools.partial(new_cache, config, batch, seq_len, cache_dtype)))
     state = abstract(jax.eval_shape(functools.partial(new_state, batch)))
-    spec = DecodeSpec(SamplingParams(max_new_tokens=new), (), sharding, sharding, sharding)
+    # The decode attention the engine would run here (engine.decode_attention: auto).
+    spec = DecodeSpec(SamplingParams(max_new_tokens=new), (), sharding, sharding, sharding,
+                      kernels.resolve("auto", platform=device.platform))
     weights, row, working = footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=prompt + new,
                                       decode_chunk_steps=args.decode_steps, prefill_tokens=args.prefill_tokens,
                                       prefill_chunk_tokens=args.prefill_chunk)
@@ -104,7 +107,8 @@ def main() -> None:
                           "argument_gib": round(m.argument_size_in_bytes / GiB, 3), "output_gib": round(m.output_size_in_bytes / GiB, 3),
                           "alias_gib": round(m.alias_size_in_bytes / GiB, 3), "temp_gib": round(m.temp_size_in_bytes / GiB, 3),
                           "peak_gib": round(peak / GiB, 3), "plan_gib": round(planned / GiB, 3),
-                          "plan_over_peak": round(planned / peak, 3), "device": device.platform}), flush=True)
+                          "plan_over_peak": round(planned / peak, 3), "device": device.platform,
+                          "decode_attention": spec.attention}), flush=True)
 
 
 if __name__ == "__main__":
