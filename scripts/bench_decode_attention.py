@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="layers attended in a row, each over its own pages")
     parser.add_argument("--ragged", action="store_true", help="each row's length drawn from 1..position, not all at position")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--page-multiple", type=int, default=16,
+                        help="round the cache's quarter pages to this many positions (the engine: 16); 64 or 128 let the kernel read bigger blocks")
     parser.add_argument("--split", type=int, help="also time the kernel with every program reading this many positions of a page")
     args = parser.parse_args()
     for row in run(args):
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace):
     if dtype != jnp.float32 and not on_gpu:
         raise SystemExit("--dtype bfloat16 needs a GPU: on the CPU the engine keeps a float32 cache (XLA's CPU dots "
                          "over a 16-bit one are slow or missing)")
-    ends = cache_pages(p["prompt_len"] + p["new"])
+    ends = cache_pages(p["prompt_len"] + p["new"], args.page_multiple)
     spans = page_spans(ends)
     scale = 1.0 / math.sqrt(head_dim)
     Batch, Pos, KVHeads, QPerKV, HeadDim = (Axis("batch", batch), Axis("position", 1), Axis("kv_heads", kv_heads),

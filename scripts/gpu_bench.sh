@@ -2,16 +2,19 @@
 # The engine's GPU checks in one go, for a CUDA machine with JAX, PyTorch and transformers
 # installed (and no network needed): the Llama-3-8B memory plan compiled for the GPU, the
 # TinyLlama benchmark beside transformers, the Llama-3-8B seed workload (128 prompts x 128
-# tokens, 2,048 new, batch 128), and decode attention alone, the engine's against JAX's Pallas
-# kernel (scripts/bench_decode_attention.py). Each step's log goes to $OUT (default
-# gpu-bench-out/) as it runs, so a step cut short still leaves what it printed. Each step has
-# its own time limit; the first three took about 4 minutes on an H200, the attention steps
-# should take a minute or two more. On a card bigger than an H100, JAX gets an H100's memory.
-# With --profile, two more steps trace the decode program of TinyLlama and of the 8B
-# (scripts/profile_decode.py: kernels per layer and step, the optimized programs in
-# $OUT/hlo.tar.gz); about 3 minutes more. ONLY, a regular expression, runs only the steps
-# whose names it matches. The two benchmarks time each way of decode attention in turn
-# (`engine.decode_attention`); ATTENTION='pallas' (or 'xla') times one.
+# tokens, 2,048 new, batch 128), and decode attention alone, the engine's own against JAX's
+# Pallas kernel as the engine runs it (scripts/bench_decode_attention.py; attention-4 with
+# pages of multiples of 64 positions, so that the kernel reads blocks of 64: the engine's are
+# multiples of 16). The two benchmarks time each way of decode attention in turn
+# (`engine.decode_attention`); ATTENTION='pallas' (or 'xla') times one. Each step's log goes
+# to $OUT (default gpu-bench-out/) as it runs, so a step cut short still leaves what it
+# printed. Each step has its own time limit. On an H100, 2026-11-26: the TinyLlama and seed
+# steps with one way of attention about 1.5 and 2.7 minutes, each attention step 20-30 s. On a
+# card bigger than an H100, JAX gets an H100's memory. With --profile, two more steps trace
+# the decode program of TinyLlama and of the 8B (scripts/profile_decode.py: kernels per layer
+# and step, the optimized programs in $OUT/hlo.tar.gz); about 3 minutes more (the 8B's ran out
+# of memory on an H100: docs/performance-notes.md). ONLY, a regular expression, runs only the
+# steps whose names it matches.
 #
 #   bash scripts/offline_wheels.sh          # first, where PyPI is reachable, if haliax is missing there
 #   bash scripts/gpu_bench.sh               # on the GPU machine, from the repository root
@@ -48,7 +51,8 @@ else
     profile_tiny=(--preset tinyllama-1.1b --repeats 5 128 256)
     profile_seed=(--preset llama3-8b --repeats 3 128 1100 2100)
     attention=("--preset tinyllama-1.1b --split 32 128 256 384" "--preset tinyllama-1.1b --ragged 384"
-               "--preset llama3-8b --split 32 1100 2100" "--preset llama3-8b --ragged 2176")
+               "--preset llama3-8b --split 32 1100 2100" "--preset llama3-8b --ragged 2176"
+               "--preset llama3-8b --page-multiple 64 --split 64 1100 2100")
 fi
 
 failed=0

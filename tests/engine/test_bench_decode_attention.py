@@ -16,7 +16,8 @@ from engine.llama import cache_pages  # noqa: E402
 
 
 def rows(preset: str, positions: list[int], ragged: bool) -> list[dict]:
-    args = argparse.Namespace(positions=positions, preset=preset, batch=2, dtype=None, layers=1, ragged=ragged, repeats=1, split=None)
+    args = argparse.Namespace(positions=positions, preset=preset, batch=2, dtype=None, layers=1, ragged=ragged, repeats=1, split=None,
+                              page_multiple=16)
     return list(bench.run(args))
 
 

@@ -75,6 +75,7 @@ def test_a_call_reads_the_fewest_pages_that_hold_its_rows():
     assert cache_pages(192) == (48, 96, 144, 192)
     assert cache_pages(2176) == (544, 1088, 1632, 2176)
     assert cache_pages(10) == (10,)
+    assert cache_pages(2176, 128) == (640, 1280, 1920, 2176)  # the same cache, bigger blocks for a kernel
 
     def pages_read(reach, counts=None):
         return int(by_pages(jax.numpy.int32(reach), (16, 32, 45), lambda k: jax.numpy.int32(k), counts))
