@@ -126,8 +126,8 @@ class EngineConfig:
     """How a decode step attends over the KV cache: xla, the engine's own operations over the
     cache pages that hold the longest live row; pallas, JAX's Pallas GPU decode-attention kernel,
     each row read to its own length (over several devices each runs it on its own rows and KV
-    heads; on the CPU Pallas' interpreter runs it, for checks only). auto: pallas on GPUs, else
-    xla (engine/kernels.py)."""
+    heads; on the CPU Pallas' interpreter runs it, for checks only). auto: pallas on GPUs in
+    bfloat16 or float16 when head_dim is a power of two >= 16, else xla (engine/kernels.py)."""
 
     def __post_init__(self):
         require(self.decode_attention in ("auto", "xla", "pallas"), "engine.decode_attention", self.decode_attention,

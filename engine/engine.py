@@ -311,7 +311,8 @@ class Engine:
         else:
             layout = Layout.local(jax.local_devices())
         devices = layout.local_devices
-        attention = kernels.resolve(engine.decode_attention, platform=devices[0].platform)
+        attention = kernels.resolve(engine.decode_attention, platform=devices[0].platform, head_dim=config.head_dim,
+                                    dtype=dtype)
         plan = plan_batch(
             config,
             dtype=DTYPES[dtype],

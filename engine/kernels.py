@@ -37,15 +37,22 @@ programs (a few per streaming multiprocessor), so that small batches still fill 
 _MIN_BLOCK = 16
 
 
-def resolve(setting: str, *, platform: str) -> str:
-    """'xla' or 'pallas' for `engine.decode_attention` (auto: the kernel on GPUs). The kernel is
-    Triton's: `pallas` is refused on other accelerators (on the CPU Pallas' interpreter runs it,
-    for checks)."""
+def resolve(setting: str, *, platform: str, head_dim: int, dtype: str) -> str:
+    """'xla' or 'pallas' for `engine.decode_attention`. auto: the kernel on GPUs in a 16-bit
+    dtype (float32 keeps the engine's own attention, whose products are held to float32
+    precision) when the heads suit it. The kernel is Triton's: its blocks span a whole head, so
+    head_dim must be a power of two of at least 16 on a GPU; `pallas` is refused on other
+    accelerators and for other head sizes (on the CPU Pallas' interpreter runs any, for checks)."""
+    fits = head_dim >= _MIN_BLOCK and head_dim & (head_dim - 1) == 0
     if setting == "auto":
-        return "pallas" if platform == "gpu" else "xla"
-    if setting == "pallas" and platform not in ("gpu", "cpu"):
-        raise InvalidConfig(f"engine.decode_attention: pallas runs JAX's Pallas GPU kernel; this host's devices are {platform}"
-                            " (use auto or xla)")
+        return "pallas" if platform == "gpu" and dtype != "float32" and fits else "xla"
+    if setting == "pallas":
+        if platform not in ("gpu", "cpu"):
+            raise InvalidConfig(f"engine.decode_attention: pallas runs JAX's Pallas GPU kernel; this host's devices are"
+                                f" {platform} (use auto or xla)")
+        if platform == "gpu" and not fits:
+            raise InvalidConfig(f"engine.decode_attention: pallas needs a head_dim that is a power of two >= 16 (the"
+                                f" kernel's blocks span a head); this model's is {head_dim} (use auto or xla)")
     return setting
 
 

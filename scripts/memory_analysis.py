@@ -78,7 +78,7 @@ def main() -> None:
     state = abstract(jax.eval_shape(functools.partial(new_state, batch)))
     # The decode attention the engine would run here (engine.decode_attention: auto).
     spec = DecodeSpec(SamplingParams(max_new_tokens=new), (), sharding, sharding, sharding,
-                      kernels.resolve("auto", platform=device.platform))
+                      kernels.resolve("auto", platform=device.platform, head_dim=config.head_dim, dtype=args.dtype))
     weights, row, working = footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=prompt + new,
                                       decode_chunk_steps=args.decode_steps, prefill_tokens=args.prefill_tokens,
                                       prefill_chunk_tokens=args.prefill_chunk)

@@ -79,13 +79,19 @@ def test_engine_with_the_kernel_makes_the_same_tokens(llama):
 
 
 def test_which_attention_each_host_gets():
-    assert resolve("auto", platform="cpu") == "xla"
-    assert resolve("auto", platform="gpu") == "pallas"
-    assert resolve("auto", platform="tpu") == "xla"
-    assert resolve("xla", platform="gpu") == "xla"
-    assert resolve("pallas", platform="cpu") == "pallas"  # Pallas' interpreter: the tests here
+    def auto(platform, head_dim=128, dtype="bfloat16"):
+        return resolve("auto", platform=platform, head_dim=head_dim, dtype=dtype)
+
+    assert (auto("gpu"), auto("gpu", 64, "float16")) == ("pallas", "pallas")
+    assert auto("cpu") == auto("tpu") == "xla"
+    assert auto("gpu", dtype="float32") == "xla"  # the engine's attention keeps float32 products
+    assert auto("gpu", head_dim=80) == auto("gpu", head_dim=8) == "xla"  # Triton's blocks: powers of two >= 16
+    assert resolve("xla", platform="gpu", head_dim=128, dtype="bfloat16") == "xla"
+    assert resolve("pallas", platform="cpu", head_dim=8, dtype="float32") == "pallas"  # Pallas' interpreter: these tests
     with pytest.raises(InvalidConfig, match="engine.decode_attention: pallas runs JAX's Pallas GPU kernel; this host's devices are tpu"):
-        resolve("pallas", platform="tpu")
+        resolve("pallas", platform="tpu", head_dim=128, dtype="bfloat16")
+    with pytest.raises(InvalidConfig, match="pallas needs a head_dim that is a power of two >= 16 .*; this model's is 80"):
+        resolve("pallas", platform="gpu", head_dim=80, dtype="bfloat16")
     with pytest.raises(InvalidConfig, match="engine.decode_attention must be auto, xla or pallas, got 'flash'"):
         EngineConfig(decode_attention="flash")
 
