@@ -4,18 +4,14 @@ abandonment, and data parallelism over forced host devices (in a subprocess)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 
 import numpy as np
 import pytest
 
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine_testlib import VOCAB, with_generation_config
+from engine_testlib import VOCAB, run_on_forced_devices, with_generation_config
 
 PROMPTS = [np.random.RandomState(10 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([4, 11, 7, 15, 9])]
 SAMPLED = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.9, n=3, seed=7)
@@ -153,7 +149,7 @@ def test_generator_can_be_abandoned(llama, greedy_ref):
 
 def test_data_parallel_over_two_forced_devices_matches_one(llama):
     path, _ = llama
-    script = textwrap.dedent(f"""
+    two = run_on_forced_devices(f"""
         import json, sys
         sys.path.insert(0, {str(os.getcwd())!r})
         import jax
@@ -164,11 +160,7 @@ def test_data_parallel_over_two_forced_devices_matches_one(llama):
         out = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in engine.generate(
             GenerationRequest(i, p, [0, 1]) for i, p in enumerate({PROMPTS!r}))}}
         print(json.dumps(out))
-    """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    two = json.loads(done.stdout.strip().splitlines()[-1])
+    """, devices=2, timeout=300)
     one_engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=6, temperature=0.9, n=2), engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
     one = {f"{c.prompt_index},{c.sample_index}": c.token_ids for c in one_engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate(PROMPTS))}
     assert two == one

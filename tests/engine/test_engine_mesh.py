@@ -5,14 +5,10 @@ sampled, and in bfloat16 tokens transformers ranks first within bfloat16's error
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine_testlib import VOCAB
+from engine_testlib import VOCAB, run_on_forced_devices
 
 import numpy as np
 import pytest
@@ -38,7 +34,7 @@ def sharded(llama) -> dict:
     """One process with four forced CPU devices, global mesh data 2 x model 2: float32 greedy and
     sampled tokens, bfloat16 greedy tokens, the weights' layout and describe()."""
     path, _ = llama
-    script = textwrap.dedent(f"""
+    return run_on_forced_devices(f"""
         import json, sys
         sys.path.insert(0, {os.getcwd()!r})
         import jax
@@ -56,11 +52,7 @@ def sharded(llama) -> dict:
             out[name] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in engine.generate(
                 GenerationRequest(i, p, [0, 1]) for i, p in enumerate({PROMPTS!r}))}}
         print(json.dumps(out))
-    """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """, devices=4)
 
 
 def test_sharded_weights_give_the_tokens_of_one_device(llama, sharded):

@@ -5,12 +5,8 @@ device and on several (per device), and which setting each kind of host gets."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +19,7 @@ from engine.config import InvalidConfig
 from engine.jax_compat import hax
 from engine.kernels import attend_pages_kernel, kernel_blocks, resolve
 from engine.llama import LayerKV, _attend_pages
-from engine_testlib import VOCAB
+from engine_testlib import VOCAB, run_on_forced_devices
 
 
 def test_kernel_attention_matches_the_engines_over_ragged_rows():
@@ -106,7 +102,7 @@ def test_the_kernel_runs_per_device_over_several(llama):
                          engine=EngineConfig(batch_size=4, decode_attention="xla"))
     want = {f"{c.prompt_index},{c.sample_index}": c.token_ids
             for c in engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate(prompts))}
-    script = textwrap.dedent(f"""
+    out = run_on_forced_devices(f"""
         import json, sys
         sys.path.insert(0, {os.getcwd()!r})
         import jax
@@ -121,11 +117,7 @@ def test_the_kernel_runs_per_device_over_several(llama):
             out[mode] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in engine.generate(
                 GenerationRequest(i, p, [0, 1]) for i, p in enumerate({prompts!r}))}}
         print(json.dumps(out))
-    """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    """, devices=4, timeout=600)
     assert sorted(want) == [f"{p},{s}" for p in range(4) for s in range(2)]
     assert out["host_dp cache"] == [4, "P('data',)"]
     assert out["global_mesh cache"] == [4, "P('data', 'model')"]
