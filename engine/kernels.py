@@ -33,7 +33,7 @@ MAX_BLOCK_K = 64
 """Longest block of key positions one step of the kernel's loop reads."""
 MIN_PROGRAMS = 1024
 """A page is split along its positions until batch x kv_heads x splits reaches this many kernel
-programs (a few per streaming multiprocessor), so that small batches still fill the card."""
+programs (about eight per multiprocessor of an H100), so that small batches still fill the card."""
 _MIN_BLOCK = 16
 
 
@@ -66,10 +66,8 @@ def kernel_blocks(page_len: int, programs: int) -> tuple[int, int] | None:
     if block_k < _MIN_BLOCK:
         return None
     blocks = page_len // block_k
-    for k_splits in range(1, blocks + 1):
-        if blocks % k_splits == 0 and (programs * k_splits >= MIN_PROGRAMS or k_splits == blocks):
-            return k_splits, block_k
-    return blocks, block_k  # unreachable: k_splits == blocks returns above
+    k_splits = next(k for k in range(1, blocks + 1) if blocks % k == 0 and (programs * k >= MIN_PROGRAMS or k == blocks))
+    return k_splits, block_k
 
 
 def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array, scale: float, *,
