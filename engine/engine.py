@@ -33,9 +33,9 @@ loop above over its share of the slots, with its own cache, in a thread of its o
 from the one queue. XLA's CPU runtime runs the attention's dots of a decode step on one thread,
 so a second lane keeps the other core busy; the lanes run the same programs.
 
-On one GPU a decode step attends through JAX's Pallas decode-attention kernel, each row read to
-its own length (`engine.decode_attention`, engine/kernels.py); elsewhere through the engine's
-own XLA operations (engine/llama.py).
+On GPUs in a 16-bit dtype a decode step attends through JAX's Pallas decode-attention kernel,
+each row read to its own length (`engine.decode_attention`, engine/kernels.py); elsewhere
+through the engine's own XLA operations (engine/llama.py).
 """
 
 from __future__ import annotations

@@ -264,13 +264,13 @@ class LayerKV(NamedTuple):
 
 def cache_pages(seq_len: int, multiple: int = 16) -> tuple[int, ...]:
     """Where the cache's pages end along key positions: four pages of a quarter of the cache each
-    (rounded up to `multiple` positions, the last one shorter; fewer when the cache is that short). A decode call whose live
-    rows all fit the first k pages reads only those, where they live (`by_pages`): attention
-    costs what the longest live row holds, to a quarter, and nothing is copied. With the two
-    pages before (a quarter and the rest), a row past the first quarter read the whole cache: a
-    generation from short prompts read on average 1.6x the positions it held (Llama-3-8B seed
-    workload, 128 + 2,048 tokens), with quarters 1.2x. Each page count is a branch of the decode
-    program: more pages compile longer (docs/performance-notes.md)."""
+    (rounded up to `multiple` positions, the last one what is left; fewer when the cache is that
+    short). A decode call whose live rows all fit the first k pages reads only those, where they
+    live (`by_pages`): attention costs what the longest live row holds, to a quarter, and nothing
+    is copied. With the two pages before (a quarter and the rest), a row past the first quarter
+    read the whole cache: a generation from short prompts read on average 1.6x the positions it
+    held (Llama-3-8B seed workload, 128 + 2,048 tokens), with quarters 1.2x. Each page count is
+    a branch of the decode program: more pages compile longer (docs/performance-notes.md)."""
     quarter = -(-seq_len // (4 * multiple)) * multiple  # a quarter, rounded up to a multiple
     return tuple(sorted({min(seq_len, quarter * i) for i in range(1, 5)}))
 
