@@ -97,31 +97,34 @@ def run(args: argparse.Namespace):
     layers = [([buffers(end - start) for start, end in spans], buffers(CHUNK)) for _ in range(args.layers)]
     q0 = normal((batch, kv_heads, group, head_dim))
 
+    Chunk = Axis("chunk", CHUNK)
+
+    def named(q, pages, chunk):
+        """The decode step's q, cache pages (LayerKVs), chunk buffer and its mask (the first
+        position written), as the engine holds them."""
+        pages = [LayerKV(*(hax.named(x, (Batch, KVHeads, Axis("key_position", end - start), HeadDim)) for x in page))
+                 for page, (start, end) in zip(pages, spans)]
+        chunk = LayerKV(*(hax.named(x, (Batch, KVHeads, Chunk, HeadDim)) for x in chunk))
+        first = hax.named(jnp.broadcast_to(jnp.arange(CHUNK) == 0, (batch, 1, CHUNK)), (Batch, Pos, Chunk))
+        return hax.named(q[:, None], (Batch, Pos, KVHeads, QPerKV, HeadDim)), pages, chunk, first
+
+    def unnamed(out, like):
+        return out.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array[:, 0].astype(like.dtype)
+
     def xla_layer(q, pages, chunk, lengths):
+        """The engine's own attention (`engine.llama._attend_pages`), each page masked by the rows' lengths."""
+        nq, pages, chunk, first = named(q, pages, chunk)
         parts = []
-        for (k, v), (start, end) in zip(pages, spans):
-            KPos = Axis("key_position", end - start)
-            written = start + jnp.arange(end - start)[None, :] < lengths[:, None]
-            axes = (Batch, KVHeads, KPos, HeadDim)
-            parts.append((hax.named(k, axes), hax.named(v, axes), hax.named(written[:, None, :], (Batch, Pos, KPos)),
-                          "key_position"))
-        Chunk = Axis("chunk", CHUNK)
-        first = jnp.broadcast_to(jnp.arange(CHUNK) == 0, (batch, 1, CHUNK))
-        axes = (Batch, KVHeads, Chunk, HeadDim)
-        parts.append((hax.named(chunk[0], axes), hax.named(chunk[1], axes), hax.named(first, (Batch, Pos, Chunk)), "chunk"))
-        out = _attend_pages(hax.named(q[:, None], (Batch, Pos, KVHeads, QPerKV, HeadDim)), parts, scale)
-        return out.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array[:, 0].astype(q.dtype)
+        for page, (start, end) in zip(pages, spans):
+            written = start + jnp.arange(end - start)[None, None, :] < lengths[:, None, None]
+            parts.append((page.k, page.v, hax.named(written, (Batch, Pos, page.k.resolve_axis("key_position"))), "key_position"))
+        parts.append((chunk.k, chunk.v, first, "chunk"))
+        return unnamed(_attend_pages(nq, parts, scale), q)
 
     def pallas_layer(q, pages, chunk, lengths, *, split=None):
         """The engine's kernel path (`engine.kernels.attend_pages_kernel`) over the same parts."""
-        pages = [LayerKV(*(hax.named(x, (Batch, KVHeads, Axis("key_position", end - start), HeadDim)) for x in page))
-                 for page, (start, end) in zip(pages, spans)]
-        Chunk = Axis("chunk", CHUNK)
-        chunk = LayerKV(*(hax.named(x, (Batch, KVHeads, Chunk, HeadDim)) for x in chunk))
-        first = hax.named(jnp.broadcast_to(jnp.arange(CHUNK) == 0, (batch, 1, CHUNK)), (Batch, Pos, Chunk))
-        out = attend_pages_kernel(hax.named(q[:, None], (Batch, Pos, KVHeads, QPerKV, HeadDim)), pages, lengths, chunk,
-                                  first, scale, split=split)
-        return out.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array[:, 0].astype(q.dtype)
+        nq, pages, chunk, first = named(q, pages, chunk)
+        return unnamed(attend_pages_kernel(nq, pages, lengths, chunk, first, scale, split=split), q)
 
     def stack(layer_fn):
         """Every layer in a row over its first `count` pages: the pages that hold the longest row,
