@@ -73,16 +73,21 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
                          engine=EngineConfig(batch_size=preset["batch"]), max_prompt_tokens=preset["prompt_len"])
     slots, steps = preset["batch"], engine.engine_config.decode_chunk_steps
     cache, state = engine._init(slots)
-    # Random keys and values, written over the zeros in place (donated): two caches of the 8B
-    # at batch 128 would not fit an H100.
-    cache = jax.jit(lambda c: jax.tree.map(lambda x: (jax.random.normal(jax.random.key(1), x.shape) * 0.1).astype(x.dtype), c),
-                    donate_argnums=0)(cache)
+    # Random keys and values (a key per page), written over the zeros in place (donated): two
+    # caches of the 8B at batch 128 would not fit an H100.
+    def fill(cache):
+        leaves, tree = jax.tree.flatten(cache)
+        return jax.tree.unflatten(tree, [(jax.random.normal(jax.random.key(i), x.shape) * 0.1).astype(x.dtype)
+                                         for i, x in enumerate(leaves)])
+
+    cache = jax.jit(fill, donate_argnums=0, out_shardings=engine.layout.cache_sharding)(cache)
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.model)) - engine.model.embed_tokens.array.nbytes
     kv_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(cache))
     ends = cache.ends
     kill = jnp.zeros(slots, bool)
     started = time.perf_counter()
-    program = jax.jit(functools.partial(decode_chunk, spec=engine._spec, steps=steps), donate_argnums=(1, 2))
+    # Jitted as the engine jits it: the cache and state donated, the outputs' shardings explicit.
+    program = engine._jit(functools.partial(decode_chunk, spec=engine._spec, steps=steps))
     program = program.lower(engine.model, cache, state, kill).compile()
     compile_s = time.perf_counter() - started
     if args.hlo:
