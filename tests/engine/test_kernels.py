@@ -1,12 +1,15 @@
 """Decode attention through JAX's Pallas kernel (`engine.decode_attention: pallas`,
 engine/kernels.py), run here by Pallas' interpreter: the same attention as the engine's own
 over ragged rows and pages the kernel cannot read, the same tokens from a whole engine on one
-device and on several (per device), and which setting each kind of host gets."""
+device and on several (per device), the decode program lowered for a GPU (Triton's lowering
+runs on the CPU), and which setting each kind of host gets."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +126,46 @@ def test_the_kernel_runs_per_device_over_several(llama):
     assert out["global_mesh cache"] == [4, "P('data', 'model')"]
     assert out["host_dp"] == want
     assert out["global_mesh"] == want
+
+
+def _decode_program_for_cuda(attention: str, head_dim: int = 64) -> str:
+    """The engine's decode program (bfloat16, 2 layers, 8 slots, a cache of 576 positions in four
+    pages of 144), lowered for CUDA from abstract shapes: StableHLO text. Lowering runs Pallas'
+    Triton lowering here, no GPU needed (jax.default_backend is patched so that the kernel is not
+    handed to the interpreter)."""
+    import equinox as eqx
+
+    from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state
+    from engine.llama import LlamaConfig, LlamaLM
+
+    heads = 4
+    config = LlamaConfig.from_hf(dict(
+        model_type="llama", vocab_size=256, hidden_size=heads * head_dim, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False))
+
+    def bfloat16(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype), tree)
+
+    model = bfloat16(eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0)))
+    cache = jax.eval_shape(functools.partial(new_cache, config, 8, 576, jnp.bfloat16))
+    state = jax.eval_shape(functools.partial(new_state, 8))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    spec = DecodeSpec(SamplingParams(max_new_tokens=64), (), one, one, one, attention)
+    program = jax.jit(functools.partial(decode_chunk, spec=spec, steps=4))
+    with mock.patch("jax.default_backend", return_value="gpu"):
+        return program.trace(model, cache, state, jax.ShapeDtypeStruct((8,), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_decode_program_lowers_for_a_gpu_with_the_kernel():
+    """The kernel's blocks and dtypes are checked by Triton's lowering on the CPU, before any GPU
+    time: one Triton call per page in each of the decode program's four page-count branches
+    (1 + 2 + 3 + 4; the layers share one traced function), none with the engine's attention."""
+    triton = "custom_call @__gpu$xla.gpu.triton"
+    assert _decode_program_for_cuda("pallas").count(triton) == 10
+    assert _decode_program_for_cuda("xla").count(triton) == 0
+    # Why `auto` keeps xla for heads that are not a power of two: Triton's blocks cannot hold them.
+    with pytest.raises(ValueError, match="power of 2"):
+        _decode_program_for_cuda("pallas", head_dim=80)
 
 
 def test_kernel_blocks():
