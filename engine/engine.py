@@ -243,8 +243,6 @@ class Engine:
         stop_ids = tuple(sorted(set(eos_token_ids) | set(sampling.stop_token_ids)))
         self._spec = DecodeSpec(compiled_sampling, stop_ids, layout.batch_sharding, layout.cache_sharding, layout.host_sharding,
                                 attention)
-        self.attention = attention
-        """Decode attention, `engine.decode_attention` resolved: xla or pallas (engine/kernels.py)."""
         self._seq_len = max_prompt_tokens + sampling.max_new_tokens
         self._cache_dtype = jnp.float32 if self.devices[0].platform == "cpu" else DTYPES[dtype]
         n_dev = layout.data_size
@@ -334,6 +332,11 @@ class Engine:
         return Engine(model, config, dtype=dtype, engine_config=engine, sampling=sampling,
                       max_prompt_tokens=max_prompt_tokens, plan=plan, eos_token_ids=tuple(eos), tokenizer=tokenizer,
                       layout=layout, source=model_path, attention=attention)
+
+    @property
+    def attention(self) -> str:
+        """Decode attention, `engine.decode_attention` resolved: xla or pallas (engine/kernels.py)."""
+        return self._spec.attention
 
     @property
     def max_programs(self) -> int:

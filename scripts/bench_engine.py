@@ -45,8 +45,8 @@ in docs/performance-notes.md.
 from __future__ import annotations
 
 import argparse
-import itertools
 import concurrent.futures
+import itertools
 import json
 import multiprocessing
 import os

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import glob
 import gzip
 import json
@@ -66,7 +65,7 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
     import jax.numpy as jnp
 
     from engine import Engine, EngineConfig, SamplingParams
-    from engine.decode import decode_chunk, new_state
+    from engine.decode import new_state
     from engine.llama import pages_covering
 
     engine = Engine.load(folder, dtype=args.dtype, sampling=SamplingParams(max_new_tokens=preset["new"]),
@@ -86,8 +85,10 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
     ends = cache.ends
     kill = jnp.zeros(slots, bool)
     started = time.perf_counter()
-    # Jitted as the engine jits it: the cache and state donated, the outputs' shardings explicit.
-    program = engine._jit(functools.partial(decode_chunk, spec=engine._spec, steps=steps))
+    # The engine's decode program, jitted as the engine jits it: the cache and state donated,
+    # the outputs' shardings explicit.
+    _, _, decode = engine._decode_program()
+    program = engine._jit(decode)
     program = program.lower(engine.model, cache, state, kill).compile()
     compile_s = time.perf_counter() - started
     if args.hlo:
