@@ -7,7 +7,7 @@ copied), and the on-device stop rule (EOS / stop token ids / max_new_tokens). Th
 (engine.py) decides which rows go to which slots and when; it does not own stop strings or
 scheduling.
 
-    cache = new_cache(config, slots, seq_len, cache_dtype)      # compiled with spec.cache_sharding
+    cache = new_cache(config, slots, spec.cache_ends(seq_len), cache_dtype)  # compiled with spec.cache_sharding
     state = new_state(slots)
     cache, state, (first, done) = prefill_chunk(model, cache, state, tokens, slots, starts, lengths, is_last,
                                                 prompt_index, sample_index, spec=spec, fresh=True)
@@ -47,6 +47,7 @@ from haliax import Axis
 
 from engine.config import SamplingParams
 from engine.jax_compat import hax
+from engine.kernels import KernelTuning
 from engine.llama import (
     DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, by_pages, cache_pages, page_spans,
 )
@@ -68,6 +69,25 @@ class DecodeSpec:
     """Layout of the tokens and done flags the host reads back after each call."""
     attention: str = "xla"
     """Decode attention: xla or pallas (`engine.decode_attention`, resolved by engine/kernels.py)."""
+    kernel: KernelTuning = KernelTuning()
+    """With pallas, how the kernel reads the cache's pages (`engine.kernels.TUNING`)."""
+
+    def cache_ends(self, seq_len: int) -> tuple[int, ...]:
+        """Where the cache's pages end (`new_cache`), for `seq_len` positions."""
+        return cache_ends(self.attention, seq_len, self.kernel)
+
+
+def cache_ends(attention: str, seq_len: int, kernel: KernelTuning) -> tuple[int, ...]:
+    """Where the cache's pages end along key positions (`cache_pages`): quarters of multiples of
+    16 positions for the engine's own attention. With pallas, `kernel.pages` pages, each a
+    multiple of the longest block the kernel may read (up to `kernel.max_block_k`; no longer
+    than a page), the cache rounded up to it, so that the kernel reads every page in blocks
+    that long: up to a block - 1 more positions per row, never written nor read."""
+    if attention != "pallas":
+        return cache_pages(seq_len)
+    share = -(-seq_len // kernel.pages)
+    block = max(16, min(kernel.max_block_k, 1 << (share.bit_length() - 1)))
+    return cache_pages(-(-seq_len // block) * block, block, kernel.pages)
 
 
 class KVCache(NamedTuple):
@@ -96,10 +116,11 @@ class DecodeState(NamedTuple):
     keys: jax.Array  # [slots] PRNG keys, one per (prompt, sample) row
 
 
-def new_cache(config: LlamaConfig, slots: int, seq_len: int, cache_dtype) -> KVCache:
-    """Zeros; meant to be compiled with the cache's output sharding, so each device (of every
-    host on a global mesh) allocates only its own block."""
-    lengths = [end - start for start, end in page_spans(cache_pages(seq_len))]
+def new_cache(config: LlamaConfig, slots: int, ends: tuple[int, ...], cache_dtype) -> KVCache:
+    """Zeros, in pages ending at `ends` (`DecodeSpec.cache_ends`); meant to be compiled with the
+    cache's output sharding, so each device (of every host on a global mesh) allocates only its
+    own block."""
+    lengths = [end - start for start, end in page_spans(ends)]
 
     def zeros(length: int):
         axes = (Axis("batch", slots), config.KVHeads, Axis("key_position", length), config.HeadDim)
@@ -244,7 +265,7 @@ def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState,
         i, chunk_kv, st, out = carry
         chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= i, (slots, 1, steps)), (Batch, Pos, Chunk))
         contexts = tuple(DecodeStep(kv.pages[:count], ckv, i, tuple(page_masks), chunk_mask, state.position, spec.attention,
-                                    spec.cache_sharding)
+                                    spec.cache_sharding, spec.kernel)
                          for kv, ckv in zip(cache.layers, chunk_kv))
         hidden, chunk_kv = model.forward(
             hax.named(st.last_token[:, None], (Batch, Pos)), hax.named(st.position[:, None], (Batch, Pos)), contexts,

@@ -242,7 +242,7 @@ class Engine:
         compiled_sampling = dataclasses.replace(sampling, n=1, stop=(), stop_token_ids=())
         stop_ids = tuple(sorted(set(eos_token_ids) | set(sampling.stop_token_ids)))
         self._spec = DecodeSpec(compiled_sampling, stop_ids, layout.batch_sharding, layout.cache_sharding, layout.host_sharding,
-                                attention)
+                                attention, kernels.TUNING)
         self._seq_len = max_prompt_tokens + sampling.max_new_tokens
         self._cache_dtype = jnp.float32 if self.devices[0].platform == "cpu" else DTYPES[dtype]
         n_dev = layout.data_size
@@ -437,7 +437,7 @@ class Engine:
         output shardings, so each device (of every host on a global mesh) allocates only its own block."""
 
         def make():
-            return new_cache(self.config, slots, self._seq_len, self._cache_dtype), new_state(slots)
+            return new_cache(self.config, slots, self._spec.cache_ends(self._seq_len), self._cache_dtype), new_state(slots)
 
         jitted = jax.jit(make, out_shardings=(self.layout.cache_sharding, self._batch_sharding))
         with self._waiting():

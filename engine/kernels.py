@@ -4,13 +4,15 @@ Owns: the choice between the engine's own attention (XLA operations: per cache p
 the softmax and the weighted values, over every position of the pages that hold the longest live
 row) and the library's fused kernel (`jax.experimental.pallas.ops.gpu.decode_attention`), which
 reads each row's cache only up to that row's length, in place, and skips the blocks past it;
-and the kernel's use over the engine's pages: one call per page, combined with the decode
+and the kernel's use over the engine's pages: one call per page (with the kernel the engine
+keeps its cache in one page, `KernelTuning.pages`: one call a layer), combined with the decode
 chunk's buffer by their softmax residuals (the running maximum and sum of each part).
 
-The kernel is JAX's, not ours: this module only picks its blocks and combines its results. It
+The kernel is JAX's, not ours: this module only tunes its blocks and combines its results. It
 runs on GPUs, over several devices under `jax.shard_map` (each device its own rows and KV
 heads); on the CPU Pallas' interpreter runs it (slowly: for checks). A page whose length is not
-a multiple of 16 (the kernel's smallest block) is attended the XLA way and combined the same way.
+a multiple of 16 (the kernel's smallest block; the engine's pages for it never are) is attended
+the XLA way and combined the same way.
 
     attn = attend_pages_kernel(q, pages, lengths, chunk, chunk_mask, scale, sharding=cache_sharding)
 """
@@ -18,6 +20,7 @@ a multiple of 16 (the kernel's smallest block) is attended the XLA way and combi
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +32,50 @@ from engine.jax_compat import hax
 
 BLOCK_H = 16
 """Query heads per kernel program (the kernel pads a KV head's query group to it)."""
-MAX_BLOCK_K = 64
-"""Longest block of key positions one step of the kernel's loop reads."""
-MIN_PROGRAMS = 1024
-"""A page is split along its positions until batch x kv_heads x splits reaches this many kernel
-programs (about eight per multiprocessor of an H100), so that small batches still fill the card."""
 _MIN_BLOCK = 16
+
+
+class KernelTuning(NamedTuple):
+    """How the kernel reads the cache (`TUNING`; scripts/bench_decode_attention.py times others).
+    The defaults were the fastest of 19 tunings of the Llama-3-8B's decode attention on an H100
+    (docs/performance-notes.md): one page, blocks of 64 positions, four loads in flight."""
+
+    max_block_k: int = 64
+    """Longest block of key positions one step of a program's loop reads: the largest power of
+    two up to this dividing the page. The engine's pages are multiples of it where the cache
+    holds `pages` of them (`engine.decode.cache_ends`)."""
+    pages: int = 1
+    """Pages the cache is split into. The engine's own attention reads whole pages, up to the
+    one holding the longest row, so it takes quarters; the kernel reads each row to its own
+    length whatever the pages, and one page is one call a layer."""
+    min_programs: int = 1024
+    """A page is split along its positions until batch x kv_heads x splits reaches this many
+    kernel programs (about eight per multiprocessor of an H100), so that small batches still
+    fill the card."""
+    num_warps: int = 4
+    num_stages: int = 4
+    """Triton's: warps per program, and loads of the loop kept in flight."""
+
+    @classmethod
+    def parse(cls, text: str) -> KernelTuning:
+        """'max_block_k=128,num_warps=8' (any fields, the rest default); '' is the default."""
+        try:
+            fields = dict(item.split("=") for item in text.split(",") if item)
+            tuning = cls(**{name: int(value) for name, value in fields.items()})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"kernel tuning {text!r}: expected name=integer pairs of {', '.join(cls._fields)} ({e})") from None
+        if tuning.max_block_k < _MIN_BLOCK or tuning.max_block_k & (tuning.max_block_k - 1):
+            raise ValueError(f"kernel tuning {text!r}: max_block_k must be a power of two >= {_MIN_BLOCK} (Triton's blocks)")
+        if tuning.pages < 1:
+            raise ValueError(f"kernel tuning {text!r}: pages must be at least 1")
+        return tuning
+
+    def __str__(self) -> str:
+        return ",".join(f"{name}={value}" for name, value in self._asdict().items())
+
+
+TUNING = KernelTuning()
+"""What an engine runs (read by Engine.load into its DecodeSpec)."""
 
 
 def resolve(setting: str, *, platform: str, head_dim: int, dtype: str) -> str:
@@ -56,22 +97,23 @@ def resolve(setting: str, *, platform: str, head_dim: int, dtype: str) -> str:
     return setting
 
 
-def kernel_blocks(page_len: int, programs: int) -> tuple[int, int] | None:
+def kernel_blocks(page_len: int, programs: int, tuning: KernelTuning = KernelTuning()) -> tuple[int, int] | None:
     """(k_splits, block_k) for a page of `page_len` positions attended by `programs` (batch x
     kv_heads) kernel instances, or None where the kernel cannot read it: block_k is the largest
-    power of two up to MAX_BLOCK_K dividing the page (Triton's blocks), at least 16; the page is
-    split into the fewest equal parts, each a whole number of blocks, that give MIN_PROGRAMS."""
-    block_k = page_len & -page_len
-    block_k = min(block_k, MAX_BLOCK_K)
+    power of two up to tuning.max_block_k dividing the page (Triton's blocks), at least 16; the
+    page is split into the fewest equal parts, each a whole number of blocks, that give
+    tuning.min_programs."""
+    block_k = min(page_len & -page_len, tuning.max_block_k)
     if block_k < _MIN_BLOCK:
         return None
     blocks = page_len // block_k
-    k_splits = next(k for k in range(1, blocks + 1) if blocks % k == 0 and (programs * k >= MIN_PROGRAMS or k == blocks))
+    k_splits = next(k for k in range(1, blocks + 1)
+                    if blocks % k == 0 and (programs * k >= tuning.min_programs or k == blocks))
     return k_splits, block_k
 
 
 def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array, scale: float, *,
-                   blocks: tuple[int, int]):
+                   blocks: tuple[int, int], tuning: KernelTuning = KernelTuning()):
     """One page through the kernel, read in `blocks` = (k_splits, block_k): q [batch, kv_heads,
     group, head_dim], keys/values [batch, kv_heads, page_len, head_dim], lengths [batch]
     (positions of the page each row has written). Returns (o, l, m): the unnormalized weighted
@@ -84,7 +126,7 @@ def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: ja
     k_splits, block_k = blocks
     inner = functools.partial(
         decode_attention.decode_attn_unbatched, sm_scale=scale, block_h=BLOCK_H, block_k=block_k, k_splits=k_splits,
-        num_warps=None, num_stages=2, grid=None, interpret=jax.default_backend() == "cpu", debug=False,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages, grid=None, interpret=jax.default_backend() == "cpu", debug=False,
         return_residuals=True, normalize_output=False)
     n = jnp.broadcast_to(lengths[:, None], (batch, kv_heads))
     o, (l, m) = jax.vmap(jax.vmap(lambda q, k, v, n: inner(q, k, v, None, n)))(q, keys, values, n)
@@ -111,7 +153,7 @@ def combine(parts) -> jax.Array:
 
 
 def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_mask: NamedArray, scale: float, *,
-                        sharding: NamedSharding | None = None, split: int | None = None) -> NamedArray:
+                        sharding: NamedSharding | None = None, tuning: KernelTuning | None = None) -> NamedArray:
     """A decode step's attention (q one position: batch, position, kv_heads, q_per_kv, head_dim)
     over the cache `pages` (LayerKVs, keys/values batch, kv_heads, key_position, head_dim), each
     row up to its `lengths` [batch] positions written, and over the chunk buffer's keys/values
@@ -120,14 +162,14 @@ def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_m
 
     `sharding` is the cache's (rows over `data`, KV heads over `model` on a global mesh): over
     several devices each runs the kernel on its own rows and heads (`jax.shard_map`), since XLA
-    cannot split the kernel's call itself. `split` (benchmarks) makes every kernel program read
-    that many positions of a page instead of `kernel_blocks`'."""
+    cannot split the kernel's call itself. `tuning` (benchmarks) reads the pages otherwise than
+    `TUNING`."""
     axes = ("batch", "kv_heads", "q_per_kv", "head_dim")
     q_arr = q["position", 0].rearrange(axes).array
     kv = [(page.k.array, page.v.array) for page in pages]
     mask = chunk_mask["position", 0].rearrange(("batch", "chunk")).array
     args = (q_arr, kv, lengths, (chunk.k.array, chunk.v.array), mask)
-    attend = functools.partial(_attend_arrays, scale=scale, split=split)
+    attend = functools.partial(_attend_arrays, scale=scale, tuning=tuning or TUNING)
     if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
         rows, heads = (tuple(sharding.spec) + (None, None))[:2]
         by_head, by_row = PartitionSpec(rows, heads), PartitionSpec(rows)
@@ -137,7 +179,7 @@ def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_m
     return hax.named(out, (q.resolve_axis("batch"), q.resolve_axis("position")) + tuple(q.resolve_axis(a) for a in axes[1:]))
 
 
-def _attend_arrays(q, pages, lengths, chunk, mask, *, scale: float, split: int | None) -> jax.Array:
+def _attend_arrays(q, pages, lengths, chunk, mask, *, scale: float, tuning: KernelTuning) -> jax.Array:
     """attend_pages_kernel on one device's arrays: q [batch, kv_heads, group, head_dim], pages
     [(keys, values)] and chunk (keys, values) [batch, kv_heads, positions, head_dim], lengths
     [batch], mask [batch, chunk]. Returns [batch, kv_heads, group, head_dim] float32."""
@@ -146,9 +188,9 @@ def _attend_arrays(q, pages, lengths, chunk, mask, *, scale: float, split: int |
     for keys, values in pages:
         page_len = keys.shape[2]
         written = jnp.clip(lengths - start, 0, page_len)
-        blocks = (page_len // split, min(split, MAX_BLOCK_K)) if split else kernel_blocks(page_len, batch * kv_heads)
+        blocks = kernel_blocks(page_len, batch * kv_heads, tuning)
         if blocks is not None:
-            parts.append(page_residuals(q, keys, values, written, scale, blocks=blocks))
+            parts.append(page_residuals(q, keys, values, written, scale, blocks=blocks, tuning=tuning))
         else:
             parts.append(xla_residuals(q, keys, values, jnp.arange(page_len)[None, :] < written[:, None], scale))
         start += page_len

@@ -262,17 +262,18 @@ class LayerKV(NamedTuple):
     v: NamedArray
 
 
-def cache_pages(seq_len: int, multiple: int = 16) -> tuple[int, ...]:
-    """Where the cache's pages end along key positions: four pages of a quarter of the cache each
-    (rounded up to `multiple` positions, the last one what is left; fewer when the cache is that
-    short). A decode call whose live rows all fit the first k pages reads only those, where they
-    live (`by_pages`): attention costs what the longest live row holds, to a quarter, and nothing
-    is copied. With the two pages before (a quarter and the rest), a row past the first quarter
-    read the whole cache: a generation from short prompts read on average 1.6x the positions it
-    held (Llama-3-8B seed workload, 128 + 2,048 tokens), with quarters 1.2x. Each page count is
-    a branch of the decode program: more pages compile longer (docs/performance-notes.md)."""
-    quarter = -(-seq_len // (4 * multiple)) * multiple  # a quarter, rounded up to a multiple
-    return tuple(sorted({min(seq_len, quarter * i) for i in range(1, 5)}))
+def cache_pages(seq_len: int, multiple: int = 16, pages: int = 4) -> tuple[int, ...]:
+    """Where the cache's pages end along key positions: `pages` pages of an equal share of the
+    cache each (rounded up to `multiple` positions, the last one what is left; fewer when the
+    cache is that short). A decode call whose live rows all fit the first k pages reads only
+    those, where they live (`by_pages`): the engine's own attention costs what the longest live
+    row holds, to a quarter, and nothing is copied. With the two pages before (a quarter and the
+    rest), a row past the first quarter read the whole cache: a generation from short prompts
+    read on average 1.6x the positions it held (Llama-3-8B seed workload, 128 + 2,048 tokens),
+    with quarters 1.2x. Each page count is a branch of the decode program: more pages compile
+    longer (docs/performance-notes.md)."""
+    share = -(-seq_len // (pages * multiple)) * multiple  # a share, rounded up to a multiple
+    return tuple(sorted({min(seq_len, share * i) for i in range(1, pages + 1)}))
 
 
 def page_spans(ends: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -397,6 +398,8 @@ class DecodeStep(NamedTuple):
     (engine/kernels.py), each row read to its own length."""
     sharding: Any = None
     """The cache's NamedSharding (static): over several devices the kernel runs per device."""
+    kernel: Any = None
+    """With pallas, the kernel's KernelTuning (static; None: engine.kernels.TUNING)."""
 
 
 class Attention(eqx.Module):
@@ -507,7 +510,7 @@ class Attention(eqx.Module):
         ))
         if context.attention == "pallas":
             return kernels.attend_pages_kernel(q, context.pages, context.lengths, chunk, context.chunk_mask, scale,
-                                               sharding=context.sharding), chunk
+                                               sharding=context.sharding, tuning=context.kernel), chunk
         parts = [(page.k, page.v, mask, "key_position") for page, mask in zip(context.pages, context.page_masks)]
         parts.append((chunk.k, chunk.v, context.chunk_mask, "chunk"))  # the current position is always there
         return _attend_pages(q, parts, scale), chunk

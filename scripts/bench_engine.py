@@ -100,7 +100,7 @@ def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
 
 
 def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pass: bool, attention: str) -> dict:
-    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, kernels
 
     sampling = SamplingParams(max_new_tokens=p["new"], **p.get("sampling", {}))
     engine = Engine.load(folder, dtype=dtype, sampling=sampling, engine=EngineConfig(batch_size=p["batch"], decode_attention=attention),
@@ -128,8 +128,9 @@ def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pas
         assert {(c.prompt_index, c.sample_index): c.token_ids for c in first} == {(c.prompt_index, c.sample_index): c.token_ids for c in second}
     tokens = sum(len(c.token_ids) for c in second)
     assert tokens == len(prompts) * p["new"], "every row should make exactly --new tokens"
+    attention = engine.attention + (f" ({kernels.TUNING})" if engine.attention == "pallas" else "")
     return dict(tok_s=tokens / wall, wall_s=wall, prefill_s=prefill_s, first_pass_s=first_wall, compile_s=compile_s,
-                compilations=compilations, lanes=engine.plan.lanes, attention=engine.attention,
+                compilations=compilations, lanes=engine.plan.lanes, attention=attention,
                 peak_memory_gib=(engine.stats.peak_memory_bytes or 0) / 2**30, describe=engine.describe(),
                 device_kind=engine.devices[0].device_kind)
 
@@ -269,6 +270,9 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 = off on both sides (transformers' default is 50)")
     parser.add_argument("--attention", nargs="+", choices=["auto", "xla", "pallas"], default=["auto"],
                         help="engine.decode_attention: each value is timed in turn (steady-state presets)")
+    parser.add_argument("--kernel-tuning", metavar="NAME=N,...", default="",
+                        help="how the pallas attention reads the cache (engine.kernels.KernelTuning fields; the fastest of "
+                             "scripts/bench_decode_attention.py's --tuning ways): default the engine's")
     parser.add_argument("--single-pass", action="store_true",
                         help="time our first pass minus its wait for programs instead of a second pass (halves our run time)")
     args = parser.parse_args()
@@ -277,13 +281,20 @@ def main() -> None:
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if "mixed" in p:
-        if args.temperature or args.attention != ["auto"]:
-            parser.error("--temperature and --attention apply to the steady-state presets only")
+        if args.temperature or args.attention != ["auto"] or args.kernel_tuning:
+            parser.error("--temperature, --attention and --kernel-tuning apply to the steady-state presets only")
         run_mixed(args, p)
         return
     if args.temperature:
         p["sampling"] = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     prompts = np.random.RandomState(0).randint(0, p["vocab"], (p["prompts"], p["prompt_len"]))
+    if args.kernel_tuning:
+        from engine import kernels
+
+        try:
+            kernels.TUNING = kernels.KernelTuning.parse(args.kernel_tuning)  # read by Engine.load
+        except ValueError as e:
+            parser.error(str(e))
 
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()

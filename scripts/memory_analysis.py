@@ -74,11 +74,11 @@ def main() -> None:
 
     model = abstract(eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0)), dtype)
     seq_len = prompt + new
-    cache = abstract(jax.eval_shape(functools.partial(new_cache, config, batch, seq_len, cache_dtype)))
-    state = abstract(jax.eval_shape(functools.partial(new_state, batch)))
-    # The decode attention the engine would run here (engine.decode_attention: auto).
+    # The decode attention the engine would run here (engine.decode_attention: auto), and its cache's pages.
     spec = DecodeSpec(SamplingParams(max_new_tokens=new), (), sharding, sharding, sharding,
                       kernels.resolve("auto", platform=device.platform, head_dim=config.head_dim, dtype=args.dtype))
+    cache = abstract(jax.eval_shape(functools.partial(new_cache, config, batch, spec.cache_ends(seq_len), cache_dtype)))
+    state = abstract(jax.eval_shape(functools.partial(new_state, batch)))
     weights, row, working = footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=prompt + new,
                                       decode_chunk_steps=args.decode_steps, prefill_tokens=args.prefill_tokens,
                                       prefill_chunk_tokens=args.prefill_chunk)

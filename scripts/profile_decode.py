@@ -2,8 +2,9 @@
 
 Where `bench_engine.py` measures whole runs side by side with transformers, this isolates
 the decode program: ms per decode step with every row at a given position, the bytes a step
-reads (the weights, less the embedding table, and the cache pages that hold the rows: decode
-attends over them in place), the bound at a given bandwidth, and the fraction reached. Compare
+reads (the weights, less the embedding table, and the cache pages that hold the rows, or with
+the kernel (`engine.decode_attention: pallas`) the rows' positions: decode attends over them in
+place), the bound at a given bandwidth, and the fraction reached. Compare
 two commits by running it from each checkout on the same machine. It times one program at the
 whole batch; on a CPU host the engine may run two at half the batch side by side (`engine.lanes`).
 
@@ -107,7 +108,8 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
             cache, state, host = jax.block_until_ready(program(engine.model, cache, state, kill))
             times.append(time.perf_counter() - started)
         step_s = statistics.median(times[2:] or times) / steps
-        read = ends[pages_covering(position, ends) - 1]  # the pages a call reads
+        # What a call reads of the cache: the pages that hold the rows; the kernel, each row to its length.
+        read = position if engine.attention == "pallas" else ends[pages_covering(position, ends) - 1]
         step_bytes = weight_bytes + kv_bytes * read // ends[-1]
         row = {"position": position, "ms_per_step": round(step_s * 1e3, 3), "compile_s": round(compile_s, 1),
                "cache_positions_read": read, "GB_per_step": round(step_bytes / 1e9, 3),

@@ -20,7 +20,8 @@ from haliax import Axis
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from engine.config import InvalidConfig
 from engine.jax_compat import hax
-from engine.kernels import attend_pages_kernel, kernel_blocks, resolve
+from engine.decode import cache_ends
+from engine.kernels import KernelTuning, attend_pages_kernel, kernel_blocks, resolve
 from engine.llama import LayerKV, _attend_pages
 from engine_testlib import VOCAB, run_on_forced_devices
 
@@ -128,11 +129,11 @@ def test_the_kernel_runs_per_device_over_several(llama):
     assert out["global_mesh"] == want
 
 
-def _decode_program_for_cuda(attention: str, head_dim: int = 64) -> str:
-    """The engine's decode program (bfloat16, 2 layers, 8 slots, a cache of 576 positions in four
-    pages of 144), lowered for CUDA from abstract shapes: StableHLO text. Lowering runs Pallas'
-    Triton lowering here, no GPU needed (jax.default_backend is patched so that the kernel is not
-    handed to the interpreter)."""
+def _decode_program_for_cuda(attention: str, head_dim: int = 64, kernel: KernelTuning = KernelTuning()) -> str:
+    """The engine's decode program (bfloat16, 2 layers, 8 slots, a cache of 1,024 positions in the
+    pages of `kernel` with pallas, else four), lowered for CUDA from abstract shapes: StableHLO
+    text. Lowering runs Pallas' Triton lowering here, no GPU needed (jax.default_backend is
+    patched so that the kernel is not handed to the interpreter)."""
     import equinox as eqx
 
     from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state
@@ -147,10 +148,10 @@ def _decode_program_for_cuda(attention: str, head_dim: int = 64) -> str:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype), tree)
 
     model = bfloat16(eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0)))
-    cache = jax.eval_shape(functools.partial(new_cache, config, 8, 576, jnp.bfloat16))
-    state = jax.eval_shape(functools.partial(new_state, 8))
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    spec = DecodeSpec(SamplingParams(max_new_tokens=64), (), one, one, one, attention)
+    spec = DecodeSpec(SamplingParams(max_new_tokens=64), (), one, one, one, attention, kernel)
+    cache = jax.eval_shape(functools.partial(new_cache, config, 8, spec.cache_ends(1024), jnp.bfloat16))
+    state = jax.eval_shape(functools.partial(new_state, 8))
     program = jax.jit(functools.partial(decode_chunk, spec=spec, steps=4))
     with mock.patch("jax.default_backend", return_value="gpu"):
         return program.trace(model, cache, state, jax.ShapeDtypeStruct((8,), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
@@ -158,10 +159,12 @@ def _decode_program_for_cuda(attention: str, head_dim: int = 64) -> str:
 
 def test_the_decode_program_lowers_for_a_gpu_with_the_kernel():
     """The kernel's blocks and dtypes are checked by Triton's lowering on the CPU, before any GPU
-    time: one Triton call per page in each of the decode program's four page-count branches
-    (1 + 2 + 3 + 4; the layers share one traced function), none with the engine's attention."""
+    time: one Triton call over the engine's one page (the layers share one traced function);
+    with four pages, one per page in each of the decode program's page-count branches (1 + 2 +
+    3 + 4); none with the engine's attention."""
     triton = "custom_call @__gpu$xla.gpu.triton"
-    assert _decode_program_for_cuda("pallas").count(triton) == 10
+    assert _decode_program_for_cuda("pallas").count(triton) == 1
+    assert _decode_program_for_cuda("pallas", kernel=KernelTuning(pages=4, num_stages=2)).count(triton) == 10
     assert _decode_program_for_cuda("xla").count(triton) == 0
     # Why `auto` keeps xla for heads that are not a power of two: Triton's blocks cannot hold them.
     with pytest.raises(ValueError, match="power of 2"):
@@ -169,7 +172,8 @@ def test_the_decode_program_lowers_for_a_gpu_with_the_kernel():
 
 
 def test_kernel_blocks():
-    """Blocks of the largest power of two up to 64 dividing the page; splits until 1,024 programs."""
+    """Blocks of the largest power of two up to 64 dividing the page; splits until 1,024 programs;
+    the engine's pages with the kernel are multiples of its longest block (no longer than a page)."""
     assert kernel_blocks(544, 128 * 8) == (1, 32)  # the 8B seed workload's pages: 17 blocks of 32
     assert kernel_blocks(544, 16 * 8) == (17, 32)  # a small batch: every block its own program
     assert kernel_blocks(96, 256 * 4) == (1, 32)
@@ -177,3 +181,18 @@ def test_kernel_blocks():
     assert kernel_blocks(512, 256) == (4, 64)
     assert kernel_blocks(10, 1024) is None
     assert kernel_blocks(40, 1024) is None  # 8-position blocks: below the kernel's 16
+    assert kernel_blocks(576, 1024, KernelTuning(min_programs=2048)) == (3, 64)  # 9 blocks: 3 splits of 3
+    assert kernel_blocks(640, 1024, KernelTuning(max_block_k=128)) == (1, 128)
+    engine = KernelTuning()
+    assert cache_ends("xla", 2176, engine) == (544, 1088, 1632, 2176)  # quarters: the engine's attention
+    assert cache_ends("pallas", 2176, engine) == (2176,)  # the 8B's: one page, read in blocks of 64
+    assert cache_ends("pallas", 2100, engine) == (2112,)  # rounded up to a block
+    assert cache_ends("pallas", 2176, KernelTuning(pages=4)) == (576, 1152, 1728, 2176)
+    assert cache_ends("pallas", 384, KernelTuning(pages=4, max_block_k=32)) == (96, 192, 288, 384)
+    assert cache_ends("pallas", 26, KernelTuning(pages=4)) == (16, 32)  # blocks of 16: a quarter holds no more
+    assert cache_ends("pallas", 26, engine) == (32,)
+    assert str(KernelTuning.parse("num_warps=8,max_block_k=128")) == "max_block_k=128,pages=1,min_programs=1024,num_warps=8,num_stages=4"
+    with pytest.raises(ValueError, match="kernel tuning 'warps=8': expected name=integer pairs of max_block_k, "):
+        KernelTuning.parse("warps=8")
+    with pytest.raises(ValueError, match="kernel tuning 'max_block_k=96': max_block_k must be a power of two >= 16"):
+        KernelTuning.parse("max_block_k=96")
