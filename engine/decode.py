@@ -221,9 +221,15 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
     step's keys/values go to a small chunk buffer at the step index (the same for every row),
     which is scattered into the cache at each row's own position once, after the loop (a scatter
     inside the loop made XLA copy the cache every step).
+
+    With the kernel's in-place tuning (`KernelTuning.in_place`) and a one-page cache, the cache
+    is carried through the loop instead and each step writes into it (`_decode_in_place`).
     """
     slots, seq_len = cache.slots, cache.seq_len
     state = state._replace(done=state.done | kill)
+    if spec.attention == "pallas" and spec.kernel.in_place and len(cache.ends) == 1:
+        cache, state, out = _decode_in_place(model, cache, state, spec=spec, steps=steps)
+        return _finish(cache, state, out, spec)
     start = state.position
     was_live = ~state.done
 
@@ -255,11 +261,6 @@ def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState,
     chunk_shape = tuple(a.size for a in chunk_axes)
     cache_dtype = cache.layers[0].pages[0].k.dtype
     chunks = tuple(LayerKV(*(hax.named(jnp.zeros(chunk_shape, cache_dtype), chunk_axes) for _ in range(2))) for _ in cache.layers)
-    max_new = spec.sampling.max_new_tokens
-
-    def cond(carry):
-        i, _, st, _ = carry
-        return (i < steps) & ~jnp.all(st.done)
 
     def body(carry):
         i, chunk_kv, st, out = carry
@@ -267,27 +268,65 @@ def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState,
         contexts = tuple(DecodeStep(kv.pages[:count], ckv, i, tuple(page_masks), chunk_mask, state.position, spec.attention,
                                     spec.cache_sharding, spec.kernel)
                          for kv, ckv in zip(cache.layers, chunk_kv))
-        hidden, chunk_kv = model.forward(
-            hax.named(st.last_token[:, None], (Batch, Pos)), hax.named(st.position[:, None], (Batch, Pos)), contexts,
-        )
-        logits = model.logits(hidden["position", 0]).rearrange(("vocab", "batch")).array
-        token = sample(logits, step_keys(st.keys, st.generated), spec.sampling)
-        live = ~st.done
-        generated = st.generated + live
-        done = st.done | (live & (_is_stop(token, spec.stop_ids) | (generated >= max_new)))
-        st = DecodeState(
-            last_token=jnp.where(live, token, st.last_token),
-            position=st.position + live,
-            generated=generated,
-            done=done,
-            keys=st.keys,
-        )
-        out = out.at[:, i].set(jnp.where(live, token, -1))
+        st, out, chunk_kv = _step(model, st, out, i, contexts, spec)
         return i + 1, chunk_kv, st, out
 
     out = jnp.full((slots, steps), -1, jnp.int32)
-    _, chunks, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), chunks, state, out))
+    _, chunks, state, out = jax.lax.while_loop(_running(steps), body, (jnp.int32(0), chunks, state, out))
     return chunks, state, out
+
+
+def _decode_in_place(model: LlamaLM, cache: KVCache, state: DecodeState, *, spec: DecodeSpec, steps: int):
+    """The decode steps of one chunk with the kernel's in-place tuning over a one-page cache:
+    the cache is carried through the lax.while_loop, each step writes its keys/values at each
+    live row's position and attends over the page to that row's length (no chunk buffer, no
+    scatter after the loop, no branch per page count). Returns (cache, state, tokens [slots, steps])."""
+    seq_len = cache.seq_len
+
+    def body(carry):
+        i, pages, st, out = carry
+        write_at = jnp.where(st.done, seq_len, st.position)  # past the cache: dropped
+        contexts = tuple(DecodeStep((page,), None, i, (), None, write_at, spec.attention, spec.cache_sharding, spec.kernel)
+                         for page in pages)
+        st, out, pages = _step(model, st, out, i, contexts, spec)
+        return i + 1, pages, st, out
+
+    out = jnp.full((cache.slots, steps), -1, jnp.int32)
+    pages = tuple(kv.pages[0] for kv in cache.layers)
+    _, pages, state, out = jax.lax.while_loop(_running(steps), body, (jnp.int32(0), pages, state, out))
+    return KVCache(tuple(PagedKV((page,)) for page in pages)), state, out
+
+
+def _running(steps: int):
+    """A decode loop's condition: steps left and a live slot."""
+    def cond(carry):
+        i, _, st, _ = carry
+        return (i < steps) & ~jnp.all(st.done)
+    return cond
+
+
+def _step(model: LlamaLM, st: DecodeState, out: jax.Array, i: jax.Array, contexts, spec: DecodeSpec):
+    """One decode step of every slot at loop index i: the model over each slot's last token,
+    a sampled token for each live slot, its stop rule. Returns (state, out with column i, each
+    layer's keys/values as its attention returned them)."""
+    slots = st.done.shape[0]
+    Batch, Pos = Axis("batch", slots), Axis("position", 1)
+    hidden, kvs = model.forward(
+        hax.named(st.last_token[:, None], (Batch, Pos)), hax.named(st.position[:, None], (Batch, Pos)), contexts,
+    )
+    logits = model.logits(hidden["position", 0]).rearrange(("vocab", "batch")).array
+    token = sample(logits, step_keys(st.keys, st.generated), spec.sampling)
+    live = ~st.done
+    generated = st.generated + live
+    done = st.done | (live & (_is_stop(token, spec.stop_ids) | (generated >= spec.sampling.max_new_tokens)))
+    st = DecodeState(
+        last_token=jnp.where(live, token, st.last_token),
+        position=st.position + live,
+        generated=generated,
+        done=done,
+        keys=st.keys,
+    )
+    return st, out.at[:, i].set(jnp.where(live, token, -1)), kvs
 
 
 def _finish(cache: KVCache, state: DecodeState, tokens: jax.Array, spec: DecodeSpec):

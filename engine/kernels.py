@@ -55,6 +55,14 @@ class KernelTuning(NamedTuple):
     num_warps: int = 4
     num_stages: int = 4
     """Triton's: warps per program, and loads of the loop kept in flight."""
+    chunk_kernel: int = 0
+    """1: the decode chunk's own positions (its buffer, 16 by default) through the kernel too,
+    one more call a layer instead of about four small XLA kernels (not yet timed on a GPU: a
+    `gpu_bench.sh` sweep way); 0: XLA operations."""
+    in_place: int = 0
+    """1, with one page: each decode step writes its keys/values into the cache in place and the
+    kernel attends to each row's length and the new position, with no chunk buffer, its writes
+    and its attention (`engine.decode.decode_chunk`; not yet timed on a GPU)."""
 
     @classmethod
     def parse(cls, text: str) -> KernelTuning:
@@ -152,13 +160,14 @@ def combine(parts) -> jax.Array:
     return out / sum(l * w for (_, l, _), w in zip(parts, weights))[..., None]
 
 
-def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_mask: NamedArray, scale: float, *,
+def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_mask: NamedArray | None, scale: float, *,
                         sharding: NamedSharding | None = None, tuning: KernelTuning | None = None) -> NamedArray:
     """A decode step's attention (q one position: batch, position, kv_heads, q_per_kv, head_dim)
     over the cache `pages` (LayerKVs, keys/values batch, kv_heads, key_position, head_dim), each
     row up to its `lengths` [batch] positions written, and over the chunk buffer's keys/values
-    (batch, kv_heads, chunk, head_dim) where chunk_mask (batch, position, chunk) is True. The
-    same result as `engine.llama._attend_pages` over those parts, float32.
+    (batch, kv_heads, chunk, head_dim) where chunk_mask (batch, position, chunk) is True: a
+    prefix of the chunk, its steps so far (chunk None: the cache alone). The same result as
+    `engine.llama._attend_pages` over those parts, float32.
 
     `sharding` is the cache's (rows over `data`, KV heads over `model` on a global mesh): over
     several devices each runs the kernel on its own rows and heads (`jax.shard_map`), since XLA
@@ -167,22 +176,23 @@ def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_m
     axes = ("batch", "kv_heads", "q_per_kv", "head_dim")
     q_arr = q["position", 0].rearrange(axes).array
     kv = [(page.k.array, page.v.array) for page in pages]
-    mask = chunk_mask["position", 0].rearrange(("batch", "chunk")).array
-    args = (q_arr, kv, lengths, (chunk.k.array, chunk.v.array), mask)
+    args = (q_arr, kv, lengths)
+    if chunk is not None:
+        args += ((chunk.k.array, chunk.v.array), chunk_mask["position", 0].rearrange(("batch", "chunk")).array)
     attend = functools.partial(_attend_arrays, scale=scale, tuning=tuning or TUNING)
     if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
         rows, heads = (tuple(sharding.spec) + (None, None))[:2]
         by_head, by_row = PartitionSpec(rows, heads), PartitionSpec(rows)
-        attend = jax.shard_map(attend, mesh=sharding.mesh, in_specs=(by_head, by_head, by_row, by_head, by_row),
+        attend = jax.shard_map(attend, mesh=sharding.mesh, in_specs=(by_head, by_head, by_row, by_head, by_row)[:len(args)],
                                out_specs=by_head, check_vma=False)
     out = attend(*args)[:, None]
     return hax.named(out, (q.resolve_axis("batch"), q.resolve_axis("position")) + tuple(q.resolve_axis(a) for a in axes[1:]))
 
 
-def _attend_arrays(q, pages, lengths, chunk, mask, *, scale: float, tuning: KernelTuning) -> jax.Array:
+def _attend_arrays(q, pages, lengths, chunk=None, mask=None, *, scale: float, tuning: KernelTuning) -> jax.Array:
     """attend_pages_kernel on one device's arrays: q [batch, kv_heads, group, head_dim], pages
-    [(keys, values)] and chunk (keys, values) [batch, kv_heads, positions, head_dim], lengths
-    [batch], mask [batch, chunk]. Returns [batch, kv_heads, group, head_dim] float32."""
+    [(keys, values)] and chunk (keys, values) [batch, kv_heads, positions, head_dim] or None,
+    lengths [batch], mask [batch, chunk]. Returns [batch, kv_heads, group, head_dim] float32."""
     batch, kv_heads = q.shape[:2]
     parts, start = [], 0
     for keys, values in pages:
@@ -194,5 +204,11 @@ def _attend_arrays(q, pages, lengths, chunk, mask, *, scale: float, tuning: Kern
         else:
             parts.append(xla_residuals(q, keys, values, jnp.arange(page_len)[None, :] < written[:, None], scale))
         start += page_len
-    parts.append(xla_residuals(q, *chunk, mask, scale))
+    if chunk is None:
+        return combine(parts)
+    blocks = kernel_blocks(chunk[0].shape[2], batch * kv_heads, tuning) if tuning.chunk_kernel else None
+    if blocks is not None:  # the chunk's written positions are a prefix: its length per row
+        parts.append(page_residuals(q, *chunk, jnp.sum(mask, axis=1, dtype=jnp.int32), scale, blocks=blocks, tuning=tuning))
+    else:
+        parts.append(xla_residuals(q, *chunk, mask, scale))
     return combine(parts)

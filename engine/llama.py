@@ -392,7 +392,9 @@ class DecodeStep(NamedTuple):
     chunk_mask: NamedArray
     """(batch, position, chunk): chunk steps up to this one."""
     lengths: jax.Array
-    """[batch] int32: positions of each row written before this decode chunk (what page_masks hold)."""
+    """[batch] int32: positions of each row written before this decode chunk (what page_masks
+    hold). In place (chunk None): where this step writes each row's key/value, the cache's length
+    for a row that writes nothing."""
     attention: str = "xla"
     """How the step attends (static): xla, the operations below; pallas, JAX's fused kernel
     (engine/kernels.py), each row read to its own length."""
@@ -447,7 +449,10 @@ class Attention(eqx.Module):
           updated PagedKV.
         - DecodeStep (one position): attends over the cache's pages (read only) and the chunk buffer;
           returns the updated chunk buffer. Keeping the big cache read-only inside the decode
-          loop matters: a per-row scatter into it made XLA copy the whole cache every step.
+          loop matters: a per-row scatter into it made XLA copy the whole cache every step. With
+          the kernel's in-place tuning and one page (no chunk buffer, no branch per page count),
+          writes the step's key/value into the page and attends over it; returns the updated
+          page (not yet timed on a GPU: engine/kernels.py).
         """
         c = self.config
         q = hax.unflatten_axis(linear(x, self.q_proj, "embed"), "q_heads_dim", (c.KVHeads, c.QPerKV, c.HeadDim))
@@ -503,6 +508,13 @@ class Attention(eqx.Module):
 
     @staticmethod
     def _decode(q, k, v, context: DecodeStep, scale: float):
+        if context.chunk is None:  # in place: the kernel's one page, carried through the decode loop
+            page = PagedKV(context.pages).write(jnp.arange(context.lengths.shape[0])[:, None], context.lengths[:, None],
+                                                jnp.swapaxes(k.array, 1, 2), jnp.swapaxes(v.array, 1, 2)).pages[0]
+            seq_len = page.k.resolve_axis("key_position").size
+            read = jnp.where(context.lengths < seq_len, context.lengths + 1, 1)  # a row writing nothing reads one
+            return kernels.attend_pages_kernel(q, (page,), read, None, None, scale, sharding=context.sharding,
+                                               tuning=context.kernel), page
         chunk = context.chunk
         chunk = LayerKV(*(
             hax.named(jax.lax.dynamic_update_slice(old.array, new.array.astype(old.dtype), (0, 0, context.step, 0)), old.axes)

@@ -270,9 +270,9 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 = off on both sides (transformers' default is 50)")
     parser.add_argument("--attention", nargs="+", choices=["auto", "xla", "pallas"], default=["auto"],
                         help="engine.decode_attention: each value is timed in turn (steady-state presets)")
-    parser.add_argument("--kernel-tuning", metavar="NAME=N,...", default="",
-                        help="how the pallas attention reads the cache (engine.kernels.KernelTuning fields; the fastest of "
-                             "scripts/bench_decode_attention.py's --tuning ways): default the engine's")
+    parser.add_argument("--kernel-tuning", nargs="+", metavar="NAME=N,...", default=[""],
+                        help="how the pallas attention reads the cache (engine.kernels.KernelTuning fields, e.g. the fastest "
+                             "of scripts/bench_decode_attention.py's --tuning ways; '' the engine's): each timed in turn")
     parser.add_argument("--single-pass", action="store_true",
                         help="time our first pass minus its wait for programs instead of a second pass (halves our run time)")
     args = parser.parse_args()
@@ -281,20 +281,19 @@ def main() -> None:
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if "mixed" in p:
-        if args.temperature or args.attention != ["auto"] or args.kernel_tuning:
+        if args.temperature or args.attention != ["auto"] or args.kernel_tuning != [""]:
             parser.error("--temperature, --attention and --kernel-tuning apply to the steady-state presets only")
         run_mixed(args, p)
         return
     if args.temperature:
         p["sampling"] = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     prompts = np.random.RandomState(0).randint(0, p["vocab"], (p["prompts"], p["prompt_len"]))
-    if args.kernel_tuning:
-        from engine import kernels
+    from engine import kernels
 
-        try:
-            kernels.TUNING = kernels.KernelTuning.parse(args.kernel_tuning)  # read by Engine.load
-        except ValueError as e:
-            parser.error(str(e))
+    try:
+        tunings = [kernels.KernelTuning.parse(text) for text in args.kernel_tuning]
+    except ValueError as e:
+        parser.error(str(e))
 
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
@@ -307,7 +306,10 @@ def main() -> None:
             print(json.dumps({"peer": "transformers", "dtype": dtype, **peers[dtype]}), flush=True)
         # A fresh compilation cache, so that ours_compile_s is compiling, not loading what an earlier run left.
         os.environ["PIPELINE_CACHE_DIR"] = os.path.join(folder, "pipeline-cache")
-        for dtype, attention in itertools.product(args.dtype, args.attention):
+        for dtype, attention, tuning in itertools.product(args.dtype, args.attention, tunings):
+            if attention == "xla" and tuning != tunings[0]:
+                continue  # the tuning is the kernel's: xla once
+            kernels.TUNING = tuning  # read by Engine.load
             ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
                       "sampling": p.get("sampling", "greedy"), "ours_attention": ours["attention"],

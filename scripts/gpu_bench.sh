@@ -2,18 +2,19 @@
 # The engine's GPU checks in one go, for a CUDA machine with JAX, PyTorch and transformers
 # installed (and no network needed): the Llama-3-8B memory plan compiled for the GPU; a sweep of
 # JAX's Pallas decode-attention kernel's tunings on the 8B's shape, decode attention alone
-# (scripts/bench_decode_attention.py --tuning), whose fastest tuning the two benchmarks then
-# run (KERNEL_TUNING, if set, instead); the TinyLlama benchmark beside transformers; the
-# Llama-3-8B seed workload (128 prompts x 128 tokens, 2,048 new, batch 128); and decode
-# attention alone, the engine's own against the kernel, on both shapes. The two benchmarks time
-# each way of decode attention in turn (`engine.decode_attention`); ATTENTION='pallas' (or
-# 'xla') times one. Each step's log goes to $OUT (default gpu-bench-out/) as it runs, so a step
-# cut short still leaves what it printed. Each step has its own time limit. On an H100,
-# 2026-11-26: the TinyLlama and seed steps with one way of attention about 1.5 and 2.7 minutes,
-# each attention step 20-30 s. On a card bigger than an H100, JAX gets an H100's memory. With
+# (scripts/bench_decode_attention.py --tuning); the TinyLlama benchmark beside transformers
+# and the Llama-3-8B seed workload (128 prompts x 128 tokens, 2,048 new, batch 128), each with
+# the sweep's fastest tuning (KERNEL_TUNING, if set, instead), the same with the cache written
+# in place (`in_place=1`), and the engine's own attention; and decode attention alone, the
+# engine's own against the kernel, on both shapes. ATTENTION='pallas' (or 'xla') times one way
+# of attention (`engine.decode_attention`). Each step's log goes to $OUT (default
+# gpu-bench-out/) as it runs, so a step cut short still leaves what it printed. Each step has
+# its own time limit. On an H100, 2026-11-26: the sweep about a minute, the TinyLlama and seed
+# steps about 35 s and 65 s per engine (plus 15 and 30 s to build the checkpoint), each
+# attention step 20-30 s. On a card bigger than an H100, JAX gets an H100's memory. With
 # --profile, two more steps trace the decode program of TinyLlama and of the 8B
 # (scripts/profile_decode.py: kernels per layer and step, the optimized programs in
-# $OUT/hlo.tar.gz); about 3 minutes more (the 8B's ran out of memory on an H100:
+# $OUT/hlo.tar.gz); about 3 minutes more (the 8B's runs out of memory on an H100:
 # docs/performance-notes.md). ONLY, a regular expression, runs only the steps whose names it
 # matches.
 #
@@ -45,7 +46,7 @@ if [ "${1:-}" = "--smoke" ]; then
     profile_tiny=(--preset cpu-tiny --batch 8 --repeats 3 16 96)
     profile_seed=(--preset cpu-mixed --batch 8 --repeats 3 16)
     attention=("--preset cpu-tiny --batch 2 --layers 1 40 150" "--preset cpu-tiny --batch 2 --layers 1 --ragged 150")
-    sweep=(--preset cpu-mixed --batch 2 --layers 1 --tuning min_programs=8 300)
+    sweep=(--preset cpu-mixed --batch 2 --layers 1 --tuning min_programs=8 --tuning chunk_kernel=1 300)
 else
     memory=(--preset llama3-8b)
     tiny=(--preset tinyllama-1.1b)
@@ -54,12 +55,11 @@ else
     profile_seed=(--preset llama3-8b --repeats 3 128 1100 2100)
     attention=("--preset tinyllama-1.1b 128 256 384" "--preset tinyllama-1.1b --ragged 384"
                "--preset llama3-8b 1100 2100" "--preset llama3-8b --ragged 2176")
-    # The engine's tuning (blocks of up to 64 positions, 4 pages, 1,024 programs, 4 warps, 2
-    # stages) against others: one page (one kernel call a layer), deeper loads, more warps,
-    # blocks of 128, more programs (a first sweep, 2026-11-26: docs/performance-notes.md).
-    sweep=(--preset llama3-8b --tuning num_stages=4 --tuning pages=1 --tuning pages=1,num_stages=3 --tuning pages=1,num_stages=4
-           --tuning pages=1,num_warps=8 --tuning pages=1,num_warps=8,num_stages=3 --tuning pages=1,max_block_k=128,num_warps=8
-           --tuning pages=1,min_programs=2048 --tuning pages=2,num_stages=4 600 1100 2100)
+    # The engine's tuning (one page, blocks of up to 64 positions, 1,024 programs, 4 warps, 4
+    # stages: the fastest of two sweeps on an H100, docs/performance-notes.md) against the decode
+    # chunk's positions through the kernel too (not yet timed on a GPU) and its neighbours.
+    sweep=(--preset llama3-8b --tuning chunk_kernel=1 --tuning num_stages=3 --tuning num_warps=8 --tuning pages=4
+           --tuning max_block_k=128 --tuning min_programs=2048 600 1100 2100)
 fi
 
 failed=0
@@ -98,10 +98,11 @@ tuning=${KERNEL_TUNING:-}
 if [ -z "$tuning" ] && [ -s "$OUT/kernel-sweep.log" ]; then
     tuning=$(tail -n 1 "$OUT/kernel-sweep.log" | "$python" -c 'import json, sys; print(json.load(sys.stdin).get("tuning", ""))' 2>/dev/null)
 fi
-echo "== kernel tuning for the benchmarks: ${tuning:-the default}"
-read -ra attention_ways <<<"${ATTENTION:-xla pallas}"
-step tinyllama 170 "$python" scripts/bench_engine.py "${tiny[@]}" --dtype bfloat16 --attention "${attention_ways[@]}" --kernel-tuning "$tuning"
-step seed-workload 300 "$python" scripts/bench_engine.py "${seed[@]}" --dtype bfloat16 --attention "${attention_ways[@]}" --kernel-tuning "$tuning"
+echo "== kernel tuning for the benchmarks: ${tuning:-the default}, and the same with the cache written in place"
+tunings=("$tuning" "${tuning:+$tuning,}in_place=1")
+read -ra attention_ways <<<"${ATTENTION:-pallas xla}"
+step tinyllama 200 "$python" scripts/bench_engine.py "${tiny[@]}" --dtype bfloat16 --attention "${attention_ways[@]}" --kernel-tuning "${tunings[@]}"
+step seed-workload 330 "$python" scripts/bench_engine.py "${seed[@]}" --dtype bfloat16 --attention "${attention_ways[@]}" --kernel-tuning "${tunings[@]}"
 for i in "${!attention[@]}"; do
     # shellcheck disable=SC2086 - each entry is one command line's arguments
     step "attention-$i" 60 "$python" scripts/bench_decode_attention.py ${attention[$i]}

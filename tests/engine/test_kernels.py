@@ -17,20 +17,22 @@ import numpy as np
 import pytest
 from haliax import Axis
 
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, kernels
 from engine.config import InvalidConfig
-from engine.jax_compat import hax
 from engine.decode import cache_ends
+from engine.jax_compat import hax
 from engine.kernels import KernelTuning, attend_pages_kernel, kernel_blocks, resolve
 from engine.llama import LayerKV, _attend_pages
 from engine_testlib import VOCAB, run_on_forced_devices
 
 
-def test_kernel_attention_matches_the_engines_over_ragged_rows():
+@pytest.mark.parametrize("steps, tuning", [(4, KernelTuning()), (16, KernelTuning(chunk_kernel=1))])
+def test_kernel_attention_matches_the_engines_over_ragged_rows(steps, tuning):
     """Pages of 32 and 16 positions (the kernel's) and of 10 (attended the XLA way), rows of
     lengths 0..58 (some with nothing in a page), two query heads per KV head, and a chunk buffer
-    with its first 3 steps written: the kernel's result equals _attend_pages' to float32 rounding."""
-    batch, kv_heads, group, head_dim, steps = 6, 2, 2, 16, 4
+    with its first 3 steps written (4 steps: by XLA operations; 16, tuned so: by the kernel too):
+    the kernel's result equals _attend_pages' to float32 rounding."""
+    batch, kv_heads, group, head_dim = 6, 2, 2, 16
     page_lens = (32, 16, 10)
     keys = iter(jax.random.split(jax.random.key(0), 16))
     Batch, Pos, KVHeads, QPerKV, HeadDim = (Axis("batch", batch), Axis("position", 1), Axis("kv_heads", kv_heads),
@@ -55,13 +57,19 @@ def test_kernel_attention_matches_the_engines_over_ragged_rows():
     parts.append((chunk.k, chunk.v, chunk_mask, "chunk"))
     axes = ("batch", "position", "kv_heads", "q_per_kv", "head_dim")
     want = _attend_pages(q, parts, scale).rearrange(axes).array
-    got = attend_pages_kernel(q, pages, lengths, chunk, chunk_mask, scale).rearrange(axes).array
-    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+    def attend(q, pages, chunk):
+        return attend_pages_kernel(q, pages, lengths, chunk, chunk_mask, scale, tuning=tuning).rearrange(axes).array
+
+    np.testing.assert_allclose(attend(q, pages, chunk), want, rtol=2e-6, atol=2e-6)
+    kernel_calls = str(jax.make_jaxpr(attend)(q, pages, chunk)).count("pallas_call[")
+    assert kernel_calls == (3 if tuning.chunk_kernel else 2)  # the pages of 32 and 16, and the chunk if tuned so
 
 
-def test_engine_with_the_kernel_makes_the_same_tokens(llama):
+def test_engine_with_the_kernel_makes_the_same_tokens(llama, monkeypatch):
     """float32, sampled, three samples of five prompts, 4 slots (rows join and leave between
-    chunks): every row's tokens are the same with the kernel as with the engine's attention."""
+    chunks): every row's tokens are the same with the kernel as with the engine's attention,
+    with the decode chunk's own positions through the kernel too, and with each step's keys and
+    values written into the cache in place (no chunk buffer)."""
     path, _ = llama
     prompts = [np.random.RandomState(30 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([4, 13, 7, 16, 9])]
     sampling = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, n=3, seed=3)
@@ -76,6 +84,10 @@ def test_engine_with_the_kernel_makes_the_same_tokens(llama):
     xla, pallas = run("xla"), run("pallas")
     assert sorted(pallas) == [(p, s) for p in range(5) for s in range(3)]
     assert pallas == xla
+    monkeypatch.setattr(kernels, "TUNING", KernelTuning(chunk_kernel=1))  # read by Engine.load
+    assert run("pallas") == xla
+    monkeypatch.setattr(kernels, "TUNING", KernelTuning(in_place=1))  # the cache written in the decode loop
+    assert run("pallas") == xla
 
 
 def test_which_attention_each_host_gets():
@@ -98,7 +110,8 @@ def test_which_attention_each_host_gets():
 
 def test_the_kernel_runs_per_device_over_several(llama):
     """Four forced CPU devices: host data parallel (rows over 4 devices) and a global mesh (rows
-    over 2, KV heads over 2), each with the kernel, give one device's tokens (float32, sampled)."""
+    over 2, KV heads over 2, also with the cache written in place), each with the kernel, give
+    one device's tokens (float32, sampled)."""
     path, _ = llama
     prompts = [np.random.RandomState(40 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([6, 14, 3, 10])]
     sampling = dict(max_new_tokens=8, temperature=0.9, top_k=20, n=2, seed=5)
@@ -110,12 +123,13 @@ def test_the_kernel_runs_per_device_over_several(llama):
         import json, sys
         sys.path.insert(0, {os.getcwd()!r})
         import jax
-        from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+        from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, kernels
         assert jax.device_count() == 4
         out = {{}}
-        for mode in ("host_dp", "global_mesh"):  # the global mesh: auto, data 2 x model 2
+        for mode in ("host_dp", "global_mesh", "global_mesh in place"):  # the global mesh: auto, data 2 x model 2
+            kernels.TUNING = kernels.KernelTuning(in_place=int(mode.endswith("in place")))  # read by Engine.load
             engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(**{sampling!r}), max_prompt_tokens=16,
-                                 engine=EngineConfig(batch_size=4, mode=mode, decode_attention="pallas"))
+                                 engine=EngineConfig(batch_size=4, mode=mode.split()[0], decode_attention="pallas"))
             assert engine.attention == "pallas"
             out[mode + " cache"] = [engine.layout.mesh.size, str(engine.layout.cache_sharding.spec)]
             out[mode] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in engine.generate(
@@ -127,9 +141,10 @@ def test_the_kernel_runs_per_device_over_several(llama):
     assert out["global_mesh cache"] == [4, "P('data', 'model')"]
     assert out["host_dp"] == want
     assert out["global_mesh"] == want
+    assert out["global_mesh in place"] == want
 
 
-def _decode_program_for_cuda(attention: str, head_dim: int = 64, kernel: KernelTuning = KernelTuning()) -> str:
+def _decode_program_for_cuda(attention: str, head_dim: int = 64, kernel: KernelTuning = KernelTuning(), steps: int = 4) -> str:
     """The engine's decode program (bfloat16, 2 layers, 8 slots, a cache of 1,024 positions in the
     pages of `kernel` with pallas, else four), lowered for CUDA from abstract shapes: StableHLO
     text. Lowering runs Pallas' Triton lowering here, no GPU needed (jax.default_backend is
@@ -152,7 +167,7 @@ def _decode_program_for_cuda(attention: str, head_dim: int = 64, kernel: KernelT
     spec = DecodeSpec(SamplingParams(max_new_tokens=64), (), one, one, one, attention, kernel)
     cache = jax.eval_shape(functools.partial(new_cache, config, 8, spec.cache_ends(1024), jnp.bfloat16))
     state = jax.eval_shape(functools.partial(new_state, 8))
-    program = jax.jit(functools.partial(decode_chunk, spec=spec, steps=4))
+    program = jax.jit(functools.partial(decode_chunk, spec=spec, steps=steps))
     with mock.patch("jax.default_backend", return_value="gpu"):
         return program.trace(model, cache, state, jax.ShapeDtypeStruct((8,), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -161,10 +176,15 @@ def test_the_decode_program_lowers_for_a_gpu_with_the_kernel():
     """The kernel's blocks and dtypes are checked by Triton's lowering on the CPU, before any GPU
     time: one Triton call over the engine's one page (the layers share one traced function);
     with four pages, one per page in each of the decode program's page-count branches (1 + 2 +
-    3 + 4); none with the engine's attention."""
+    3 + 4); with the chunk through the kernel, one more where the chunk holds a block of 16;
+    none with the engine's attention."""
     triton = "custom_call @__gpu$xla.gpu.triton"
     assert _decode_program_for_cuda("pallas").count(triton) == 1
     assert _decode_program_for_cuda("pallas", kernel=KernelTuning(pages=4, num_stages=2)).count(triton) == 10
+    chunk_kernel = KernelTuning(chunk_kernel=1)
+    assert _decode_program_for_cuda("pallas", kernel=chunk_kernel, steps=16).count(triton) == 2  # and the chunk of 16
+    assert _decode_program_for_cuda("pallas", kernel=chunk_kernel).count(triton) == 1  # 4 steps: below the kernel's blocks
+    assert _decode_program_for_cuda("pallas", kernel=KernelTuning(in_place=1)).count(triton) == 1  # the cache alone
     assert _decode_program_for_cuda("xla").count(triton) == 0
     # Why `auto` keeps xla for heads that are not a power of two: Triton's blocks cannot hold them.
     with pytest.raises(ValueError, match="power of 2"):
@@ -191,7 +211,8 @@ def test_kernel_blocks():
     assert cache_ends("pallas", 384, KernelTuning(pages=4, max_block_k=32)) == (96, 192, 288, 384)
     assert cache_ends("pallas", 26, KernelTuning(pages=4)) == (16, 32)  # blocks of 16: a quarter holds no more
     assert cache_ends("pallas", 26, engine) == (32,)
-    assert str(KernelTuning.parse("num_warps=8,max_block_k=128")) == "max_block_k=128,pages=1,min_programs=1024,num_warps=8,num_stages=4"
+    assert str(KernelTuning.parse("num_warps=8,max_block_k=128")) == \
+        "max_block_k=128,pages=1,min_programs=1024,num_warps=8,num_stages=4,chunk_kernel=0,in_place=0"
     with pytest.raises(ValueError, match="kernel tuning 'warps=8': expected name=integer pairs of max_block_k, "):
         KernelTuning.parse("warps=8")
     with pytest.raises(ValueError, match="kernel tuning 'max_block_k=96': max_block_k must be a power of two >= 16"):
