@@ -171,8 +171,8 @@ def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_m
 
     `sharding` is the cache's (rows over `data`, KV heads over `model` on a global mesh): over
     several devices each runs the kernel on its own rows and heads (`jax.shard_map`), since XLA
-    cannot split the kernel's call itself. `tuning` (benchmarks) reads the pages otherwise than
-    `TUNING`."""
+    cannot split the kernel's call itself. `tuning`: how the kernel reads the pages (the
+    engine's `DecodeSpec.kernel`; None: `TUNING`)."""
     axes = ("batch", "kv_heads", "q_per_kv", "head_dim")
     q_arr = q["position", 0].rearrange(axes).array
     kv = [(page.k.array, page.v.array) for page in pages]
