@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from haliax import Axis
+from haliax import Axis, NamedArray
 
 from engine.config import SamplingParams
 from engine.jax_compat import hax
@@ -253,10 +253,7 @@ def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState,
     per layer, state, tokens [slots, steps])."""
     slots = cache.slots
     Batch, Pos, Chunk = Axis("batch", slots), Axis("position", 1), Axis("chunk", steps)
-    page_masks = []
-    for start, end in page_spans(cache.ends)[:count]:
-        written = start + jnp.arange(end - start)[None, :] < state.position[:, None]
-        page_masks.append(hax.named(written[:, None, :], (Batch, Pos, Axis("key_position", end - start))))
+    masks = page_masks(cache.ends, count, state.position)
     chunk_axes = (Batch, model.config.KVHeads, Chunk, model.config.HeadDim)
     chunk_shape = tuple(a.size for a in chunk_axes)
     cache_dtype = cache.layers[0].pages[0].k.dtype
@@ -265,7 +262,7 @@ def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState,
     def body(carry):
         i, chunk_kv, st, out = carry
         chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= i, (slots, 1, steps)), (Batch, Pos, Chunk))
-        contexts = tuple(DecodeStep(kv.pages[:count], ckv, i, tuple(page_masks), chunk_mask, state.position, spec.attention,
+        contexts = tuple(DecodeStep(kv.pages[:count], ckv, i, masks, chunk_mask, state.position, spec.attention,
                                     spec.cache_sharding, spec.kernel)
                          for kv, ckv in zip(cache.layers, chunk_kv))
         st, out, chunk_kv = _step(model, st, out, i, contexts, spec)
@@ -274,6 +271,17 @@ def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState,
     out = jnp.full((slots, steps), -1, jnp.int32)
     _, chunks, state, out = jax.lax.while_loop(_running(steps), body, (jnp.int32(0), chunks, state, out))
     return chunks, state, out
+
+
+def page_masks(ends: tuple[int, ...], count: int, position: jax.Array) -> tuple[NamedArray, ...]:
+    """Per page of the first `count` of the cache's pages (ending at `ends`), (batch, position,
+    key_position): True where the row has written that position, before `position` [batch]."""
+    Batch, Pos = Axis("batch", position.shape[0]), Axis("position", 1)
+    masks = []
+    for start, end in page_spans(ends)[:count]:
+        written = start + jnp.arange(end - start)[None, :] < position[:, None]
+        masks.append(hax.named(written[:, None, :], (Batch, Pos, Axis("key_position", end - start))))
+    return tuple(masks)
 
 
 def _decode_in_place(model: LlamaLM, cache: KVCache, state: DecodeState, *, spec: DecodeSpec, steps: int):

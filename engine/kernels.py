@@ -193,22 +193,23 @@ def _attend_arrays(q, pages, lengths, chunk=None, mask=None, *, scale: float, tu
     """attend_pages_kernel on one device's arrays: q [batch, kv_heads, group, head_dim], pages
     [(keys, values)] and chunk (keys, values) [batch, kv_heads, positions, head_dim] or None,
     lengths [batch], mask [batch, chunk]. Returns [batch, kv_heads, group, head_dim] float32."""
-    batch, kv_heads = q.shape[:2]
     parts, start = [], 0
     for keys, values in pages:
         page_len = keys.shape[2]
-        written = jnp.clip(lengths - start, 0, page_len)
-        blocks = kernel_blocks(page_len, batch * kv_heads, tuning)
-        if blocks is not None:
-            parts.append(page_residuals(q, keys, values, written, scale, blocks=blocks, tuning=tuning))
-        else:
-            parts.append(xla_residuals(q, keys, values, jnp.arange(page_len)[None, :] < written[:, None], scale))
+        parts.append(_residuals(q, keys, values, jnp.clip(lengths - start, 0, page_len), scale, tuning))
         start += page_len
-    if chunk is None:
-        return combine(parts)
-    blocks = kernel_blocks(chunk[0].shape[2], batch * kv_heads, tuning) if tuning.chunk_kernel else None
-    if blocks is not None:  # the chunk's written positions are a prefix: its length per row
-        parts.append(page_residuals(q, *chunk, jnp.sum(mask, axis=1, dtype=jnp.int32), scale, blocks=blocks, tuning=tuning))
-    else:
+    if chunk is not None and tuning.chunk_kernel:  # the chunk's written positions are a prefix: its length per row
+        parts.append(_residuals(q, *chunk, jnp.sum(mask, axis=1, dtype=jnp.int32), scale, tuning))
+    elif chunk is not None:
         parts.append(xla_residuals(q, *chunk, mask, scale))
     return combine(parts)
+
+
+def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning):
+    """(o, l, m) of keys/values [batch, kv_heads, positions, head_dim], each row's first
+    `written` [batch] positions: by the kernel where it can read them (`kernel_blocks`), else
+    by XLA operations."""
+    blocks = kernel_blocks(keys.shape[2], q.shape[0] * q.shape[1], tuning)
+    if blocks is None:
+        return xla_residuals(q, keys, values, jnp.arange(keys.shape[2])[None, :] < written[:, None], scale)
+    return page_residuals(q, keys, values, written, scale, blocks=blocks, tuning=tuning)

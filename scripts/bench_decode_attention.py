@@ -86,7 +86,7 @@ def run(args: argparse.Namespace):
     from haliax import Axis
 
     from engine import kernels
-    from engine.decode import cache_ends
+    from engine.decode import cache_ends, page_masks
     from engine.jax_compat import hax
     from engine.llama import LayerKV, _attend_pages, page_spans, pages_covering
 
@@ -142,12 +142,8 @@ def run(args: argparse.Namespace):
     def xla_layer(q, pages, chunk, lengths):
         """The engine's own attention (`engine.llama._attend_pages`), each page masked by the rows' lengths."""
         nq, pages, chunk, first = named(q, pages, chunk)
-        parts, start = [], 0
-        for page in pages:
-            positions = page.k.resolve_axis("key_position")
-            written = start + jnp.arange(positions.size)[None, None, :] < lengths[:, None, None]
-            parts.append((page.k, page.v, hax.named(written, (Batch, Pos, positions)), "key_position"))
-            start += positions.size
+        masks = page_masks(layouts["xla"], len(pages), lengths)  # as the engine's decode loop masks them
+        parts = [(page.k, page.v, mask, "key_position") for page, mask in zip(pages, masks)]
         parts.append((chunk.k, chunk.v, first, "chunk"))
         return unnamed(_attend_pages(nq, parts, scale), q)
 
