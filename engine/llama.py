@@ -281,13 +281,12 @@ def page_spans(ends: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(zip((0,) + ends[:-1], ends))
 
 
-def by_pages(reach: jax.Array, ends: tuple[int, ...], run, counts: tuple[int, ...] | None = None):
+def by_pages(reach: jax.Array, ends: tuple[int, ...], run):
     """run(k) for the fewest pages k whose `ends` cover `reach` positions (a traced scalar), as
-    one lax.switch over the page counts `counts` (every count by default; the last must be all of
-    them). Branches only read the cache: one that wrote it would make XLA copy it."""
-    counts = counts or tuple(range(1, len(ends) + 1))
-    index = jnp.sum(jnp.asarray([ends[k - 1] for k in counts[:-1]], jnp.int32) < reach)
-    return jax.lax.switch(index, [lambda k=k: run(k) for k in counts])
+    one lax.switch over the page counts. Branches only read the cache: one that wrote it would
+    make XLA copy it."""
+    index = jnp.sum(jnp.asarray(ends[:-1], jnp.int32) < reach)
+    return jax.lax.switch(index, [lambda k=k: run(k) for k in range(1, len(ends) + 1)])
 
 
 def pages_covering(reach: int, ends: tuple[int, ...]) -> int:
@@ -503,8 +502,9 @@ class Attention(eqx.Module):
                 parts.append((keys, values, mask, "key_position"))
             return _attend_pages(q, parts, scale)
 
-        # The first page, or all: a prefill call is big work, and each count compiles a branch.
-        return by_pages(context.reach, cache.ends, attend, counts=tuple(sorted({1, len(cache.ends)})))
+        # Every page count is a branch, as in decode: the calls of later chunks, earliest first
+        # (Engine._prefill), mostly need fewer than all.
+        return by_pages(context.reach, cache.ends, attend)
 
     @staticmethod
     def _decode(q, k, v, context: DecodeStep, scale: float):

@@ -192,6 +192,7 @@ def bench_ours_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list
     s = engine.stats
     return dict(process_s=end - start, generate_s=end - generate_start, compile_s=s.compile_time_s, compilations=s.compilations,
                 cache_loads=s.cache_loads, run_s=s.decode_time_s, prefill_calls=s.prefill_calls, decode_calls=s.decode_calls,
+                prefill_pages_read=s.prefill_pages_read,
                 padding=s.padded_prompt_tokens / max(1, s.prompt_tokens), describe=engine.describe(),
                 tokens={c.prompt_index: c.token_ids for c in out})
 
@@ -242,7 +243,8 @@ def run_mixed(args, p: dict) -> None:
                     result.update({f"{name}_process_s": round(r["process_s"], 2), f"{name}_generate_s": round(r["generate_s"], 2),
                                    f"{name}_compile_s": round(r["compile_s"], 2), f"{name}_compiled": r["compilations"],
                                    f"{name}_loaded": r["cache_loads"]})
-                result.update(run_s=round(warm["run_s"], 2), prefill_calls=warm["prefill_calls"], decode_calls=warm["decode_calls"],
+                result.update(run_s=round(warm["run_s"], 2), prefill_calls=warm["prefill_calls"], prefill_pages_read=warm["prefill_pages_read"],
+                              decode_calls=warm["decode_calls"],
                               prefill_padding=round(warm["padding"], 2))
                 if hf is not None:
                     same = sum(hf["tokens"][i] == warm["tokens"][i] for i in range(len(prompts)))

@@ -29,9 +29,8 @@ def _load(path):
 def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
     """Prompts of every length from 1 to max_prompt_tokens (several prefill chunks for most),
     then a second generate with other lengths: four programs (init, decode, prefill of first
-    chunks, of later chunks), obtained once. Decode calls read the cache's first one to three
-    pages (ending at 16, 32 and 45 positions), prefill calls the first or all, in the same
-    programs."""
+    chunks, of later chunks), obtained once. Decode and prefill calls read the cache's first one
+    to three pages (ending at 16, 32 and 45 positions), in the same programs."""
     path, hf = llama
     previous = jax.config.jax_compilation_cache_dir
     try:
@@ -69,21 +68,33 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
 
 def test_a_call_reads_the_fewest_pages_that_hold_its_rows():
     """The cache is split in quarters (multiples of 16 positions), and a call whose rows hold
-    `reach` positions runs the branch of the fewest pages covering them; prefill, limited to
-    the first page or all, reads all as soon as the first is not enough."""
+    `reach` positions runs the branch of the fewest pages covering them."""
     assert cache_pages(45) == (16, 32, 45)
     assert cache_pages(192) == (48, 96, 144, 192)
     assert cache_pages(2176) == (544, 1088, 1632, 2176)
     assert cache_pages(10) == (10,)
     assert cache_pages(2176, 128) == (640, 1280, 1920, 2176)  # the same cache, bigger blocks for a kernel
 
-    def pages_read(reach, counts=None):
-        return int(by_pages(jax.numpy.int32(reach), (16, 32, 45), lambda k: jax.numpy.int32(k), counts))
+    def pages_read(reach):
+        return int(by_pages(jax.numpy.int32(reach), (16, 32, 45), lambda k: jax.numpy.int32(k)))
 
     assert [pages_read(r) for r in (0, 1, 16, 17, 32, 33, 45)] == [1, 1, 1, 2, 2, 3, 3]
     # The host's twin of the rule (the benchmarks' byte counts) picks the same pages.
     assert [pages_covering(r, (16, 32, 45)) for r in (0, 1, 16, 17, 32, 33, 45)] == [1, 1, 1, 2, 2, 3, 3]
-    assert [pages_read(r, (1, 3)) for r in (16, 17, 33)] == [1, 3, 3]
+
+
+def test_later_prefill_chunks_go_earliest_first_and_read_the_fewest_pages(llama):
+    """Two 40-token prompts, chunks of 8, two rows a call, pages ending at 16, 32 and 45: after
+    the call of first chunks, each call takes both prompts' next chunk (reaching 16, 24, 32, 40
+    positions: 1, 2, 2 and 3 pages), not one prompt's next two (24 and 40 positions, each twice:
+    10 pages); the tokens are transformers' either way."""
+    path, hf = llama
+    engine = _load(path)
+    requests = _requests([40, 40])
+    out = {c.prompt_index: c.token_ids for c in engine.generate(requests)}
+    assert engine.stats.prefill_calls == 5 and engine.stats.prefill_pages_read == 8, engine.stats
+    for r in requests:
+        assert out[r.prompt_index] == hf_greedy(hf, r.input_ids, 5), r.prompt_index
 
 
 def test_bfloat16_programs_neither_copy_nor_convert_a_weight(tmp_path):
