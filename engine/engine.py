@@ -619,13 +619,14 @@ class Engine:
 
     def _prefill(self, cache, state, prefilling: collections.deque):
         """One prefill call: the first chunk of up to `_prefill_rows` prompts not started yet, or
-        else the started ones' next chunks, earliest positions first across the prompts, as many
-        rows as the call has, several rows for one prompt when fewer prompts than rows are left (a
-        chunk attends to what the rows before it in the same call wrote: each layer writes every
-        row's keys/values before it attends). A later chunk's call reads the first cache pages
-        covering its rows, so taking one prompt's chunks to its end first made most calls read the
-        whole cache (cpu-mixed: the later chunks' calls took 20-30 % longer).
-        First and later chunks never share a call: a call of first chunks attends to the chunk
+        else the next chunks of the started ones, as many rows as the call has, several rows for
+        one prompt when fewer prompts than rows are left (a chunk attends to what the rows before
+        it in the same call wrote: each layer writes every row's keys/values before it attends).
+        A call of later chunks reads the first cache pages covering its rows. Taking the earliest
+        chunks across the prompts instead would read fewer (cpu-mixed float32: 100 pages a run
+        instead of 138, the calls 0.3-0.4 s faster), but in bfloat16 it made a resume's tokens
+        differ from the first run's in places (docs/performance-notes.md, "Prefill's later
+        chunks"). First and later chunks never share a call: a call of first chunks attends to the chunk
         alone (prefill_fresh, no cache read: about a quarter of a cpu-mixed prefill's work was
         attention over the mostly empty cache row), so each chunk of a prompt is computed the
         same way whatever its neighbours."""
@@ -640,9 +641,8 @@ class Engine:
         pieces = [(job, 0) for job in itertools.islice((job for job in prefilling if job.written == 0), R)]
         fresh = bool(pieces)
         if not fresh:
-            # Earliest chunks first, across the prompts: the call reads the fewest cache pages.
-            nexts = sorted((start, i) for i, job in enumerate(prefilling) for start in range(job.written, len(job.ids), C))
-            pieces = [(prefilling[i], start) for start, i in nexts[:R]]
+            for job in prefilling:
+                pieces += [(job, start) for start in range(job.written, len(job.ids), C)[: R - len(pieces)]]
         for r, (job, start) in enumerate(pieces):
             piece = job.ids[start : start + C]
             tokens[r, : len(piece)] = piece
