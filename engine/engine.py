@@ -626,10 +626,11 @@ class Engine:
         chunks across the prompts instead would read fewer (cpu-mixed float32: 100 pages a run
         instead of 138, the calls 0.3-0.4 s faster), but in bfloat16 it made a resume's tokens
         differ from the first run's in places (docs/performance-notes.md, "Prefill's later
-        chunks"). First and later chunks never share a call: a call of first chunks attends to the chunk
-        alone (prefill_fresh, no cache read: about a quarter of a cpu-mixed prefill's work was
-        attention over the mostly empty cache row), so each chunk of a prompt is computed the
-        same way whatever its neighbours."""
+        chunks"). First and later chunks never share a call: a call of first chunks attends to the
+        chunk alone (prefill_fresh, no cache read: about a quarter of a cpu-mixed prefill's work
+        was attention over the mostly empty cache row), so a chunk is computed the same way
+        whatever its neighbours, but for the last bits: in float32 a row's first-layer output
+        moves by up to about 6e-7 with the call's other rows (cause not found; the same note)."""
         R, C, n, slots = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group, self._lane_slots
         tokens = np.zeros((R, C), np.int32)
         slot_ids = np.full((R, n), slots, np.int32)  # out of range: none

@@ -231,7 +231,6 @@ def test_lanes_config_is_checked(llama):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=6, lanes=4), max_prompt_tokens=16)
 
 
-
 def test_a_bfloat16_resume_makes_the_rows_of_the_first_run(tmp_path):
     """bfloat16 rounds differently at another batch size, but within one config a resume (the
     same engine asked for only the rows a first run did not finish) must give each row the tokens
