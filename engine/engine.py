@@ -655,7 +655,7 @@ class Engine:
             sample_index[r, : len(job.rows)] = [row.sample_index for row in job.rows]
         for job in [job for job in prefilling if job.written == len(job.ids)]:
             prefilling.remove(job)
-        pages = 0 if fresh else pages_covering(int(np.max(starts + lengths)), self._spec.cache_ends(self._seq_len))
+        pages = 0 if fresh else pages_covering(int(np.max(starts + lengths)), cache.ends)
         self._count(padded_prompt_tokens=R * C, prefill_calls=1, prefill_pages_read=pages)
         rows = functools.partial(jax.device_put, device=self._batch_sharding)
         return self._run(
