@@ -70,6 +70,22 @@ _COMPILING: dict[tuple, threading.Lock] = collections.defaultdict(threading.Lock
 _COMPILING_LOCK = threading.Lock()
 
 
+def compiler_options() -> dict[str, str]:
+    """XLA options every engine program is compiled with. On the CPU: YNNPACK for single
+    products only, not for reductions. XLA's CPU backend hands the softmax's max and sum and
+    RMSNorm's mean to YNNPACK by default (`xla_cpu_experimental_ynn_fusion_type`, default
+    INDIVIDUAL_DOT and REDUCE), and there a row's result depended, in its last bits, on the
+    values of the other rows in the call: a prefill chunk's first-layer output moved by up to
+    6e-7 (float32) with the chunks sharing its call, and in bfloat16 one rounding made that a
+    whole ulp, so a resume, another batch size or two lanes changed a row's greedy tokens in
+    places. Without them every row is computed alone (bitwise, float32 and bfloat16) and the
+    cpu-mixed run takes about as long (docs/performance-notes.md, "Rows computed alone").
+    Other backends: XLA's defaults."""
+    if jax.default_backend() != "cpu":
+        return {}
+    return {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     prompt_index: int
@@ -385,7 +401,7 @@ class Engine:
                 hits = compile_cache.hits()  # this thread's
                 start = time.perf_counter()
                 with self.layout.tracing():
-                    compiled = jitted.lower(*args).compile()
+                    compiled = jitted.lower(*args).compile(compiler_options())
                 with _COMPILING_LOCK:
                     self.stats.count_program(kind, time.perf_counter() - start, loaded=compile_cache.hits() > hits)
                 _COMPILED[key] = compiled
@@ -619,18 +635,16 @@ class Engine:
 
     def _prefill(self, cache, state, prefilling: collections.deque):
         """One prefill call: the first chunk of up to `_prefill_rows` prompts not started yet, or
-        else the next chunks of the started ones, as many rows as the call has, several rows for
-        one prompt when fewer prompts than rows are left (a chunk attends to what the rows before
-        it in the same call wrote: each layer writes every row's keys/values before it attends).
-        A call of later chunks reads the first cache pages covering its rows. Taking the earliest
-        chunks across the prompts instead would read fewer (cpu-mixed float32: 100 pages a run
-        instead of 138, the calls 0.3-0.4 s faster), but in bfloat16 it made a resume's tokens
-        differ from the first run's in places (docs/performance-notes.md, "Prefill's later
-        chunks"). First and later chunks never share a call: a call of first chunks attends to the
-        chunk alone (prefill_fresh, no cache read: about a quarter of a cpu-mixed prefill's work
-        was attention over the mostly empty cache row), so a chunk is computed the same way
-        whatever its neighbours, but for the last bits: in float32 a row's first-layer output
-        moves by up to about 6e-7 with the call's other rows (cause not found; the same note)."""
+        else the started ones' next chunks, earliest positions first across the prompts, as many
+        rows as the call has, several rows for one prompt when fewer prompts than rows are left (a
+        chunk attends to what the rows before it in the same call wrote: each layer writes every
+        row's keys/values before it attends). A call of later chunks reads the first cache pages
+        covering its rows, so taking one prompt's chunks to its end first made more calls read the
+        whole cache (cpu-mixed: 138 pages a run instead of 100). First and later chunks never
+        share a call: a call of first chunks attends to the chunk alone (prefill_fresh, no cache
+        read: about a quarter of a cpu-mixed prefill's work was attention over the mostly empty
+        cache row). A chunk's keys and values are the same bits whichever chunks share its call
+        (`compiler_options`), so the packing changes no token."""
         R, C, n, slots = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group, self._lane_slots
         tokens = np.zeros((R, C), np.int32)
         slot_ids = np.full((R, n), slots, np.int32)  # out of range: none
@@ -642,8 +656,9 @@ class Engine:
         pieces = [(job, 0) for job in itertools.islice((job for job in prefilling if job.written == 0), R)]
         fresh = bool(pieces)
         if not fresh:
-            for job in prefilling:
-                pieces += [(job, start) for start in range(job.written, len(job.ids), C)[: R - len(pieces)]]
+            # Earliest chunks first, across the prompts: the call reads the fewest cache pages.
+            nexts = sorted((start, i) for i, job in enumerate(prefilling) for start in range(job.written, len(job.ids), C))
+            pieces = [(prefilling[i], start) for start, i in nexts[:R]]
         for r, (job, start) in enumerate(pieces):
             piece = job.ids[start : start + C]
             tokens[r, : len(piece)] = piece

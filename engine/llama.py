@@ -502,8 +502,8 @@ class Attention(eqx.Module):
                 parts.append((keys, values, mask, "key_position"))
             return _attend_pages(q, parts, scale)
 
-        # Every page count is a branch, as in decode: a call of later chunks reads what its rows
-        # reach (with the first page or all, most cpu-mixed calls read all).
+        # Every page count is a branch, as in decode: the calls of later chunks, earliest first
+        # (Engine._prefill), mostly need fewer than all.
         return by_pages(context.reach, cache.ends, attend)
 
     @staticmethod

@@ -67,6 +67,7 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
 
     from engine import Engine, EngineConfig, SamplingParams
     from engine.decode import new_state
+    from engine.engine import compiler_options
     from engine.llama import pages_covering
 
     engine = Engine.load(folder, dtype=args.dtype, sampling=SamplingParams(max_new_tokens=preset["new"]),
@@ -86,11 +87,11 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
     ends = cache.ends
     kill = jnp.zeros(slots, bool)
     started = time.perf_counter()
-    # The engine's decode program, jitted as the engine jits it: the cache and state donated,
-    # the outputs' shardings explicit.
+    # The engine's decode program, jitted and compiled as the engine does: the cache and state
+    # donated, the outputs' shardings explicit, the engine's XLA options.
     _, _, decode = engine._decode_program()
     program = engine._jit(decode)
-    program = program.lower(engine.model, cache, state, kill).compile()
+    program = program.lower(engine.model, cache, state, kill).compile(compiler_options())
     compile_s = time.perf_counter() - started
     if args.hlo:
         os.makedirs(args.hlo, exist_ok=True)

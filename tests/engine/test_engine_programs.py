@@ -83,16 +83,17 @@ def test_a_call_reads_the_fewest_pages_that_hold_its_rows():
     assert [pages_covering(r, (16, 32, 45)) for r in (0, 1, 16, 17, 32, 33, 45)] == [1, 1, 1, 2, 2, 3, 3]
 
 
-def test_a_prefill_call_of_later_chunks_reads_the_pages_its_rows_reach(llama):
+def test_later_prefill_chunks_go_earliest_first_and_read_the_fewest_pages(llama):
     """Two 40-token prompts, chunks of 8, two rows a call, pages ending at 16, 32 and 45: after
-    the call of first chunks, each call takes one prompt's next two chunks, reaching 24 and then
-    40 positions: 2 and 3 pages, twice (counted on the host by the rule `by_pages` applies on
-    the device, above; with the first page or all, as before, 12); the tokens are transformers'."""
+    the call of first chunks, each call takes both prompts' next chunk (reaching 16, 24, 32, 40
+    positions: 1, 2, 2 and 3 pages, counted on the host by the rule `by_pages` applies on the
+    device, above), not one prompt's next two (24 and 40 positions, each twice: 10 pages); the
+    tokens are transformers'."""
     path, hf = llama
     engine = _load(path)
     requests = _requests([40, 40])
     out = {c.prompt_index: c.token_ids for c in engine.generate(requests)}
-    assert engine.stats.prefill_calls == 5 and engine.stats.prefill_pages_read == 10, engine.stats
+    assert engine.stats.prefill_calls == 5 and engine.stats.prefill_pages_read == 8, engine.stats
     for r in requests:
         assert out[r.prompt_index] == hf_greedy(hf, r.input_ids, 5), r.prompt_index
 
