@@ -74,14 +74,14 @@ def compiler_options() -> dict[str, str]:
     """XLA options every engine program is compiled with. On the CPU: YNNPACK for single
     products only, not for reductions. XLA's CPU backend hands the softmax's max and sum and
     RMSNorm's mean to YNNPACK by default (`xla_cpu_experimental_ynn_fusion_type`: single
-    products and reductions; INDIVIDUAL_DOT alone compiles the prefill program XLA_FLAGS'
-    `-reduce` does, to the same optimized HLO), and there a row's result depended, in its last bits, on the
-    values of the other rows in the call: a prefill chunk's first-layer output moved by up to
-    6e-7 (float32) with the chunks sharing its call, and in bfloat16 one rounding made that a
-    whole ulp, so a resume, another batch size or two lanes changed a row's greedy tokens in
-    places. Without them every row is computed alone (bitwise, float32 and bfloat16) and the
-    cpu-mixed run takes about as long (docs/performance-notes.md, "Rows computed alone").
-    Other backends: XLA's defaults."""
+    products and reductions; INDIVIDUAL_DOT alone compiles the prefill program to the same
+    optimized HLO as XLA_FLAGS' `-reduce`), and there a row's result depended, in its last
+    bits, on the values of the other rows in the call: a prefill chunk's first-layer output
+    moved by up to 6e-7 (float32) with the chunks sharing its call, and in bfloat16 one
+    rounding made that a whole ulp, so a resume, another batch size or two lanes changed a
+    row's greedy tokens in places. Without them every row is computed alone (bitwise, float32
+    and bfloat16) and the cpu-mixed run takes about as long (docs/performance-notes.md, "Rows
+    computed alone"). Other backends: XLA's defaults."""
     if jax.default_backend() != "cpu":
         return {}
     return {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
