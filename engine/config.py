@@ -121,6 +121,11 @@ class EngineConfig:
     """host_dp only: decode streams run side by side, each with batch_size / lanes rows, its own
     KV cache and its own calls. auto: 2 on a CPU host with two or more cores and a batch of 32 or
     more (XLA's CPU runtime runs much of a decode step on one thread), else 1 (engine/memory.py)."""
+    overlap_prefill: bool | Literal["auto"] = "auto"
+    """host_dp only: prefill the next prompts in a thread of their own, into a small staging cache,
+    while the lane decodes, and move each prefilled row into a slot as one frees. auto: on a CPU
+    host with two or more cores and one lane (XLA's CPU runtime leaves a core idle during much of
+    a decode step; two lanes already fill it), else off (engine/memory.py)."""
 
     decode_attention: Literal["auto", "xla", "pallas"] = "auto"
     """How a decode step attends over the KV cache: xla, the engine's own operations over the
@@ -149,6 +154,11 @@ class EngineConfig:
         if self.lanes not in ("auto", 1) and self.mode != "host_dp":
             raise InvalidConfig(f"engine.lanes applies only with engine.mode: host_dp (engine.mode is {self.mode}); "
                                 "remove it or set it to 1: every host of a global mesh must make the same calls in one order")
+        require(self.overlap_prefill == "auto" or isinstance(self.overlap_prefill, bool), "engine.overlap_prefill", self.overlap_prefill,
+                "true, false or auto")
+        if self.overlap_prefill is True and self.mode != "host_dp":
+            raise InvalidConfig(f"engine.overlap_prefill applies only with engine.mode: host_dp (engine.mode is {self.mode}); "
+                                "remove it: every host of a global mesh must make the same calls in one order")
         require(self.prefill_tokens == "auto" or (_is_int(self.prefill_tokens) and self.prefill_tokens >= self.prefill_chunk_tokens),
                 "engine.prefill_tokens", self.prefill_tokens,
                 f"auto or an integer >= engine.prefill_chunk_tokens ({self.prefill_chunk_tokens})")

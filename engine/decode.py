@@ -337,6 +337,24 @@ def _step(model: LlamaLM, st: DecodeState, out: jax.Array, i: jax.Array, context
     return st, out.at[:, i].set(jnp.where(live, token, -1)), kvs
 
 
+def adopt_rows(model: LlamaLM, cache: KVCache, state: DecodeState, staged: KVCache, staged_state: DecodeState,
+               to: jax.Array, *, spec: DecodeSpec):
+    """Moves prefilled rows from a staging cache into the decode cache: staging slot i's keys and
+    values (every page, whole rows) and decode state go to slot to[i] (out of range: none).
+    `model` is unused (every program takes it first). Returns (cache, state, (no tokens, done))
+    like the other programs."""
+    del model
+
+    def put(into: jax.Array, rows: jax.Array) -> jax.Array:
+        return into.at[to].set(rows, mode="drop")
+
+    # Leaf by leaf: the two caches differ in their batch axis, so their trees do not match.
+    leaves, treedef = jax.tree.flatten(cache)
+    cache = jax.tree.unflatten(treedef, [put(a, b) for a, b in zip(leaves, jax.tree.leaves(staged))])
+    state = jax.tree.map(put, state, staged_state)
+    return _finish(cache, state, jnp.full((cache.slots, 0), -1, jnp.int32), spec)
+
+
 def _finish(cache: KVCache, state: DecodeState, tokens: jax.Array, spec: DecodeSpec):
     host = (tokens, state.done.copy())  # a copy: the state is donated to the next call
     return _constrain(cache, spec.cache_sharding), _constrain(state, spec.batch_sharding), _constrain(host, spec.host_sharding)

@@ -57,7 +57,7 @@ import numpy as np
 
 from engine import checkpoint, compile_cache, kernels
 from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
-from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state, prefill_chunk
+from engine.decode import DecodeSpec, adopt_rows, decode_chunk, new_cache, new_state, prefill_chunk
 from engine.llama import LlamaConfig, UnsupportedModelError, load_checkpoint, pages_covering
 from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch
 from engine.mesh import Layout, mesh_shape
@@ -213,6 +213,18 @@ class _Pending:
             self._read_ahead()
             return self._rows.popleft()
 
+    def peek(self) -> _Row:
+        with self.lock:
+            self._read_ahead()
+            return self._rows[0]
+
+    def leading(self, limit: int) -> int:
+        """How many of the next rows (at most `limit`) are samples of the next row's prompt (a
+        window holds every requested sample of its prompts)."""
+        with self.lock:
+            first = self.peek().prompt_index
+            return sum(1 for _ in itertools.takewhile(lambda row: row.prompt_index == first, itertools.islice(self._rows, limit)))
+
 
 class _LaneFailed(NamedTuple):
     error: BaseException
@@ -232,6 +244,126 @@ class _Prompt:
     slots: list[int]
     written: int = 0
     """Prompt tokens already in the cache."""
+
+
+class _Stager:
+    """A lane's next prompts, prefilled in a thread of their own into a staging cache while the
+    lane decodes (`engine.overlap_prefill`): on a CPU host the decode step leaves a core mostly
+    idle, and the lane no longer stops decoding to prefill. The lane moves prefilled rows into
+    its free slots between its decode calls (`adopt`: one compiled call copies their whole cache
+    rows and decode state). The staging cache is used by one call at a time, the lane's first;
+    a row that finishes on its first token never leaves it, its completion waits in `finished`.
+    Which rows share a call depends on timing, not a row's tokens (rows are computed alone:
+    `compiler_options`)."""
+
+    def __init__(self, engine: "Engine", pending: "_Pending", cache, state):
+        self._engine = engine
+        self._pending = pending
+        self._cache, self._state = cache, state
+        self._rows: list[_Row | None] = [None] * cache.slots
+        """A staging slot's row, from when it is taken until the lane adopts it or it finishes."""
+        self._ready: collections.deque[int] = collections.deque()
+        """Staging slots whose row has its first token, in the order they got it."""
+        self._finished: list[Completion] = []
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        """Guards everything above; notified whenever any of it changes."""
+        self._calling = False
+        """A prefill call holds the staging cache (donated to it)."""
+        self._adopting = False
+        """The lane waits for the staging cache, or copies from it: no new prefill call starts."""
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="engine-prefill", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        engine, prefilling = self._engine, collections.deque()
+        try:
+            while True:
+                with self._cond:
+                    while self._adopting and not self._closing:
+                        self._cond.wait()
+                    if self._closing:
+                        return
+                    free = [s for s, row in enumerate(self._rows) if row is None]
+                    if free:
+                        engine._admit(self._pending, free, self._rows, prefilling, whole=True)
+                    if not prefilling:
+                        if not self._pending:  # nothing left to prefill
+                            self._cond.notify_all()
+                            return
+                        self._cond.wait()  # until the lane adopts rows and frees staging slots
+                        continue
+                    self._calling = True
+                cache, state, (first, done) = engine._prefill(self._cache, self._state, prefilling)
+                first, done = np.asarray(first), np.asarray(done)
+                with self._cond:
+                    self._cache, self._state, self._calling = cache, state, False
+                    for s in np.flatnonzero(first >= 0):
+                        completion = engine._first_token(self._rows[s], int(first[s]), bool(done[s]))
+                        if completion is None:
+                            self._ready.append(s)
+                        else:
+                            self._finished.append(completion)
+                            self._rows[s] = None
+                    self._cond.notify_all()
+        except BaseException as error:  # raised in the lane's thread (`finished`, `adopt`)
+            with self._cond:
+                self._error, self._calling = error, False
+                self._cond.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def busy(self) -> bool:
+        """Rows are being prefilled or wait for a slot, or completions or an error for the lane."""
+        with self._cond:
+            return any(row is not None for row in self._rows) or bool(self._finished) or self._error is not None
+
+    def finished(self) -> list[Completion]:
+        """Completions of rows that finished on their first token, since the last ask; raises
+        what the prefill thread raised."""
+        with self._cond:
+            self._raise()
+            done, self._finished = self._finished, []
+        return done
+
+    def wait(self) -> None:
+        """Until rows are prefilled or finish (or a second passes: the lane checks `stop`)."""
+        with self._cond:
+            if not (self._ready or self._finished or self._error):
+                self._cond.wait(timeout=1.0)
+
+    def adopt(self, cache, state, free: list[int], live: list, kill: np.ndarray, *, wait: bool):
+        """Moves prefilled rows into the lane's `free` slots, earliest prefilled first, in one
+        call; returns the lane's (cache, state). wait: if a prefill call holds the staging cache,
+        wait for it (else adopt nothing now)."""
+        with self._cond:
+            if not self._ready or (self._calling and not wait):
+                return cache, state
+            self._adopting = True
+            try:
+                while self._calling:
+                    self._cond.wait()
+                self._raise()
+                to = np.full(len(self._rows), len(live), np.int32)  # out of range: stays
+                for slot in free[: len(self._ready)]:
+                    staged = self._ready.popleft()
+                    to[staged] = slot
+                    row, self._rows[staged] = self._rows[staged], None
+                    row.decoding, live[slot], kill[slot] = True, row, False
+                return self._engine._adopt(cache, state, self._cache, self._state, to)
+            finally:
+                self._adopting = False
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stops the prefill thread after its current call and waits for it."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
 
 
 class Engine:
@@ -272,6 +404,9 @@ class Engine:
         """Slots of each lane: its programs' batch."""
         self._prefill_rows = min(-(-rows // n_dev) * n_dev, self._lane_slots)
         """Rows of a prefill call, each one chunk of a prompt (a multiple of the data-parallel devices)."""
+        self._staged = plan.staged
+        """Slots of each lane's staging cache (`engine.overlap_prefill`; 0: prompts are prefilled
+        into the lane's own cache, between its decode calls)."""
         self._group = min(sampling.n, self._lane_slots)
         """Samples of one prompt that share one prefill (each needs a slot)."""
         self._stats_lock = threading.Lock()
@@ -347,6 +482,8 @@ class Engine:
             prefill_tokens=engine.prefill_tokens,
             prefill_chunk_tokens=engine.prefill_chunk_tokens,
             lanes=engine.lanes if engine.mode == "host_dp" else 1,
+            overlap_prefill=engine.overlap_prefill if engine.mode == "host_dp" else False,
+            samples=sampling.n,
         )
         model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding)
         return Engine(model, config, dtype=dtype, engine_config=engine, sampling=sampling,
@@ -361,8 +498,9 @@ class Engine:
     @property
     def max_programs(self) -> int:
         """The most programs a run compiles: init, decode, first prefill chunks and later ones
-        (three when every prompt fits one chunk)."""
-        return 4
+        (one fewer when every prompt fits one chunk), and with a staging cache the move of its
+        rows into the lane's (adopt)."""
+        return 5 if self._staged else 4
 
     def describe(self) -> str:
         c, p, layout = self.config, self.plan, self.layout
@@ -377,7 +515,8 @@ class Engine:
             f" (weights {p.weights_bytes / GiB:.2f} GiB + {p.row_bytes / 2**20:.1f} MiB/row + prefill"
             f" {p.working_bytes / 2**20:.0f} MiB) of {p.limit_bytes / GiB:.2f} GiB allowed;"
             f" prompts <= {self.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new;"
-            f" prefill {self._prefill_rows} rows x {self.engine_config.prefill_chunk_tokens} tokens per call;"
+            f" prefill {self._prefill_rows} rows x {self.engine_config.prefill_chunk_tokens} tokens per call"
+            f"{f' beside decode, into {self._staged} staging rows' if self._staged else ''};"
             f" decode attention {self.attention}"
         )
 
@@ -452,14 +591,16 @@ class Engine:
             entry["run_s"] = entry.get("run_s", 0.0) + seconds
         return out
 
-    def _init(self, slots: int):
-        """A zero cache and an all-empty decode state, made by one compiled program with their
-        output shardings, so each device (of every host on a global mesh) allocates only its own block."""
+    def _init(self, *slots: int):
+        """Per entry of `slots`, a zero cache of that many slots and an all-empty decode state
+        (the lane's, then its staging cache's), made by one compiled program with their output
+        shardings, so each device (of every host on a global mesh) allocates only its own block."""
 
         def make():
-            return new_cache(self.config, slots, self._spec.cache_ends(self._seq_len), self._cache_dtype), new_state(slots)
+            ends = self._spec.cache_ends(self._seq_len)
+            return tuple((new_cache(self.config, n, ends, self._cache_dtype), new_state(n)) for n in slots)
 
-        jitted = jax.jit(make, out_shardings=(self.layout.cache_sharding, self._batch_sharding))
+        jitted = jax.jit(make, out_shardings=tuple((self.layout.cache_sharding, self._batch_sharding) for _ in slots))
         with self._waiting():
             program = self._program("init", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name), jitted, ())
         return program()
@@ -558,22 +699,33 @@ class Engine:
         # stay the same for a resume of a few rows (compiling costs more than idle slots).
         slots = self._lane_slots
         refill_min = max(1, slots // 8)
-        cache, state = self._init(slots)
+        stager = None
+        if self._staged:
+            (cache, state), staging = self._init(slots, self._staged)
+            stager = _Stager(self, pending, *staging)
+        else:
+            ((cache, state),) = self._init(slots)
         decode_compile = self._compile_decode_early(cache, state)
         live: list[_Row | None] = [None] * slots
         """A slot's row, from when it is taken (prefill) until the row finishes."""
         prefilling: collections.deque[_Prompt] = collections.deque()
         kill = np.zeros(slots, bool)
         try:
-            while pending or prefilling or any(live):
+            while pending or prefilling or any(live) or (stager is not None and stager.busy()):
                 if stop is not None and self.layout.any_host(stop()):
                     self.stopped = True
                     halt.set()
                 if halt.is_set():
                     return
+                if stager is not None:
+                    yield from stager.finished()
                 decoding = [s for s in range(slots) if live[s] is not None and live[s].decoding]
                 free = [s for s in range(slots) if live[s] is None]
-                if free and (len(free) >= refill_min or not decoding):
+                if free and stager is not None:
+                    # Waits for the staging cache's current call only when enough slots are idle.
+                    cache, state = stager.adopt(cache, state, free, live, kill, wait=len(free) >= refill_min or not decoding)
+                    decoding = [s for s in range(slots) if live[s] is not None]
+                elif free and (len(free) >= refill_min or not decoding):
                     self._admit(pending, free, live, prefilling)
                 if prefilling:
                     # Prefill first: every taken slot joins the next decode chunk.
@@ -582,14 +734,15 @@ class Engine:
                     for s in np.flatnonzero(first >= 0):
                         row = live[s]
                         row.decoding, kill[s] = True, False
-                        row.tokens.append(int(first[s]))
-                        completion = self._maybe_finish(row, device_done=bool(done[s]))
+                        completion = self._first_token(row, int(first[s]), bool(done[s]))
                         if completion is not None:
                             live[s], kill[s] = None, not done[s]
                             yield completion
                     continue
-                if not decoding:  # the queue emptied in another lane's hands
-                    continue
+                if not decoding:
+                    if stager is not None:
+                        stager.wait()  # for prefilled rows
+                    continue  # else the queue emptied in another lane's hands
                 if decode_compile is not None:
                     with self._waiting():
                         decode_compile.result()  # raises what compiling raised
@@ -608,9 +761,24 @@ class Engine:
                     if completion is not None:
                         live[s], kill[s] = None, not done[s]
                         yield completion
+            if stager is not None:
+                yield from stager.finished()
         finally:
+            if stager is not None:
+                stager.close()
             if decode_compile is not None:
                 decode_compile.cancel()  # if it has not started; a compile under way runs to its end
+
+    def _first_token(self, row: _Row, token: int, device_done: bool) -> Completion | None:
+        """Adds a row's first token, from its prefill; its Completion if that finished it."""
+        row.tokens.append(token)
+        return self._maybe_finish(row, device_done=device_done)
+
+    def _adopt(self, cache, state, staged_cache, staged_state, to: np.ndarray):
+        """One call moving staging slot i's row into the lane's slot to[i] (out of range: none)."""
+        cache, state, _ = self._run("adopt", functools.partial(adopt_rows, spec=self._spec), (), self.model, cache, state,
+                                    staged_cache, staged_state, jax.device_put(to, self._batch_sharding))
+        return cache, state
 
     def _count(self, **amounts: float) -> None:
         """Adds to the run's statistics; lanes add from their own threads."""
@@ -618,15 +786,22 @@ class Engine:
             for name, amount in amounts.items():
                 setattr(self.stats, name, getattr(self.stats, name) + amount)
 
-    def _admit(self, pending: "_Pending", free: list[int], live: list, prefilling: collections.deque) -> None:
-        """The next rows take free slots; samples of one prompt taken together share its prefill."""
+    def _admit(self, pending: "_Pending", free: list[int], live: list, prefilling: collections.deque, *,
+               whole: bool = False) -> None:
+        """The next rows take free slots; samples of one prompt taken together share its prefill.
+        whole: a prompt starts only if all its samples (up to a prefill's) fit in the slots left,
+        else it waits for more free slots instead of being prefilled twice."""
         with pending.lock:
-            for s in free:
+            for i, s in enumerate(free):
                 if not pending:
                     break
-                row = pending.popleft()
                 job = prefilling[-1] if prefilling else None
-                if job is not None and job.index == row.prompt_index and job.written == 0 and len(job.rows) < self._group:
+                joins = (job is not None and job.index == pending.peek().prompt_index and job.written == 0
+                         and len(job.rows) < self._group)
+                if not joins and whole and pending.leading(self._group) > len(free) - i:
+                    break
+                row = pending.popleft()
+                if joins:
                     job.rows.append(row)
                     job.slots.append(s)
                 else:
@@ -646,7 +821,7 @@ class Engine:
         read: about a quarter of a cpu-mixed prefill's work was attention over the mostly empty
         cache row). A chunk's keys and values are the same bits whichever chunks share its call
         (`compiler_options`), so the packing changes no token."""
-        R, C, n, slots = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group, self._lane_slots
+        R, C, n, slots = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group, cache.slots
         tokens = np.zeros((R, C), np.int32)
         slot_ids = np.full((R, n), slots, np.int32)  # out of range: none
         starts = np.zeros(R, np.int32)

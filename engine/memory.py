@@ -71,9 +71,14 @@ class BatchPlan:
     lanes: int = 1
     """Decode streams side by side (`engine.lanes`), each with batch_size / lanes rows; their
     prefill calls may run at once, so each has its working memory."""
+    staged: int = 0
+    """Rows of each lane's staging cache, where its next prompts are prefilled while it decodes
+    (`engine.overlap_prefill`; 0: off): as many as a prefill call has rows, or a prompt has
+    samples if more (at most the lane's rows), each planned as a row."""
 
     def need_bytes(self, batch_size: int, num_devices: int) -> int:
-        return self.weights_bytes + self.lanes * self.working_bytes + -(-batch_size // num_devices) * self.row_bytes
+        rows = -(-batch_size // num_devices) + self.lanes * -(-self.staged // num_devices)
+        return self.weights_bytes + self.lanes * self.working_bytes + rows * self.row_bytes
 
 
 def device_memory_bytes(device: jax.Device, num_local_devices: int) -> int:
@@ -142,11 +147,53 @@ def plan_batch(
     prefill_tokens: int | str = 512,
     prefill_chunk_tokens: int = 32,
     lanes: int | str = 1,
+    overlap_prefill: bool | str = False,
+    samples: int = 1,
 ) -> BatchPlan:
     """devices: this host's devices (their memory is planned); batch_shards: ways rows are split
     (default: one per device); weight_shards / row_shards: devices sharing each weight / each row;
     prefill_tokens: a budget, or auto (`prefill_budget`); lanes: decode streams, or auto
-    (`auto_lanes`, decided with the batch size)."""
+    (`auto_lanes`, decided with the batch size); overlap_prefill: a staging cache per lane, or
+    auto (`auto_overlap`, decided with the lanes); samples: rows per prompt (`sampling.n`), which
+    the staging cache holds together so that they share their prompt's prefill."""
+    plan = _plan_batch(config, dtype=dtype, cache_dtype=cache_dtype, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
+                       max_new_tokens=max_new_tokens, devices=devices, memory_fraction=memory_fraction,
+                       batch_shards=batch_shards, weight_shards=weight_shards, row_shards=row_shards,
+                       decode_chunk_steps=decode_chunk_steps, prefill_tokens=prefill_tokens,
+                       prefill_chunk_tokens=prefill_chunk_tokens, lanes=lanes)
+    if overlap_prefill == "auto":
+        overlap_prefill = auto_overlap(devices[0].platform, plan.lanes)
+    if not overlap_prefill:
+        return plan
+    n = batch_shards or len(devices)
+    rows = max(1, plan.prefill_tokens // prefill_chunk_tokens, samples)
+    staged = dataclasses.replace(plan, staged=min(-(-rows // n) * n, plan.batch_size // plan.lanes))
+    if staged.need_bytes(plan.batch_size, n) <= plan.limit_bytes:
+        return staged
+    if overlap_prefill is True:
+        raise ValueError(f"engine.overlap_prefill needs {staged.staged} more rows of KV cache per lane than"
+                         f" engine.batch_size={plan.batch_size} leaves room for: lower engine.batch_size or set it to auto")
+    return plan  # auto: the batch filled the memory, no room to stage
+
+
+def _plan_batch(
+    config: LlamaConfig,
+    *,
+    dtype,
+    cache_dtype,
+    batch_size: int | str,
+    max_prompt_tokens: int,
+    max_new_tokens: int,
+    devices: list[jax.Device],
+    memory_fraction: float,
+    batch_shards: int | None,
+    weight_shards: int,
+    row_shards: int,
+    decode_chunk_steps: int,
+    prefill_tokens: int | str,
+    prefill_chunk_tokens: int,
+    lanes: int | str,
+) -> BatchPlan:
     n = batch_shards or len(devices)
     seq_len = max_prompt_tokens + max_new_tokens
 
@@ -214,10 +261,21 @@ def plan_batch(
 def auto_lanes(platform: str, batch_size: int, num_devices: int) -> int:
     """`engine.lanes: auto`: LANES_CPU on a CPU host with as many cores, from a batch of
     LANES_CPU_MIN_BATCH rows that splits evenly; else 1 (an accelerator keeps itself busy)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if platform != "cpu" or cores < LANES_CPU or batch_size < LANES_CPU_MIN_BATCH or batch_size % (LANES_CPU * num_devices):
+    if platform != "cpu" or _cores() < LANES_CPU or batch_size < LANES_CPU_MIN_BATCH or batch_size % (LANES_CPU * num_devices):
         return 1
     return LANES_CPU
+
+
+def auto_overlap(platform: str, lanes: int) -> bool:
+    """`engine.overlap_prefill: auto`: on a CPU host with two or more cores and one lane. XLA's
+    CPU runtime runs much of a decode step on one thread; a prefill call beside it fills the other
+    core (two lanes already do)."""
+    return platform == "cpu" and _cores() >= 2 and lanes == 1
+
+
+def _cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def prefill_budget(platform: str, chunk_tokens: int, fits) -> int:

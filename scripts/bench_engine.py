@@ -176,14 +176,15 @@ def mixed_prompts(p: dict, seed: int = 0) -> list[list[int]]:
     return [rng.randint(0, p["vocab"], n).tolist() for n in lengths]
 
 
-def bench_ours_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[list[int]], cache_dir: str) -> dict:
+def bench_ours_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[list[int]], cache_dir: str,
+                     overlap_prefill: bool | str = "auto") -> dict:
     """One fresh process: Engine.load + generate, timed as a whole; compile cache in cache_dir."""
     os.environ["PIPELINE_CACHE_DIR"] = cache_dir
     start = time.perf_counter()
     from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
     engine = Engine.load(folder, dtype=dtype, sampling=SamplingParams(max_new_tokens=p["new"]),
-                         engine=EngineConfig(batch_size=batch), max_prompt_tokens=p["prompt_len"])
+                         engine=EngineConfig(batch_size=batch, overlap_prefill=overlap_prefill), max_prompt_tokens=p["prompt_len"])
     generate_start = time.perf_counter()
     out = list(engine.generate(GenerationRequest(i, ids, [0]) for i, ids in enumerate(prompts)))
     end = time.perf_counter()
@@ -234,28 +235,42 @@ def run_mixed(args, p: dict) -> None:
         for dtype in args.dtype:
             for batch in batches:
                 hf = None if args.skip_hf else _in_child(bench_hf_mixed, folder, p, dtype, batch, prompts)
-                with tempfile.TemporaryDirectory() as cache_dir:
-                    cold = _in_child(bench_ours_mixed, folder, p, dtype, batch, prompts, cache_dir)
-                    warm = _in_child(bench_ours_mixed, folder, p, dtype, batch, prompts, cache_dir)
-                assert cold["tokens"] == warm["tokens"]
-                result = {"preset": args.preset, "dtype": dtype, "batch": batch}
-                for name, r in (("cold", cold), ("warm", warm)):
-                    result.update({f"{name}_process_s": round(r["process_s"], 2), f"{name}_generate_s": round(r["generate_s"], 2),
-                                   f"{name}_compile_s": round(r["compile_s"], 2), f"{name}_compiled": r["compilations"],
-                                   f"{name}_loaded": r["cache_loads"]})
-                result.update(run_s=round(warm["run_s"], 2), prefill_calls=warm["prefill_calls"], prefill_pages_read=warm["prefill_pages_read"],
-                              decode_calls=warm["decode_calls"],
-                              prefill_padding=round(warm["padding"], 2))
-                if hf is not None:
-                    same = sum(hf["tokens"][i] == warm["tokens"][i] for i in range(len(prompts)))
-                    result.update(hf_generate_s=round(hf["generate_s"], 2), hf_process_s=round(hf["process_s"], 2),
-                                  cold_generate_over_hf=round(cold["generate_s"] / hf["generate_s"], 2),
-                                  cold_process_over_hf=round(cold["process_s"] / hf["process_s"], 2),
-                                  warm_generate_speedup=round(hf["generate_s"] / warm["generate_s"], 2),
-                                  warm_process_speedup=round(hf["process_s"] / warm["process_s"], 2),
-                                  same_tokens_as_hf=f"{same}/{len(prompts)}")
-                print(cold["describe"], flush=True)
-                print(json.dumps(result), flush=True)
+                tokens = [_report_mixed(args, p, folder, dtype, batch, prompts, hf, OVERLAP[overlap])
+                          for overlap in args.overlap_prefill]
+                assert all(t == tokens[0] for t in tokens), "overlap_prefill changed tokens"
+
+
+OVERLAP = {"auto": "auto", "on": True, "off": False}
+"""--overlap-prefill's choices: `engine.overlap_prefill`."""
+
+
+def _report_mixed(args, p: dict, folder: str, dtype: str, batch: int, prompts: list[list[int]], hf: dict | None,
+                  overlap: bool | str) -> dict[int, list[int]]:
+    """Our cold and warm runs (fresh processes, a fresh compile cache), beside transformers' `hf`;
+    returns the tokens by prompt."""
+    with tempfile.TemporaryDirectory() as cache_dir:
+        cold = _in_child(bench_ours_mixed, folder, p, dtype, batch, prompts, cache_dir, overlap)
+        warm = _in_child(bench_ours_mixed, folder, p, dtype, batch, prompts, cache_dir, overlap)
+    assert cold["tokens"] == warm["tokens"]
+    result = {"preset": args.preset, "dtype": dtype, "batch": batch, "overlap_prefill": overlap}
+    for name, r in (("cold", cold), ("warm", warm)):
+        result.update({f"{name}_process_s": round(r["process_s"], 2), f"{name}_generate_s": round(r["generate_s"], 2),
+                       f"{name}_compile_s": round(r["compile_s"], 2), f"{name}_compiled": r["compilations"],
+                       f"{name}_loaded": r["cache_loads"]})
+    result.update(run_s=round(warm["run_s"], 2), prefill_calls=warm["prefill_calls"], prefill_pages_read=warm["prefill_pages_read"],
+                  decode_calls=warm["decode_calls"],
+                  prefill_padding=round(warm["padding"], 2))
+    if hf is not None:
+        same = sum(hf["tokens"][i] == warm["tokens"][i] for i in range(len(prompts)))
+        result.update(hf_generate_s=round(hf["generate_s"], 2), hf_process_s=round(hf["process_s"], 2),
+                      cold_generate_over_hf=round(cold["generate_s"] / hf["generate_s"], 2),
+                      cold_process_over_hf=round(cold["process_s"] / hf["process_s"], 2),
+                      warm_generate_speedup=round(hf["generate_s"] / warm["generate_s"], 2),
+                      warm_process_speedup=round(hf["process_s"] / warm["process_s"], 2),
+                      same_tokens_as_hf=f"{same}/{len(prompts)}")
+    print(cold["describe"], flush=True)
+    print(json.dumps(result), flush=True)
+    return warm["tokens"]
 
 
 def main() -> None:
@@ -266,6 +281,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, help="override the preset's new tokens per prompt")
     parser.add_argument("--batch", type=int, help="override the preset's batch size")
     parser.add_argument("--skip-hf", action="store_true", help="only time our engine")
+    parser.add_argument("--overlap-prefill", nargs="+", choices=sorted(OVERLAP), default=["auto"],
+                        help="mixed presets: engine.overlap_prefill, one run (cold and warm) per value")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample instead of greedy (steady-state presets; both sides, same settings)")
     parser.add_argument("--top-p", type=float, default=1.0)

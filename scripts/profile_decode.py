@@ -73,7 +73,7 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
     engine = Engine.load(folder, dtype=args.dtype, sampling=SamplingParams(max_new_tokens=preset["new"]),
                          engine=EngineConfig(batch_size=preset["batch"]), max_prompt_tokens=preset["prompt_len"])
     slots, steps = preset["batch"], engine.engine_config.decode_chunk_steps
-    cache, state = engine._init(slots)
+    ((cache, state),) = engine._init(slots)
     # Random keys and values (a key per page), written over the zeros in place (donated): two
     # caches of the 8B at batch 128 would not fit an H100.
     def fill(cache):

@@ -231,6 +231,82 @@ def test_lanes_config_is_checked(llama):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=6, lanes=4), max_prompt_tokens=16)
 
 
+def _prefill_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "engine-prefill"]
+
+
+def _staged(path, sampling, overlap_prefill, **engine):
+    """4 slots, prompts in chunks of 4 tokens, 2 rows a prefill call."""
+    return Engine.load(path, dtype="float32", sampling=sampling, max_prompt_tokens=16,
+                       engine=EngineConfig(batch_size=4, prefill_chunk_tokens=4, prefill_tokens=8,
+                                           overlap_prefill=overlap_prefill, **engine))
+
+
+def test_prefill_beside_decode_makes_the_same_rows(llama):
+    """engine.overlap_prefill: the next prompts are prefilled in a thread of their own, into a
+    staging cache, while the lane decodes; prefilled rows move into the lane's free slots between
+    its decode calls. Sampled rows, three samples a prompt, prompts of one to four chunks, and rows
+    that finish on their first token: every (prompt, sample) comes out once, with the tokens, text
+    and finish reason it gets when prompts are prefilled between decode calls."""
+    path, _ = llama
+    prompts = PROMPTS + [np.random.RandomState(60 + i).randint(0, VOCAB, 2 + 2 * i).tolist() for i in range(8)]
+    requests = [GenerationRequest(i, p, range(3)) for i, p in enumerate(prompts)]
+    for sampling in (SAMPLED, SamplingParams(**{**SAMPLED.__dict__, "max_new_tokens": 1})):
+        between = _staged(path, sampling, overlap_prefill=False)
+        beside = _staged(path, sampling, overlap_prefill=True)
+        # Three staging rows: a prompt's samples share its prefill (a call has two rows).
+        assert "beside decode, into 3 staging rows" in beside.describe() and "staging" not in between.describe()
+        expected = {key: (c.token_ids, c.text, c.finish_reason) for key, c in _run(between, requests).items()}
+        completions = list(beside.generate(requests))
+        assert len(completions) == len(expected) == 3 * len(prompts)
+        assert {(c.prompt_index, c.sample_index): (c.token_ids, c.text, c.finish_reason) for c in completions} == expected
+        assert beside.stats.generated_tokens == between.stats.generated_tokens
+        # Each prompt prefilled once for its three samples (between decode calls, samples that
+        # found a prompt's other samples already started prefill it again: 4 slots).
+        assert beside.stats.prompt_tokens == sum(map(len, prompts)) <= between.stats.prompt_tokens
+        # Rows done on their first token never leave the staging cache: nothing to move, nothing to decode.
+        moved = sampling.max_new_tokens > 1
+        assert ("adopt" in beside.stats.programs) == moved and (beside.stats.decode_calls > 0) == moved
+        assert not _prefill_threads()
+
+
+def test_prefill_beside_decode_stops_with_the_lane(llama, greedy_ref):
+    """The prefill thread ends with generate: when the caller abandons it, when `stop` asks, and
+    when a prompt it reads is bad (the error, naming the prompt, reaches the caller)."""
+    path, _ = llama
+    engine = _staged(path, SamplingParams(max_new_tokens=12), overlap_prefill=True, decode_chunk_steps=2)
+    requests = [GenerationRequest(i, PROMPTS[i % len(PROMPTS)], [0]) for i in range(20)]
+    gen = engine.generate(requests)
+    next(gen)
+    gen.close()
+    assert not _prefill_threads()
+
+    asked = []
+    finished = list(engine.generate(requests, stop=lambda: asked.append(1) or len(asked) > 6))
+    assert engine.stopped and len(finished) < len(requests)
+    assert not _prefill_threads()
+
+    bad = requests[:6] + [GenerationRequest(6, [VOCAB + 5], [0])]
+    with pytest.raises(ValueError, match=rf"prompt 6 has token ids outside \[0, {VOCAB}\)"):
+        list(engine.generate(bad))
+    assert not _prefill_threads()
+    (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
+    assert c.token_ids == greedy_ref and not engine.stopped
+
+
+def test_overlap_prefill_config_is_checked(llama):
+    from engine.config import InvalidConfig
+
+    path, _ = llama
+    with pytest.raises(InvalidConfig, match="engine.overlap_prefill applies only with engine.mode: host_dp"):
+        EngineConfig(mode="global_mesh", overlap_prefill=True)
+    with pytest.raises(InvalidConfig, match="engine.overlap_prefill must be true, false or auto, got 'yes'"):
+        EngineConfig(overlap_prefill="yes")
+    # auto: on with one lane on this 2-core CPU, off with two (they fill the cores already).
+    assert "staging" in Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=4, lanes=1), max_prompt_tokens=16).describe()
+    assert "staging" not in Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=4, lanes=2), max_prompt_tokens=16).describe()
+
+
 def test_a_bfloat16_row_gets_the_same_tokens_whatever_rows_share_its_calls(tmp_path):
     """A resume (the same engine asked for only the rows a first run did not finish), another
     batch size and two lanes put other rows beside each row in its prefill and decode calls; in

@@ -21,46 +21,51 @@ def _requests(lengths):
     return [GenerationRequest(i, rng.randint(0, VOCAB, n).tolist(), [0]) for i, n in enumerate(lengths)]
 
 
-def _load(path):
+def _load(path, overlap_prefill):
     return Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=5),
-                       engine=EngineConfig(batch_size=4, prefill_chunk_tokens=8, prefill_tokens=16), max_prompt_tokens=40)
+                       engine=EngineConfig(batch_size=4, prefill_chunk_tokens=8, prefill_tokens=16, overlap_prefill=overlap_prefill),
+                       max_prompt_tokens=40)
 
 
 def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
     """Prompts of every length from 1 to max_prompt_tokens (several prefill chunks for most),
-    then a second generate with other lengths: four programs (init, decode, prefill of first
-    chunks, of later chunks), obtained once. Decode and prefill calls read the cache's first one
-    to three pages (ending at 16, 32 and 45 positions), in the same programs."""
+    then a second generate with other lengths: five programs (init, decode, prefill of first
+    chunks, of later chunks, and the move of prefilled rows from the staging cache into the
+    lane's: this 2-core CPU prefills beside decoding), obtained once. Decode and prefill calls
+    read the cache's first one to three pages (ending at 16, 32 and 45 positions), in the same
+    programs."""
     path, hf = llama
     previous = jax.config.jax_compilation_cache_dir
     try:
         compile_cache.enable(str(tmp_path / "jax-compile"))
         engine_module._COMPILED.clear()
-        engine = _load(path)
+        engine = _load(path, overlap_prefill=True)
         threads = {}
         engine.on_compile = lambda kind: threads.setdefault(kind, threading.current_thread().name)
         first = {c.prompt_index: c.token_ids for c in engine.generate(_requests(range(1, 41)))}
         assert sorted(first) == list(range(40)) and all(len(t) == 5 for t in first.values())
         for i in (7, 8, 22, 39):  # one chunk, exactly one, three, five
             assert first[i] == hf_greedy(hf, _requests(range(1, 41))[i].input_ids, 5), i
-        assert sorted(engine.stats.programs) == ["decode", "init", "prefill", "prefill_fresh"]
-        assert engine.stats.compilations == 4 and engine.stats.cache_loads == 0, engine.stats.programs
-        # The decode program is compiled beside the others, from the start of generate.
-        assert threads["decode"].startswith("compile-decode") and threads["prefill_fresh"] == "MainThread", threads
+        assert engine.max_programs == 5 and sorted(engine.stats.programs) == ["adopt", "decode", "init", "prefill", "prefill_fresh"]
+        assert engine.stats.compilations == 5 and engine.stats.cache_loads == 0, engine.stats.programs
+        # The decode program is compiled beside the others, from the start of generate, and the
+        # prompts are prefilled in a thread of their own.
+        assert threads["decode"].startswith("compile-decode") and threads["prefill_fresh"] == "engine-prefill", threads
+        assert threads["adopt"] == "MainThread", threads
         # generate waited for its programs, but not for longer than they took (the decode compile overlaps).
         waited = engine.stats.compile_wait_s
         assert 0 < waited <= engine.stats.compile_time_s, (waited, engine.stats.programs)
         list(engine.generate(_requests([3, 40, 17])))
-        assert engine.stats.compilations == 4, engine.stats.programs
+        assert engine.stats.compilations == 5, engine.stats.programs
         assert engine.stats.compile_wait_s - waited < 0.05  # nothing left to wait for
 
         # A new process would find the same programs on disk: forget them in memory, load again.
         engine_module._COMPILED.clear()
         jax.clear_caches()
-        again = _load(path)
+        again = _load(path, overlap_prefill=True)
         second = {c.prompt_index: c.token_ids for c in again.generate(_requests(range(1, 41)))}
         assert second == first
-        assert again.stats.compilations == 0 and again.stats.cache_loads == 4, again.stats.programs
+        assert again.stats.compilations == 0 and again.stats.cache_loads == 5, again.stats.programs
         assert any((tmp_path / "jax-compile").iterdir())
     finally:
         compile_cache.enable(previous)
@@ -88,9 +93,10 @@ def test_later_prefill_chunks_go_earliest_first_and_read_the_fewest_pages(llama)
     the call of first chunks, each call takes both prompts' next chunk (reaching 16, 24, 32, 40
     positions: 1, 2, 2 and 3 pages, counted on the host by the rule `by_pages` applies on the
     device, above), not one prompt's next two (24 and 40 positions, each twice: 10 pages); the
-    tokens are transformers'."""
+    tokens are transformers'. Prompts are prefilled between decode calls here (no staging cache):
+    beside them, which prompts share a call depends on timing."""
     path, hf = llama
-    engine = _load(path)
+    engine = _load(path, overlap_prefill=False)
     requests = _requests([40, 40])
     out = {c.prompt_index: c.token_ids for c in engine.generate(requests)}
     assert engine.stats.prefill_calls == 5 and engine.stats.prefill_pages_read == 8, engine.stats
@@ -115,9 +121,10 @@ def test_bfloat16_programs_neither_copy_nor_convert_a_weight(tmp_path):
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     engine_module._COMPILED.clear()  # only this engine's programs below
     engine = Engine.load(str(path), dtype="bfloat16", sampling=SamplingParams(max_new_tokens=4),
-                         engine=EngineConfig(batch_size=4, prefill_chunk_tokens=8, prefill_tokens=16), max_prompt_tokens=40)
+                         engine=EngineConfig(batch_size=4, prefill_chunk_tokens=8, prefill_tokens=16, overlap_prefill=True),
+                         max_prompt_tokens=40)
     completions = list(engine.generate(_requests([3, 20, 30])))
-    assert len(completions) == 3 and sorted(engine.stats.programs) == ["decode", "init", "prefill", "prefill_fresh"]
+    assert len(completions) == 3 and sorted(engine.stats.programs) == ["adopt", "decode", "init", "prefill", "prefill_fresh"]
 
     weights = {tuple(leaf.shape) for leaf in jax.tree.leaves(engine.model) if leaf.ndim == 2}
     assert {(136, 48), (48, 48), (24, 48), (80, 48), (48, 80)} <= weights
