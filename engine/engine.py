@@ -23,7 +23,7 @@ on, so finished rows stop costing work after at most a chunk. Every program's sh
 the config (slots = batch_size, cache length, prefill rows x chunk, decode steps), so a run
 compiles at most four programs whatever its prompts (init, decode, prefill of first chunks and of
 later ones; three when every prompt fits one chunk: a call reading only the cache's first
-quarter runs in the same program, see decode.py),
+quarter runs in the same program, see decode.py; five with a staging cache, below),
 and JAX's persistent compilation cache (engine/compile_cache.py, on by default) lets a rerun or
 resume load them instead. The decode program, the largest, is compiled in a thread of its own
 from the start of `generate`, while the prefill programs are compiled and run.
@@ -31,7 +31,11 @@ from the start of `generate`, while the prefill programs are compiled and run.
 On a CPU host the slots may be split into lanes (`engine.lanes`, host_dp only): each lane is the
 loop above over its share of the slots, with its own cache, in a thread of its own, taking rows
 from the one queue. XLA's CPU runtime runs the attention's dots of a decode step on one thread,
-so a second lane keeps the other core busy; the lanes run the same programs.
+so a second lane keeps the other core busy; the lanes run the same programs. With one lane the
+next prompts are prefilled beside decoding instead (`engine.overlap_prefill`, host_dp only): in a
+thread of their own, into a small staging cache, and the lane moves prefilled rows into its free
+slots between decode calls (`_Stager`; one more program, adopt), so it no longer stops decoding
+to prefill.
 
 On GPUs in a 16-bit dtype a decode step attends through JAX's Pallas decode-attention kernel,
 each row read to its own length (`engine.decode_attention`, engine/kernels.py); elsewhere
@@ -115,7 +119,7 @@ class EngineStats:
     """Slots decoded together (the plan's batch size)."""
     compilations: int = 0
     """Programs XLA compiled for this engine (neither in this process's memory nor in the
-    persistent compilation cache); a run compiles at most four, whatever its prompts."""
+    persistent compilation cache); a run compiles at most `Engine.max_programs`, whatever its prompts."""
     cache_loads: int = 0
     """Programs loaded from JAX's persistent compilation cache instead of compiled."""
     compile_time_s: float = 0.0
@@ -132,7 +136,8 @@ class EngineStats:
     peak_memory_bytes: int | None = None
     """Largest device peak reported by the allocator; on CPU the process's peak RSS."""
     decode_time_s: float = 0.0
-    """Time running compiled prefill and decode programs (compilation excluded)."""
+    """Time running compiled prefill and decode programs (compilation excluded), summed over
+    threads: with lanes or prefill beside decoding, more than the wall time they took."""
     prompt_tokens: int = 0
     """Prompt tokens prefilled (each prompt once, however many samples share it)."""
     padded_prompt_tokens: int = 0
