@@ -129,7 +129,7 @@ class EngineStats:
     """Seconds `generate` itself waited for programs: what getting them added to its wall time
     (at most compile_time_s, as the decode program's compile overlaps the prefill)."""
     programs: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
-    """Per program kind (init, prefill_fresh, prefill, decode): compiled, loaded, seconds (getting
+    """Per program kind (init, prefill_fresh, prefill, decode, adopt): compiled, loaded, seconds (getting
     the programs), run_s (running them)."""
     generated_tokens: int = 0
     """Tokens returned in completions plus the EOS/stop tokens they ended on."""
