@@ -63,7 +63,7 @@ from engine import checkpoint, compile_cache, kernels
 from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
 from engine.decode import DecodeSpec, adopt_rows, decode_chunk, new_cache, new_state, prefill_chunk
 from engine.llama import LlamaConfig, UnsupportedModelError, load_checkpoint, pages_covering
-from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch
+from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch, plan_staging
 from engine.mesh import Layout, mesh_shape
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -487,9 +487,9 @@ class Engine:
             prefill_tokens=engine.prefill_tokens,
             prefill_chunk_tokens=engine.prefill_chunk_tokens,
             lanes=engine.lanes if engine.mode == "host_dp" else 1,
-            overlap_prefill=engine.overlap_prefill if engine.mode == "host_dp" else False,
-            samples=sampling.n,
         )
+        plan = plan_staging(plan, engine.overlap_prefill if engine.mode == "host_dp" else False, platform=devices[0].platform,
+                            prefill_chunk_tokens=engine.prefill_chunk_tokens, samples=sampling.n, batch_shards=layout.data_size)
         model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding)
         return Engine(model, config, dtype=dtype, engine_config=engine, sampling=sampling,
                       max_prompt_tokens=max_prompt_tokens, plan=plan, eos_token_ids=tuple(eos), tokenizer=tokenizer,

@@ -147,53 +147,11 @@ def plan_batch(
     prefill_tokens: int | str = 512,
     prefill_chunk_tokens: int = 32,
     lanes: int | str = 1,
-    overlap_prefill: bool | str = False,
-    samples: int = 1,
 ) -> BatchPlan:
     """devices: this host's devices (their memory is planned); batch_shards: ways rows are split
     (default: one per device); weight_shards / row_shards: devices sharing each weight / each row;
     prefill_tokens: a budget, or auto (`prefill_budget`); lanes: decode streams, or auto
-    (`auto_lanes`, decided with the batch size); overlap_prefill: a staging cache per lane, or
-    auto (`auto_overlap`, decided with the lanes); samples: rows per prompt (`sampling.n`), which
-    the staging cache holds together so that they share their prompt's prefill."""
-    plan = _plan_batch(config, dtype=dtype, cache_dtype=cache_dtype, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
-                       max_new_tokens=max_new_tokens, devices=devices, memory_fraction=memory_fraction,
-                       batch_shards=batch_shards, weight_shards=weight_shards, row_shards=row_shards,
-                       decode_chunk_steps=decode_chunk_steps, prefill_tokens=prefill_tokens,
-                       prefill_chunk_tokens=prefill_chunk_tokens, lanes=lanes)
-    if overlap_prefill == "auto":
-        overlap_prefill = auto_overlap(devices[0].platform, plan.lanes)
-    if not overlap_prefill:
-        return plan
-    n = batch_shards or len(devices)
-    rows = max(1, plan.prefill_tokens // prefill_chunk_tokens, samples)
-    staged = dataclasses.replace(plan, staged=min(-(-rows // n) * n, plan.batch_size // plan.lanes))
-    if staged.need_bytes(plan.batch_size, n) <= plan.limit_bytes:
-        return staged
-    if overlap_prefill is True:
-        raise ValueError(f"engine.overlap_prefill needs {staged.staged} more rows of KV cache per lane than"
-                         f" engine.batch_size={plan.batch_size} leaves room for: lower engine.batch_size or set it to auto")
-    return plan  # auto: the batch filled the memory, no room to stage
-
-
-def _plan_batch(
-    config: LlamaConfig,
-    *,
-    dtype,
-    cache_dtype,
-    batch_size: int | str,
-    max_prompt_tokens: int,
-    max_new_tokens: int,
-    devices: list[jax.Device],
-    memory_fraction: float,
-    batch_shards: int | None,
-    weight_shards: int,
-    row_shards: int,
-    decode_chunk_steps: int,
-    prefill_tokens: int | str,
-    prefill_chunk_tokens: int,
-    lanes: int | str,
-) -> BatchPlan:
+    (`auto_lanes`, decided with the batch size). A staging cache is added by `plan_staging`."""
     n = batch_shards or len(devices)
     seq_len = max_prompt_tokens + max_new_tokens
 
@@ -256,6 +214,26 @@ def _plan_batch(
             " lower engine.batch_size or use auto"
         )
     return dataclasses.replace(plan, batch_size=batch_size, reason="explicit")
+
+
+def plan_staging(plan: BatchPlan, overlap_prefill: bool | str, *, platform: str, prefill_chunk_tokens: int, samples: int,
+                 batch_shards: int) -> BatchPlan:
+    """`plan` with a staging cache per lane (`engine.overlap_prefill`; auto: `auto_overlap`) of as
+    many rows as a prefill call has, or a prompt has samples (`sampling.n`) if more, so that they
+    share their prompt's prefill; a multiple of batch_shards, at most a lane's rows. auto leaves
+    it out where the rows do not fit; an explicit true raises."""
+    explicit = overlap_prefill is True
+    if not (explicit or overlap_prefill == "auto" and auto_overlap(platform, plan.lanes)):
+        return plan
+    n = batch_shards
+    rows = max(1, plan.prefill_tokens // prefill_chunk_tokens, samples)
+    staged = dataclasses.replace(plan, staged=min(-(-rows // n) * n, plan.batch_size // plan.lanes))
+    if staged.need_bytes(plan.batch_size, n) <= plan.limit_bytes:
+        return staged
+    if explicit:
+        raise ValueError(f"engine.overlap_prefill needs {staged.staged} more rows of KV cache per lane than"
+                         f" engine.batch_size={plan.batch_size} leaves room for: lower engine.batch_size or set it to auto")
+    return plan  # auto: the batch filled the memory, no room to stage
 
 
 def auto_lanes(platform: str, batch_size: int, num_devices: int) -> int:

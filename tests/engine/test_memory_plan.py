@@ -76,3 +76,39 @@ def test_auto_lanes_split_big_cpu_batches_only(monkeypatch):
     assert memory.auto_lanes("gpu", 256, 1) == 1
     monkeypatch.setattr(memory.os, "sched_getaffinity", lambda pid: {0})
     assert memory.auto_lanes("cpu", 64, 1) == 1
+
+
+def test_a_staging_cache_is_planned_as_rows_and_left_out_where_it_does_not_fit(monkeypatch):
+    """`engine.overlap_prefill`: auto stages on a CPU host with two cores and one lane; the
+    staging cache has a prefill call's rows (or a prompt's samples if more, at most a lane's
+    rows), each counted as a row of memory; auto drops it where the batch fills the memory,
+    an explicit true says so."""
+    import dataclasses
+
+    import pytest
+
+    from engine import memory
+
+    monkeypatch.setattr(memory.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert memory.auto_overlap("cpu", 1) and not memory.auto_overlap("cpu", 2) and not memory.auto_overlap("gpu", 1)
+    monkeypatch.setattr(memory.os, "sched_getaffinity", lambda pid: {0})
+    assert not memory.auto_overlap("cpu", 1)
+
+    plan = memory.BatchPlan(16, "explicit", weights_bytes=1000, row_bytes=100, limit_bytes=10_000, working_bytes=500,
+                            prefill_tokens=512)
+
+    def staged(overlap, samples=1, **changes):
+        return memory.plan_staging(dataclasses.replace(plan, **changes), overlap, platform="cpu", prefill_chunk_tokens=32,
+                                   samples=samples, batch_shards=1).staged
+
+    assert staged(True) == 16 and staged(False) == 0  # 512 / 32 rows a call
+    assert staged(True, prefill_tokens=128) == 4 and staged(True, samples=6, prefill_tokens=128) == 6
+    assert staged(True, batch_size=8) == 8  # at most a lane's rows
+    with_staging = memory.plan_staging(plan, True, platform="cpu", prefill_chunk_tokens=32, samples=1, batch_shards=1)
+    assert with_staging.need_bytes(16, 1) - plan.need_bytes(16, 1) == 16 * 100
+    tight = dict(limit_bytes=plan.need_bytes(16, 1) + 100)  # room for one more row, not sixteen
+    assert staged("auto") == 0  # one core
+    monkeypatch.setattr(memory.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert staged("auto", **tight) == 0 and staged("auto") == 16
+    with pytest.raises(ValueError, match="engine.overlap_prefill needs 16 more rows of KV cache per lane"):
+        staged(True, **tight)
