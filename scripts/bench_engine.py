@@ -38,6 +38,15 @@ its programs), and `process_s` from before the library's import (JAX and the eng
 and transformers) through loading the checkpoint to the last token. `run_s` is our programs'
 running time, summed over the lanes when there are two (they run side by side).
 
+`--overlap-prefill off auto` times each mode of `engine.overlap_prefill` (prefill between decode
+calls, or beside them) cold and warm, and checks that both give the same tokens. Fresh processes
+vary between runs; `--alternate N` instead times the modes in one process, an engine each on
+the same checkpoint: after a first generate each (compiled), N rounds of one warm generate each,
+alternating which goes first (our side only):
+
+    python scripts/bench_engine.py --preset cpu-mixed --batch 16 --overlap-prefill off auto
+    python scripts/bench_engine.py --preset cpu-mixed --batch 16 --overlap-prefill off auto --alternate 4
+
 Presets (layers x width, vocab; prompts x prompt tokens, new tokens, batch) are the workloads
 in docs/performance-notes.md.
 """
@@ -224,11 +233,48 @@ def bench_hf_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[l
     return dict(generate_s=end - start, process_s=end - process_start, device=f"cpu, torch {torch.__version__}", tokens=out)
 
 
+def alternate_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[list[int]], overlaps: list, rounds: int,
+                    cache_dir: str) -> dict:
+    """One process, an engine per `engine.overlap_prefill` value: a first generate each (compiling
+    or loading its programs), then `rounds` rounds of one timed generate each, the order turned
+    round every round. Returns the wall times per value, after checking every run's tokens."""
+    os.environ["PIPELINE_CACHE_DIR"] = cache_dir
+    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+
+    engines = [Engine.load(folder, dtype=dtype, sampling=SamplingParams(max_new_tokens=p["new"]),
+                           engine=EngineConfig(batch_size=batch, overlap_prefill=overlap), max_prompt_tokens=p["prompt_len"])
+               for overlap in overlaps]
+
+    def run(engine) -> dict[int, list[int]]:
+        return {c.prompt_index: c.token_ids for c in engine.generate(GenerationRequest(i, ids, [0]) for i, ids in enumerate(prompts))}
+
+    expected = run(engines[0])
+    assert all(run(engine) == expected for engine in engines[1:]), "overlap_prefill changed tokens"
+    walls: list[list[float]] = [[] for _ in engines]
+    for r in range(rounds):
+        order = range(len(engines)) if r % 2 == 0 else reversed(range(len(engines)))
+        for i in order:
+            start = time.perf_counter()
+            assert run(engines[i]) == expected
+            walls[i].append(round(time.perf_counter() - start, 2))
+    return {"walls": walls, "describe": [engine.describe() for engine in engines]}
+
+
 def run_mixed(args, p: dict) -> None:
     prompts = mixed_prompts(p)
     batches = [args.batch] if args.batch else list(p["batch"])
     with tempfile.TemporaryDirectory() as folder:
         _in_child(build_checkpoint, p, folder, "float32" if "float32" in args.dtype else "bfloat16")
+        if args.alternate:
+            for dtype, batch in itertools.product(args.dtype, batches):
+                with tempfile.TemporaryDirectory() as cache_dir:
+                    out = _in_child(alternate_mixed, folder, p, dtype, batch, prompts,
+                                    [OVERLAP[o] for o in args.overlap_prefill], args.alternate, cache_dir)
+                result = {"preset": args.preset, "dtype": dtype, "batch": batch, "warm_generate_s": {
+                    o: walls for o, walls in zip(args.overlap_prefill, out["walls"])}}
+                result["mean_s"] = {o: round(sum(w) / len(w), 2) for o, w in result["warm_generate_s"].items()}
+                print(json.dumps(result), flush=True)
+            return
         lengths = [len(x) for x in prompts]
         print(json.dumps({"preset": args.preset, "prompts": len(prompts), "prompt_tokens": sum(lengths),
                           "median_len": int(np.median(lengths)), "max_len": max(lengths), "new": p["new"]}), flush=True)
@@ -283,6 +329,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="only time our engine")
     parser.add_argument("--overlap-prefill", nargs="+", choices=sorted(OVERLAP), default=["auto"],
                         help="mixed presets: engine.overlap_prefill, one run (cold and warm) per value")
+    parser.add_argument("--alternate", type=int, metavar="N",
+                        help="mixed presets: instead, N rounds of warm generates, one per --overlap-prefill value, in one process")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample instead of greedy (steady-state presets; both sides, same settings)")
     parser.add_argument("--top-p", type=float, default=1.0)
