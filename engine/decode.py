@@ -29,6 +29,9 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
   row, plus a small buffer of the chunk's own keys/values, scattered into the cache once after the
   loop. No window of the cache is copied (before issue 13 a per-chunk copy of a window doubled
   the GPU peak).
+- With prefill beside decoding (`engine.overlap_prefill`), prompts are prefilled into a staging
+  cache of a few slots, and `adopt_rows` moves their whole rows and decode state into free slots
+  of the decode cache between decode calls.
 - How many pages a call reads is chosen on the device, by a `lax.switch` inside the one program:
   the choice adds no programs (a decode chunk: 1-4 pages; a prefill chunk: the first or all).
 
