@@ -190,12 +190,9 @@ def bench_ours_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list
     """One fresh process: Engine.load + generate, timed as a whole; compile cache in cache_dir."""
     os.environ["PIPELINE_CACHE_DIR"] = cache_dir
     start = time.perf_counter()
-    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-
-    engine = Engine.load(folder, dtype=dtype, sampling=SamplingParams(max_new_tokens=p["new"]),
-                         engine=EngineConfig(batch_size=batch, overlap_prefill=overlap_prefill), max_prompt_tokens=p["prompt_len"])
+    engine = _mixed_engine(folder, p, dtype, batch, overlap_prefill)  # imports JAX and the engine
     generate_start = time.perf_counter()
-    out = list(engine.generate(GenerationRequest(i, ids, [0]) for i, ids in enumerate(prompts)))
+    out = list(engine.generate(_mixed_requests(prompts)))
     end = time.perf_counter()
     tokens = sum(len(c.token_ids) for c in out)
     assert tokens == len(prompts) * p["new"], "every row should make exactly --new tokens"
@@ -205,6 +202,19 @@ def bench_ours_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list
                 prefill_pages_read=s.prefill_pages_read,
                 padding=s.padded_prompt_tokens / max(1, s.prompt_tokens), describe=engine.describe(),
                 tokens={c.prompt_index: c.token_ids for c in out})
+
+
+def _mixed_engine(folder: str, p: dict, dtype: str, batch: int, overlap_prefill: bool | str):
+    from engine import Engine, EngineConfig, SamplingParams
+
+    return Engine.load(folder, dtype=dtype, sampling=SamplingParams(max_new_tokens=p["new"]),
+                       engine=EngineConfig(batch_size=batch, overlap_prefill=overlap_prefill), max_prompt_tokens=p["prompt_len"])
+
+
+def _mixed_requests(prompts: list[list[int]]):
+    from engine import GenerationRequest
+
+    return (GenerationRequest(i, ids, [0]) for i, ids in enumerate(prompts))
 
 
 def bench_hf_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[list[int]]) -> dict:
@@ -239,14 +249,10 @@ def alternate_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[
     or loading its programs), then `rounds` rounds of one timed generate each, the order turned
     round every round. Returns the wall times per value, after checking every run's tokens."""
     os.environ["PIPELINE_CACHE_DIR"] = cache_dir
-    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-
-    engines = [Engine.load(folder, dtype=dtype, sampling=SamplingParams(max_new_tokens=p["new"]),
-                           engine=EngineConfig(batch_size=batch, overlap_prefill=overlap), max_prompt_tokens=p["prompt_len"])
-               for overlap in overlaps]
+    engines = [_mixed_engine(folder, p, dtype, batch, overlap) for overlap in overlaps]
 
     def run(engine) -> dict[int, list[int]]:
-        return {c.prompt_index: c.token_ids for c in engine.generate(GenerationRequest(i, ids, [0]) for i, ids in enumerate(prompts))}
+        return {c.prompt_index: c.token_ids for c in engine.generate(_mixed_requests(prompts))}
 
     expected = run(engines[0])
     assert all(run(engine) == expected for engine in engines[1:]), "overlap_prefill changed tokens"
@@ -270,6 +276,8 @@ def run_mixed(args, p: dict) -> None:
                 with tempfile.TemporaryDirectory() as cache_dir:
                     out = _in_child(alternate_mixed, folder, p, dtype, batch, prompts,
                                     [OVERLAP[o] for o in args.overlap_prefill], args.alternate, cache_dir)
+                for describe in out["describe"]:
+                    print(describe, flush=True)
                 result = {"preset": args.preset, "dtype": dtype, "batch": batch, "warm_generate_s": {
                     o: walls for o, walls in zip(args.overlap_prefill, out["walls"])}}
                 result["mean_s"] = {o: round(sum(w) / len(w), 2) for o, w in result["warm_generate_s"].items()}
