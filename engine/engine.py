@@ -715,6 +715,10 @@ class Engine:
         """A slot's row, from when it is taken (prefill) until the row finishes."""
         prefilling: collections.deque[_Prompt] = collections.deque()
         kill = np.zeros(slots, bool)
+
+        def decoding_slots() -> list[int]:
+            return [s for s in range(slots) if live[s] is not None and live[s].decoding]
+
         try:
             while pending or prefilling or any(live) or (stager is not None and stager.busy()):
                 if stop is not None and self.layout.any_host(stop()):
@@ -724,12 +728,12 @@ class Engine:
                     return
                 if stager is not None:
                     yield from stager.finished()
-                decoding = [s for s in range(slots) if live[s] is not None and live[s].decoding]
+                decoding = decoding_slots()
                 free = [s for s in range(slots) if live[s] is None]
                 if free and stager is not None:
                     # Waits for the staging cache's current call only when enough slots are idle.
                     cache, state = stager.adopt(cache, state, free, live, kill, wait=len(free) >= refill_min or not decoding)
-                    decoding = [s for s in range(slots) if live[s] is not None]
+                    decoding = decoding_slots()  # and the rows it moved in
                 elif free and (len(free) >= refill_min or not decoding):
                     self._admit(pending, free, live, prefilling)
                 if prefilling:
