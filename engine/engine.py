@@ -254,12 +254,13 @@ class _Prompt:
 class _Stager:
     """A lane's next prompts, prefilled in a thread of their own into a staging cache while the
     lane decodes (`engine.overlap_prefill`): on a CPU host the decode step leaves a core mostly
-    idle, and the lane no longer stops decoding to prefill. The lane moves prefilled rows into
-    its free slots between its decode calls (`adopt`: one compiled call copies their whole cache
-    rows and decode state). The staging cache is used by one call at a time, the lane's first;
-    a row that finishes on its first token never leaves it, its completion waits in `finished`.
-    Which rows share a call depends on timing, not a row's tokens (rows are computed alone:
-    `compiler_options`)."""
+    idle, and the lane no longer stops decoding to prefill. The lane prefills its first rows
+    itself and starts the thread once it has taken them (a job that fits its slots never waits
+    for the thread). The lane moves prefilled rows into its free slots between its decode calls
+    (`adopt`: one compiled call copies their whole cache rows and decode state). The staging
+    cache is used by one call at a time, the lane's first; a row that finishes on its first token
+    never leaves it, its completion waits in `finished`. Which rows share a call depends on
+    timing, not a row's tokens (rows are computed alone: `compiler_options`)."""
 
     def __init__(self, engine: "Engine", pending: "_Pending", cache, state):
         self._engine = engine
@@ -704,10 +705,9 @@ class Engine:
         # stay the same for a resume of a few rows (compiling costs more than idle slots).
         slots = self._lane_slots
         refill_min = max(1, slots // 8)
-        stager = None
+        stager = staging = None
         if self._staged:
             (cache, state), staging = self._init(slots, self._staged)
-            stager = _Stager(self, pending, *staging)
         else:
             ((cache, state),) = self._init(slots)
         decode_compile = self._compile_decode_early(cache, state)
@@ -735,7 +735,11 @@ class Engine:
                     cache, state = stager.adopt(cache, state, free, live, kill, wait=len(free) >= refill_min or not decoding)
                     decoding = decoding_slots()  # and the rows it moved in
                 elif free and (len(free) >= refill_min or not decoding):
-                    self._admit(pending, free, live, prefilling)
+                    self._admit(pending, free, live, prefilling, whole=staging is not None)
+                if staging is not None:
+                    # The lane prefills its first rows itself, the prefill thread the next ones
+                    # meanwhile: a job that fits the lane's slots waits for no thread and no adopt.
+                    stager, staging = _Stager(self, pending, *staging), None
                 if prefilling:
                     # Prefill first: every taken slot joins the next decode chunk.
                     cache, state, (first, done) = self._prefill(cache, state, prefilling)

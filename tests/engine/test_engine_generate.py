@@ -270,6 +270,23 @@ def test_prefill_beside_decode_makes_the_same_rows(llama):
         assert not _prefill_threads()
 
 
+def test_a_job_that_fits_the_lane_makes_the_same_calls_beside_decode(llama):
+    """The lane prefills its first rows itself and the prefill thread only the rows after them:
+    a job that fits the lane's slots makes the calls it makes with prefill between decode calls,
+    with no wait for the thread and no call moving rows (it made an extra decode call and an
+    adopt before)."""
+    path, _ = llama
+    requests = [GenerationRequest(i, PROMPTS[i % len(PROMPTS)], [0]) for i in range(4)]
+    sampling = SamplingParams(max_new_tokens=8)
+    between = _staged(path, sampling, overlap_prefill=False)
+    beside = _staged(path, sampling, overlap_prefill=True)
+    expected = {key: c.token_ids for key, c in _run(between, requests).items()}
+    assert {key: c.token_ids for key, c in _run(beside, requests).items()} == expected and len(expected) == 4
+    for stat in ("prefill_calls", "decode_calls", "prompt_tokens", "generated_tokens"):
+        assert getattr(beside.stats, stat) == getattr(between.stats, stat), stat
+    assert "adopt" not in beside.stats.programs and not _prefill_threads()
+
+
 def test_prefill_beside_decode_stops_with_the_lane(llama, greedy_ref):
     """The prefill thread ends with generate: when the caller abandons it, when `stop` asks, and
     when a prompt it reads is bad (the error, naming the prompt, reaches the caller)."""
