@@ -29,11 +29,16 @@ With `--peak`, it times large square products (2,048 cubed) and the decode LM he
 and bfloat16 (float32 result), and prints GFLOP/s for XLA and torch: the ceiling that decode's
 compute-bound products are read against (docs/performance-notes.md, Limits).
 
+With `--stream`, it times matrix-vector products over 45 MB and 360 MB of float32 weights, torch
+on one thread and on all and XLA, and prints the GB/s they read at: how fast this machine's memory
+can feed a decode step.
+
 Run it on a quiet machine (nothing else running; figures taken under load are off by 2-5x):
 
     python scripts/bench_dots.py
     python scripts/bench_dots.py --stack
     python scripts/bench_dots.py --peak
+    python scripts/bench_dots.py --stream
 """
 
 from __future__ import annotations
@@ -156,12 +161,47 @@ def peak(args) -> None:
                   flush=True)
 
 
+STREAM_MB = (45, 360)
+"""Float32 weights read by one matrix-vector product: about a cpu-mixed decode step's (which
+this CPU's shared cache can hold) and eight times that (which it cannot)."""
+
+
+def stream(args) -> None:
+    """GB/s at which one matrix-vector product reads its float32 weights, torch on one thread
+    and on all, and XLA (its own threads): what this machine's memory lets a decode step stream,
+    to read the step's bytes against (docs/performance-notes.md, "What bounds the decode step")."""
+    import torch  # before JAX starts, as bench_engine.py does
+
+    import jax
+    import jax.numpy as jnp
+
+    product = jax.jit(lambda w, x: jnp.dot(w, x, preferred_element_type=jnp.float32))
+    threads = torch.get_num_threads()
+    for mb in STREAM_MB:
+        side = int((mb * 1e6 / 4) ** 0.5)
+        w = np.random.default_rng(0).standard_normal((side, side), np.float32)
+        x = np.ones((side, 1), np.float32)
+        row = {"weights_mb": round(w.nbytes / 1e6)}
+        wt, xt = torch.from_numpy(w), torch.from_numpy(x)
+        with torch.inference_mode():
+            for n in sorted({1, threads}):
+                torch.set_num_threads(n)
+                row[f"torch_{n}_threads_gb_s"] = round(w.nbytes / _time(lambda: wt @ xt, reps=args.reps) / 1e6, 1)
+        torch.set_num_threads(threads)
+        row["xla_gb_s"] = round(w.nbytes / _time(product, jnp.asarray(w), jnp.asarray(x), reps=args.reps) / 1e6, 1)
+        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--stack", action="store_true", help="time whole models' projections per decode step (see above)")
     parser.add_argument("--peak", action="store_true", help="GFLOP/s of large products and the LM heads (see above)")
+    parser.add_argument("--stream", action="store_true", help="GB/s of matrix-vector products over large weights (see above)")
     args = parser.parse_args()
+    if args.stream:
+        stream(args)
+        return
     if args.stack:
         stack(args)
         return
