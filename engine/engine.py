@@ -254,9 +254,9 @@ class _Prompt:
 class _Stager:
     """A lane's next prompts, prefilled in a thread of their own into a staging cache while the
     lane decodes (`engine.overlap_prefill`): on a CPU host the decode step leaves a core mostly
-    idle, and the lane no longer stops decoding to prefill. The lane prefills its first rows
-    itself and starts the thread once it has taken them (a job that fits its slots never waits
-    for the thread). The lane moves prefilled rows into its free slots between its decode calls
+    idle, and the lane no longer stops decoding to prefill. Where the staging cache has as many
+    rows as the lane (the same programs), the lane prefills its first rows itself and starts the
+    thread once it has taken them (a job that fits its slots never waits for it). The lane moves prefilled rows into its free slots between its decode calls
     (`adopt`: one compiled call copies their whole cache rows and decode state). The staging
     cache is used by one call at a time, the lane's first; a row that finishes on its first token
     never leaves it, its completion waits in `finished`. Which rows share a call depends on
@@ -708,6 +708,12 @@ class Engine:
         stager = staging = None
         if self._staged:
             (cache, state), staging = self._init(slots, self._staged)
+            if self._staged != slots:
+                # The lane's first rows too are prefilled in the thread: prefilled in the lane's
+                # cache, of another shape than the staging cache, they would compile two more programs.
+                stager, staging = _Stager(self, pending, *staging), None
+            # Else the lane prefills its first rows itself and then starts the thread for the next
+            # ones, with the same programs: a job that fits the lane waits for no thread and no adopt.
         else:
             ((cache, state),) = self._init(slots)
         decode_compile = self._compile_decode_early(cache, state)
@@ -737,8 +743,7 @@ class Engine:
                 elif free and (len(free) >= refill_min or not decoding):
                     self._admit(pending, free, live, prefilling, whole=staging is not None)
                 if staging is not None:
-                    # The lane prefills its first rows itself, the prefill thread the next ones
-                    # meanwhile: a job that fits the lane's slots waits for no thread and no adopt.
+                    # The lane prefilled its first rows itself (see above); the thread takes the next.
                     stager, staging = _Stager(self, pending, *staging), None
                 if prefilling:
                     # Prefill first: every taken slot joins the next decode chunk.

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 
+import engine.engine as engine_module
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from engine_testlib import VOCAB, run_on_forced_devices, with_generation_config
 
@@ -257,6 +258,7 @@ def test_prefill_beside_decode_makes_the_same_rows(llama):
         # Three staging rows: a prompt's samples share its prefill (a call has two rows).
         assert "beside decode, into 3 staging rows" in beside.describe() and "staging" not in between.describe()
         expected = {key: (c.token_ids, c.text, c.finish_reason) for key, c in _run(between, requests).items()}
+        engine_module._COMPILED.clear()  # to count the programs beside runs
         completions = list(beside.generate(requests))
         assert len(completions) == len(expected) == 3 * len(prompts)
         assert {(c.prompt_index, c.sample_index): (c.token_ids, c.text, c.finish_reason) for c in completions} == expected
@@ -267,24 +269,40 @@ def test_prefill_beside_decode_makes_the_same_rows(llama):
         # Rows done on their first token never leave the staging cache: nothing to move, nothing to decode.
         moved = sampling.max_new_tokens > 1
         assert ("adopt" in beside.stats.programs) == moved and (beside.stats.decode_calls > 0) == moved
+        assert len(engine_module._COMPILED) <= beside.max_programs, list(engine_module._COMPILED)
         assert not _prefill_threads()
 
 
 def test_a_job_that_fits_the_lane_makes_the_same_calls_beside_decode(llama):
-    """The lane prefills its first rows itself and the prefill thread only the rows after them:
-    a job that fits the lane's slots makes the calls it makes with prefill between decode calls,
-    with no wait for the thread and no call moving rows (it made an extra decode call and an
-    adopt before)."""
+    """Where the staging cache has the lane's rows (here a prefill call's four), the lane prefills
+    its first rows itself and the prefill thread only the rows after them: a job that fits the
+    lane's slots makes the calls it makes with prefill between decode calls, with no wait for
+    the thread and no call moving rows (it made an extra decode call and an adopt before)."""
     path, _ = llama
     requests = [GenerationRequest(i, PROMPTS[i % len(PROMPTS)], [0]) for i in range(4)]
     sampling = SamplingParams(max_new_tokens=8)
-    between = _staged(path, sampling, overlap_prefill=False)
-    beside = _staged(path, sampling, overlap_prefill=True)
+
+    def load(overlap_prefill):
+        return Engine.load(path, dtype="float32", sampling=sampling, max_prompt_tokens=16,
+                           engine=EngineConfig(batch_size=4, prefill_chunk_tokens=4, prefill_tokens=16,
+                                               overlap_prefill=overlap_prefill))
+
+    counted = ("prefill_calls", "decode_calls", "prompt_tokens", "generated_tokens")
+    between = load(False)
     expected = {key: c.token_ids for key, c in _run(between, requests).items()}
+    calls = {stat: getattr(between.stats, stat) for stat in counted}
+    more = [GenerationRequest(i, PROMPTS[i % len(PROMPTS)], [0]) for i in range(12)]
+    expected_more = {key: c.token_ids for key, c in _run(between, more).items()}
+    engine_module._COMPILED.clear()  # to count the programs beside runs
+    beside = load(True)
+    assert "beside decode, into 4 staging rows" in beside.describe()
     assert {key: c.token_ids for key, c in _run(beside, requests).items()} == expected and len(expected) == 4
-    for stat in ("prefill_calls", "decode_calls", "prompt_tokens", "generated_tokens"):
-        assert getattr(beside.stats, stat) == getattr(between.stats, stat), stat
-    assert "adopt" not in beside.stats.programs and not _prefill_threads()
+    assert {stat: getattr(beside.stats, stat) for stat in counted} == calls
+    assert sorted(beside.stats.programs) == ["decode", "init", "prefill", "prefill_fresh"] and not _prefill_threads()
+    # A longer job: the thread's calls run the lane's programs (the same shapes), one more to move rows.
+    assert {key: c.token_ids for key, c in _run(beside, more).items()} == expected_more
+    assert sorted(beside.stats.programs) == ["adopt", "decode", "init", "prefill", "prefill_fresh"]
+    assert len(engine_module._COMPILED) == 5 == beside.max_programs, list(engine_module._COMPILED)
 
 
 def test_prefill_beside_decode_stops_with_the_lane(llama, greedy_ref):
