@@ -256,11 +256,12 @@ class _Stager:
     lane decodes (`engine.overlap_prefill`): on a CPU host the decode step leaves a core mostly
     idle, and the lane no longer stops decoding to prefill. Where the staging cache has as many
     rows as the lane (the same programs), the lane prefills its first rows itself and starts the
-    thread once it has taken them (a job that fits its slots never waits for it). The lane moves prefilled rows into its free slots between its decode calls
-    (`adopt`: one compiled call copies their whole cache rows and decode state). The staging
-    cache is used by one call at a time, the lane's first; a row that finishes on its first token
-    never leaves it, its completion waits in `finished`. Which rows share a call depends on
-    timing, not a row's tokens (rows are computed alone: `compiler_options`)."""
+    thread once it has taken them (a job that fits its slots never waits for it). The lane moves
+    prefilled rows into its free slots between its decode calls (`adopt`: one compiled call
+    copies their whole cache rows and decode state). The staging cache is used by one call at a
+    time, the lane's first; a row that finishes on its first token never leaves it, its
+    completion waits in `finished`. Which rows share a call depends on timing, not a row's tokens
+    (rows are computed alone: `compiler_options`)."""
 
     def __init__(self, engine: "Engine", pending: "_Pending", cache, state):
         self._engine = engine
@@ -709,11 +710,11 @@ class Engine:
         if self._staged:
             (cache, state), staging = self._init(slots, self._staged)
             if self._staged != slots:
-                # The lane's first rows too are prefilled in the thread: prefilled in the lane's
-                # cache, of another shape than the staging cache, they would compile two more programs.
+                # The lane's cache has another shape than the staging cache: prefill calls over it
+                # would compile two more programs, so the thread prefills every row from the start.
                 stager, staging = _Stager(self, pending, *staging), None
-            # Else the lane prefills its first rows itself and then starts the thread for the next
-            # ones, with the same programs: a job that fits the lane waits for no thread and no adopt.
+            # Else the lane prefills its first rows itself and then starts the thread (below): a
+            # job that fits the lane waits for no thread and no adopt.
         else:
             ((cache, state),) = self._init(slots)
         decode_compile = self._compile_decode_early(cache, state)
