@@ -236,10 +236,10 @@ def _prefill_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name == "engine-prefill"]
 
 
-def _staged(path, sampling, overlap_prefill, **engine):
-    """4 slots, prompts in chunks of 4 tokens, 2 rows a prefill call."""
+def _staged(path, sampling, overlap_prefill, prefill_tokens=8, **engine):
+    """4 slots, prompts in chunks of 4 tokens, 2 rows a prefill call (prefill_tokens / 4)."""
     return Engine.load(path, dtype="float32", sampling=sampling, max_prompt_tokens=16,
-                       engine=EngineConfig(batch_size=4, prefill_chunk_tokens=4, prefill_tokens=8,
+                       engine=EngineConfig(batch_size=4, prefill_chunk_tokens=4, prefill_tokens=prefill_tokens,
                                            overlap_prefill=overlap_prefill, **engine))
 
 
@@ -281,20 +281,14 @@ def test_a_job_that_fits_the_lane_makes_the_same_calls_beside_decode(llama):
     path, _ = llama
     requests = [GenerationRequest(i, PROMPTS[i % len(PROMPTS)], [0]) for i in range(4)]
     sampling = SamplingParams(max_new_tokens=8)
-
-    def load(overlap_prefill):
-        return Engine.load(path, dtype="float32", sampling=sampling, max_prompt_tokens=16,
-                           engine=EngineConfig(batch_size=4, prefill_chunk_tokens=4, prefill_tokens=16,
-                                               overlap_prefill=overlap_prefill))
-
     counted = ("prefill_calls", "decode_calls", "prompt_tokens", "generated_tokens")
-    between = load(False)
+    between = _staged(path, sampling, overlap_prefill=False, prefill_tokens=16)
     expected = {key: c.token_ids for key, c in _run(between, requests).items()}
     calls = {stat: getattr(between.stats, stat) for stat in counted}
     more = [GenerationRequest(i, PROMPTS[i % len(PROMPTS)], [0]) for i in range(12)]
     expected_more = {key: c.token_ids for key, c in _run(between, more).items()}
     engine_module._COMPILED.clear()  # to count the programs beside runs
-    beside = load(True)
+    beside = _staged(path, sampling, overlap_prefill=True, prefill_tokens=16)
     assert "beside decode, into 4 staging rows" in beside.describe()
     assert {key: c.token_ids for key, c in _run(beside, requests).items()} == expected and len(expected) == 4
     assert {stat: getattr(beside.stats, stat) for stat in counted} == calls
