@@ -299,9 +299,11 @@ def test_a_job_that_fits_the_lane_makes_the_same_calls_beside_decode(llama):
     assert len(engine_module._COMPILED) == 5 == beside.max_programs, list(engine_module._COMPILED)
 
 
-def test_prefill_beside_decode_stops_with_the_lane(llama, greedy_ref):
-    """The prefill thread ends with generate: when the caller abandons it, when `stop` asks, and
-    when a prompt it reads is bad (the error, naming the prompt, reaches the caller)."""
+def test_prefill_beside_decode_stops_with_the_lane(llama, greedy_ref, monkeypatch):
+    """The prefill thread ends with generate: when the caller abandons it, when `stop` asks, when
+    a prompt is bad (generate reads it ahead of the slots; the error names the prompt), and when
+    a prefill call of the thread's own fails (a device error, injected: it reaches the caller).
+    The engine generates as before afterwards."""
     path, _ = llama
     engine = _staged(path, SamplingParams(max_new_tokens=12), overlap_prefill=True, decode_chunk_steps=2)
     requests = [GenerationRequest(i, PROMPTS[i % len(PROMPTS)], [0]) for i in range(20)]
@@ -319,6 +321,19 @@ def test_prefill_beside_decode_stops_with_the_lane(llama, greedy_ref):
     with pytest.raises(ValueError, match=rf"prompt 6 has token ids outside \[0, {VOCAB}\)"):
         list(engine.generate(bad))
     assert not _prefill_threads()
+
+    prefill = engine._prefill
+
+    def fails_in_the_thread(*args):
+        if threading.current_thread().name == "engine-prefill":
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (injected in the prefill thread)")
+        return prefill(*args)
+
+    monkeypatch.setattr(engine, "_prefill", fails_in_the_thread)
+    with pytest.raises(RuntimeError, match="injected in the prefill thread"):
+        list(engine.generate(requests))
+    assert not _prefill_threads()
+    monkeypatch.undo()
     (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
     assert c.token_ids == greedy_ref and not engine.stopped
 
