@@ -122,6 +122,10 @@ class EngineStats:
     persistent compilation cache); a run compiles at most `Engine.max_programs`, whatever its prompts."""
     cache_loads: int = 0
     """Programs loaded from JAX's persistent compilation cache instead of compiled."""
+    programs_used: int = 0
+    """Distinct programs this engine ran, wherever it got them (this process's memory, the
+    persistent cache or XLA); a second input shape of one kind counts as another program. At
+    most `Engine.max_programs`, whatever the prompts."""
     compile_time_s: float = 0.0
     """Seconds getting programs: compiling, plus loading those found in the persistent cache.
     Summed over threads: the decode program is compiled beside the others (`compile_wait_s`)."""
@@ -417,6 +421,8 @@ class Engine:
         self._group = min(sampling.n, self._lane_slots)
         """Samples of one prompt that share one prefill (each needs a slot)."""
         self._stats_lock = threading.Lock()
+        self._used_programs: set[tuple] = set()
+        """Keys (`_program`) of the programs this engine ran: stats.programs_used."""
         self._local = threading.local()
         """Per thread: `lane`, the lane it runs (0 when unset)."""
 
@@ -535,11 +541,14 @@ class Engine:
         from JAX's persistent cache (counted apart in the stats)."""
         leaves, treedef = jax.tree.flatten(args)
         key = (kind, static, self._spec, self.layout.is_global, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+        with _COMPILING_LOCK:
+            if key not in self._used_programs:
+                self._used_programs.add(key)
+                self.stats.programs_used = len(self._used_programs)
+            lock = _COMPILING[key]
         compiled = _COMPILED.get(key)
         if compiled is not None:
             return compiled
-        with _COMPILING_LOCK:
-            lock = _COMPILING[key]
         with lock:
             compiled = _COMPILED.get(key)
             if compiled is None:

@@ -83,6 +83,9 @@ class HostMetrics:
     """host_dp, or global_mesh (then samples, prompts and tokens count the rows this host wrote)."""
     cache_loads: int = 0
     """Programs loaded from JAX's persistent compilation cache instead of compiled."""
+    programs_used: int = 0
+    """Distinct programs the engine ran (compiled, loaded or already in memory; a second shape of
+    one kind counts again): at most 5, whatever the prompts."""
     programs: dict | None = None
     """Per program kind: compiled, loaded, seconds getting it, run_s running it (engine.EngineStats)."""
     compile_wait_s: float = 0.0
@@ -157,6 +160,7 @@ def generate(cfg: Config, out: StepOutput) -> None:
         peak_memory_bytes=stats.peak_memory_bytes if stats else None,
         batch_size=stats.batch_size if stats else None, compilations=stats.compilations if stats else 0,
         mode=cfg.engine.mode, cache_loads=stats.cache_loads if stats else 0,
+        programs_used=stats.programs_used if stats else 0,
         programs=stats.programs if stats else None, compile_wait_s=round(stats.compile_wait_s, 3) if stats else 0.0,
     )
     storage.write_json(out.path("metrics", f"host-{hosts.process_index():05d}-{_stamp()}.json"), metrics.__dict__)

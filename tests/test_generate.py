@@ -50,7 +50,7 @@ def test_any_host_count_gives_the_same_rows(make_config, tmp_path, many_prompts,
     for m in metrics:  # every host got its few programs, and says what waiting for them cost it
         got = sum(p["compiled"] + p["loaded"] for p in m["programs"].values())
         # init, decode, prefill of first chunks (and of later ones), staged rows' move (adopt)
-        assert got == m["compilations"] + m["cache_loads"] and 3 <= got <= 5, m
+        assert got == m["compilations"] + m["cache_loads"] == m["programs_used"] and 3 <= got <= 5, m
         assert 0 < m["compile_wait_s"] <= min(m["wall_s"], m["compile_s"] + 0.05), m
 
 

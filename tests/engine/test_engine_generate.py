@@ -11,7 +11,6 @@ import threading
 import numpy as np
 import pytest
 
-import engine.engine as engine_module
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from engine_testlib import VOCAB, run_on_forced_devices, with_generation_config
 
@@ -258,7 +257,6 @@ def test_prefill_beside_decode_makes_the_same_rows(llama):
         # Three staging rows: a prompt's samples share its prefill (a call has two rows).
         assert "beside decode, into 3 staging rows" in beside.describe() and "staging" not in between.describe()
         expected = {key: (c.token_ids, c.text, c.finish_reason) for key, c in _run(between, requests).items()}
-        engine_module._COMPILED.clear()  # to count the programs beside runs
         completions = list(beside.generate(requests))
         assert len(completions) == len(expected) == 3 * len(prompts)
         assert {(c.prompt_index, c.sample_index): (c.token_ids, c.text, c.finish_reason) for c in completions} == expected
@@ -269,7 +267,7 @@ def test_prefill_beside_decode_makes_the_same_rows(llama):
         # Rows done on their first token never leave the staging cache: nothing to move, nothing to decode.
         moved = sampling.max_new_tokens > 1
         assert ("adopt" in beside.stats.programs) == moved and (beside.stats.decode_calls > 0) == moved
-        assert len(engine_module._COMPILED) <= beside.max_programs, list(engine_module._COMPILED)
+        assert beside.stats.programs_used <= beside.max_programs, beside.stats.programs
         assert not _prefill_threads()
 
 
@@ -287,7 +285,6 @@ def test_a_job_that_fits_the_lane_makes_the_same_calls_beside_decode(llama):
     calls = {stat: getattr(between.stats, stat) for stat in counted}
     more = [GenerationRequest(i, PROMPTS[i % len(PROMPTS)], [0]) for i in range(12)]
     expected_more = {key: c.token_ids for key, c in _run(between, more).items()}
-    engine_module._COMPILED.clear()  # to count the programs beside runs
     beside = _staged(path, sampling, overlap_prefill=True, prefill_tokens=16)
     assert "beside decode, into 4 staging rows" in beside.describe()
     assert {key: c.token_ids for key, c in _run(beside, requests).items()} == expected and len(expected) == 4
@@ -296,7 +293,7 @@ def test_a_job_that_fits_the_lane_makes_the_same_calls_beside_decode(llama):
     # A longer job: the thread's calls run the lane's programs (the same shapes), one more to move rows.
     assert {key: c.token_ids for key, c in _run(beside, more).items()} == expected_more
     assert sorted(beside.stats.programs) == ["adopt", "decode", "init", "prefill", "prefill_fresh"]
-    assert len(engine_module._COMPILED) == 5 == beside.max_programs, list(engine_module._COMPILED)
+    assert beside.stats.programs_used == 5 == beside.max_programs, beside.stats.programs
 
 
 def test_prefill_beside_decode_stops_with_the_lane(llama, greedy_ref, monkeypatch):
