@@ -541,14 +541,15 @@ class Engine:
         from JAX's persistent cache (counted apart in the stats)."""
         leaves, treedef = jax.tree.flatten(args)
         key = (kind, static, self._spec, self.layout.is_global, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
-        with _COMPILING_LOCK:
-            if key not in self._used_programs:
+        if key not in self._used_programs:  # once per program: calls after it take no lock here
+            with self._stats_lock:
                 self._used_programs.add(key)
                 self.stats.programs_used = len(self._used_programs)
-            lock = _COMPILING[key]
         compiled = _COMPILED.get(key)
         if compiled is not None:
             return compiled
+        with _COMPILING_LOCK:
+            lock = _COMPILING[key]
         with lock:
             compiled = _COMPILED.get(key)
             if compiled is None:
