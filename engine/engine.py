@@ -130,8 +130,9 @@ class EngineStats:
     """Seconds getting programs: compiling, plus loading those found in the persistent cache.
     Summed over threads: the decode program is compiled beside the others (`compile_wait_s`)."""
     compile_wait_s: float = 0.0
-    """Seconds `generate` itself waited for programs: what getting them added to its wall time
-    (at most compile_time_s, as the decode program's compile overlaps the prefill)."""
+    """Seconds `generate` itself waited for programs: the wall time during which a lane or the
+    prefill thread waited for one, overlapping waits counted once (at most compile_time_s, as
+    the decode program's compile overlaps the prefill)."""
     programs: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     """Per program kind (init, prefill_fresh, prefill, decode, adopt): compiled, loaded, seconds (getting
     the programs), run_s (running them)."""
@@ -423,8 +424,9 @@ class Engine:
         self._stats_lock = threading.Lock()
         self._used_programs: set[tuple] = set()
         """Keys (`_program`) of the programs this engine ran: stats.programs_used."""
-        self._local = threading.local()
-        """Per thread: `lane`, the lane it runs (0 when unset)."""
+        self._waiters = 0
+        self._waits_began = 0.0
+        """Threads in `_waiting` now, and since when one has been (under _stats_lock)."""
 
     @staticmethod
     def load(
@@ -624,14 +626,21 @@ class Engine:
 
     @contextlib.contextmanager
     def _waiting(self):
-        """Counts the time inside as generate waiting for programs (stats.compile_wait_s): the
-        first lane's waits only, as the lanes wait for the same programs at the same time."""
-        start = time.perf_counter()
+        """Counts the time inside as generate waiting for programs (stats.compile_wait_s), once
+        however many threads wait at the same time: the lanes wait for the same programs, and
+        the prefill thread for its own while a lane waits for the decode program. Each wait lies
+        within some program's getting, so the sum stays within compile_time_s."""
+        with self._stats_lock:
+            if self._waiters == 0:
+                self._waits_began = time.perf_counter()
+            self._waiters += 1
         try:
             yield
         finally:
-            if getattr(self._local, "lane", 0) == 0:
-                self._count(compile_wait_s=time.perf_counter() - start)
+            with self._stats_lock:
+                self._waiters -= 1
+                if self._waiters == 0:
+                    self.stats.compile_wait_s += time.perf_counter() - self._waits_began
 
     # ---------------------------------------------------------------------------- generate
 
@@ -677,8 +686,7 @@ class Engine:
         results: queue.SimpleQueue = queue.SimpleQueue()
         halt = threading.Event()
 
-        def lane(index: int) -> None:
-            self._local.lane = index
+        def lane() -> None:
             try:
                 for completion in self._lane(pending, stop, halt):
                     results.put(completion)
@@ -688,7 +696,7 @@ class Engine:
             finally:
                 results.put(_LANE_DONE)
 
-        threads = [threading.Thread(target=lane, args=(i,), name=f"engine-lane-{i}", daemon=True) for i in range(self._lanes)]
+        threads = [threading.Thread(target=lane, name=f"engine-lane-{i}", daemon=True) for i in range(self._lanes)]
         for thread in threads:
             thread.start()
         try:
