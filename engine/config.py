@@ -127,16 +127,18 @@ class EngineConfig:
     host with two or more cores and one lane (XLA's CPU runtime leaves a core idle during much of
     a decode step; two lanes already fill it), else off (engine/memory.py)."""
 
-    decode_attention: Literal["auto", "xla", "pallas"] = "auto"
+    decode_attention: Literal["auto", "xla", "pallas", "cpu"] = "auto"
     """How a decode step attends over the KV cache: xla, the engine's own operations over the
     cache pages that hold the longest live row; pallas, JAX's Pallas GPU decode-attention kernel,
     each row read to its own length (over several devices each runs it on its own rows and KV
-    heads; on the CPU Pallas' interpreter runs it, for checks only). auto: pallas on GPUs in
-    bfloat16 or float16 when head_dim is a power of two >= 16, else xla (engine/kernels.py)."""
+    heads; on the CPU Pallas' interpreter runs it, for checks only); cpu, the engine's C++ CPU
+    kernel (built on first use with the machine's compiler), each row read to its own length, its
+    rows spread over the CPU's threads. auto: pallas on GPUs in bfloat16 or float16 when head_dim
+    is a power of two >= 16, cpu on CPUs where the kernel builds, else xla (engine/kernels.py)."""
 
     def __post_init__(self):
-        require(self.decode_attention in ("auto", "xla", "pallas"), "engine.decode_attention", self.decode_attention,
-                "auto, xla or pallas")
+        require(self.decode_attention in ("auto", "xla", "pallas", "cpu"), "engine.decode_attention", self.decode_attention,
+                "auto, xla, pallas or cpu")
         require(self.batch_size == "auto" or (_is_int(self.batch_size) and self.batch_size > 0),
                 "engine.batch_size", self.batch_size, "an integer > 0 or auto")
         require(self.mode in ("host_dp", "global_mesh"), "engine.mode", self.mode, "host_dp or global_mesh")

@@ -34,6 +34,8 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
   of the decode cache between decode calls.
 - How many pages a call reads is chosen on the device, by a `lax.switch` inside the one program:
   the choice adds no programs (a decode chunk: 1-4 pages; a prefill chunk: the first or all).
+  With a kernel that reads each row to its own length (`engine.decode_attention: cpu`), a decode
+  chunk passes it every page and has no switch: one branch to trace and compile.
 
 Both return what the host reads back (new tokens and done flags) as separate arrays laid out
 by `spec.host_sharding`: on a global mesh they are replicated, so every host holds a copy.
@@ -239,7 +241,10 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
     def run(count: int):
         return _decode_loop(model, cache, count, state, spec=spec, steps=steps)
 
-    chunks, state, out = by_pages(jnp.max(jnp.where(was_live, start, 0)), cache.ends, run)
+    if spec.attention == "cpu":  # the kernel reads each row to its own length: every page, one branch
+        chunks, state, out = run(len(cache.ends))
+    else:
+        chunks, state, out = by_pages(jnp.max(jnp.where(was_live, start, 0)), cache.ends, run)
     # Entries past a row's last live step are garbage written beyond its valid positions, where
     # nothing is read before it is overwritten; rows idle for the whole chunk (a slot being
     # prefilled, or empty) write nothing; positions past the cache are dropped.

@@ -37,9 +37,10 @@ thread of their own, into a small staging cache, and the lane moves prefilled ro
 slots between decode calls (`_Stager`; one more program, adopt), so it no longer stops decoding
 to prefill.
 
-On GPUs in a 16-bit dtype a decode step attends through JAX's Pallas decode-attention kernel,
-each row read to its own length (`engine.decode_attention`, engine/kernels.py); elsewhere
-through the engine's own XLA operations (engine/llama.py).
+A decode step attends through a kernel that reads each row to its own length where one runs
+(`engine.decode_attention`, engine/kernels.py): on GPUs in a 16-bit dtype JAX's Pallas
+decode-attention kernel, on CPUs the engine's own C++ kernel (engine/cpu_attention.py);
+elsewhere through the engine's own XLA operations (engine/llama.py).
 """
 
 from __future__ import annotations
@@ -507,7 +508,7 @@ class Engine:
 
     @property
     def attention(self) -> str:
-        """Decode attention, `engine.decode_attention` resolved: xla or pallas (engine/kernels.py)."""
+        """Decode attention, `engine.decode_attention` resolved: xla, pallas or cpu (engine/kernels.py)."""
         return self._spec.attention
 
     @property

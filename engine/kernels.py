@@ -1,4 +1,4 @@
-"""Decode attention through JAX's Pallas GPU decode-attention kernel (`engine.decode_attention: pallas`).
+"""Decode attention through a kernel (`engine.decode_attention`: pallas, JAX's Pallas GPU decode-attention kernel; cpu, ours).
 
 Owns: the choice between the engine's own attention (XLA operations: per cache page the scores,
 the softmax and the weighted values, over every position of the pages that hold the longest live
@@ -8,7 +8,10 @@ and the kernel's use over the engine's pages: one call per page (with the kernel
 keeps its cache in one page, `KernelTuning.pages`: one call a layer), combined with the decode
 chunk's buffer by their softmax residuals (the running maximum and sum of each part).
 
-The kernel is JAX's, not ours: this module only tunes its blocks and combines its results. It
+With `engine.decode_attention: cpu` each page goes instead to the engine's own C++ CPU kernel
+(engine/cpu_attention.py), which returns the same residuals; the chunk's buffer stays with XLA.
+
+The Pallas kernel is JAX's, not ours: this module only tunes its blocks and combines its results. It
 runs on GPUs, over several devices under `jax.shard_map` (each device its own rows and KV
 heads); on the CPU Pallas' interpreter runs it (slowly: for checks). A page whose length is not
 a multiple of 16 (the kernel's smallest block; the engine's pages for it never are) is attended
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import NamedSharding, PartitionSpec
 
+from engine import cpu_attention
 from engine.config import InvalidConfig
 from engine.jax_compat import hax
 
@@ -87,12 +91,26 @@ TUNING = KernelTuning()
 
 
 def resolve(setting: str, *, platform: str, head_dim: int, dtype: str) -> str:
-    """'xla' or 'pallas' for `engine.decode_attention`. auto: the kernel on GPUs in a 16-bit
-    dtype (float32 keeps the engine's own attention, whose products are held to float32
-    precision) when the heads suit it. The kernel is Triton's: its blocks span a whole head, so
-    head_dim must be a power of two of at least 16 on a GPU; `pallas` is refused on other
-    accelerators and for other head sizes (on the CPU Pallas' interpreter runs any, for checks)."""
+    """'xla', 'pallas' or 'cpu' for `engine.decode_attention`. auto: on GPUs JAX's Pallas kernel
+    in a 16-bit dtype (float32 keeps the engine's own attention, whose products are held to
+    float32 precision) when the heads suit it; on CPUs the engine's C++ kernel
+    (engine/cpu_attention.py) where it builds, else the engine's own attention. The Pallas kernel
+    is Triton's: its blocks span a whole head, so head_dim must be a power of two of at least 16
+    on a GPU; `pallas` is refused on other accelerators and for other head sizes (on the CPU
+    Pallas' interpreter runs any, for checks). `cpu` is refused off the CPU and where the kernel
+    cannot be built."""
     fits = head_dim >= _MIN_BLOCK and head_dim & (head_dim - 1) == 0
+    if setting == "cpu":
+        if platform != "cpu":
+            raise InvalidConfig(f"engine.decode_attention: cpu is the engine's CPU kernel; this host's devices are {platform}"
+                                " (use auto or xla)")
+        why = cpu_attention.unavailable()
+        if why:
+            raise InvalidConfig(f"engine.decode_attention: cpu needs the engine's C++ kernel, which cannot be built here: {why}"
+                                " (use auto or xla)")
+        return setting
+    if setting == "auto" and platform == "cpu":
+        return "xla" if cpu_attention.unavailable() else "cpu"
     if setting == "auto":
         return "pallas" if platform == "gpu" and dtype != "float32" and fits else "xla"
     if setting == "pallas":
@@ -161,7 +179,8 @@ def combine(parts) -> jax.Array:
 
 
 def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_mask: NamedArray | None, scale: float, *,
-                        sharding: NamedSharding | None = None, tuning: KernelTuning | None = None) -> NamedArray:
+                        sharding: NamedSharding | None = None, tuning: KernelTuning | None = None,
+                        attention: str = "pallas") -> NamedArray:
     """A decode step's attention (q one position: batch, position, kv_heads, q_per_kv, head_dim)
     over the cache `pages` (LayerKVs, keys/values batch, kv_heads, key_position, head_dim), each
     row up to its `lengths` [batch] positions written, and over the chunk buffer's keys/values
@@ -179,7 +198,7 @@ def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_m
     args = (q_arr, kv, lengths)
     if chunk is not None:
         args += ((chunk.k.array, chunk.v.array), chunk_mask["position", 0].rearrange(("batch", "chunk")).array)
-    attend = functools.partial(_attend_arrays, scale=scale, tuning=tuning or TUNING)
+    attend = functools.partial(_attend_arrays, scale=scale, tuning=tuning or TUNING, attention=attention)
     if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
         rows, heads = (tuple(sharding.spec) + (None, None))[:2]
         by_head, by_row = PartitionSpec(rows, heads), PartitionSpec(rows)
@@ -189,26 +208,30 @@ def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_m
     return hax.named(out, (q.resolve_axis("batch"), q.resolve_axis("position")) + tuple(q.resolve_axis(a) for a in axes[1:]))
 
 
-def _attend_arrays(q, pages, lengths, chunk=None, mask=None, *, scale: float, tuning: KernelTuning) -> jax.Array:
+def _attend_arrays(q, pages, lengths, chunk=None, mask=None, *, scale: float, tuning: KernelTuning,
+                   attention: str = "pallas") -> jax.Array:
     """attend_pages_kernel on one device's arrays: q [batch, kv_heads, group, head_dim], pages
     [(keys, values)] and chunk (keys, values) [batch, kv_heads, positions, head_dim] or None,
     lengths [batch], mask [batch, chunk]. Returns [batch, kv_heads, group, head_dim] float32."""
     parts, start = [], 0
     for keys, values in pages:
         page_len = keys.shape[2]
-        parts.append(_residuals(q, keys, values, jnp.clip(lengths - start, 0, page_len), scale, tuning))
+        parts.append(_residuals(q, keys, values, jnp.clip(lengths - start, 0, page_len), scale, tuning, attention))
         start += page_len
-    if chunk is not None and tuning.chunk_kernel:  # the chunk's written positions are a prefix: its length per row
+    if chunk is not None and tuning.chunk_kernel and attention == "pallas":
+        # the chunk's written positions are a prefix: its length per row
         parts.append(_residuals(q, *chunk, jnp.sum(mask, axis=1, dtype=jnp.int32), scale, tuning))
     elif chunk is not None:
         parts.append(xla_residuals(q, *chunk, mask, scale))
     return combine(parts)
 
 
-def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning):
+def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, attention: str = "pallas"):
     """(o, l, m) of keys/values [batch, kv_heads, positions, head_dim], each row's first
-    `written` [batch] positions: by the kernel where it can read them (`kernel_blocks`), else
-    by XLA operations."""
+    `written` [batch] positions: by the CPU kernel (attention cpu), else by the Pallas kernel
+    where it can read them (`kernel_blocks`), else by XLA operations."""
+    if attention == "cpu":
+        return cpu_attention.page_residuals(q, keys, values, written, scale)
     blocks = kernel_blocks(keys.shape[2], q.shape[0] * q.shape[1], tuning)
     if blocks is None:
         return xla_residuals(q, keys, values, jnp.arange(keys.shape[2])[None, :] < written[:, None], scale)

@@ -395,8 +395,8 @@ class DecodeStep(NamedTuple):
     hold). In place (chunk None): where this step writes each row's key/value, the cache's length
     for a row that writes nothing."""
     attention: str = "xla"
-    """How the step attends (static): xla, the operations below; pallas, JAX's fused kernel
-    (engine/kernels.py), each row read to its own length."""
+    """How the step attends (static): xla, the operations below; pallas, JAX's fused kernel, or
+    cpu, the engine's C++ CPU kernel (engine/kernels.py), each row read to its own length."""
     sharding: Any = None
     """The cache's NamedSharding (static): over several devices the kernel runs per device."""
     kernel: Any = None
@@ -520,9 +520,10 @@ class Attention(eqx.Module):
             hax.named(jax.lax.dynamic_update_slice(old.array, new.array.astype(old.dtype), (0, 0, context.step, 0)), old.axes)
             for old, new in ((chunk.k, k), (chunk.v, v))
         ))
-        if context.attention == "pallas":
+        if context.attention in ("pallas", "cpu"):
             return kernels.attend_pages_kernel(q, context.pages, context.lengths, chunk, context.chunk_mask, scale,
-                                               sharding=context.sharding, tuning=context.kernel), chunk
+                                               sharding=context.sharding, tuning=context.kernel,
+                                               attention=context.attention), chunk
         parts = [(page.k, page.v, mask, "key_position") for page, mask in zip(context.pages, context.page_masks)]
         parts.append((chunk.k, chunk.v, context.chunk_mask, "chunk"))  # the current position is always there
         return _attend_pages(q, parts, scale), chunk

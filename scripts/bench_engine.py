@@ -186,11 +186,12 @@ def mixed_prompts(p: dict, seed: int = 0) -> list[list[int]]:
 
 
 def bench_ours_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[list[int]], cache_dir: str,
-                     overlap_prefill: bool | str = "auto") -> dict:
-    """One fresh process: Engine.load + generate, timed as a whole; compile cache in cache_dir."""
+                     variant: dict) -> dict:
+    """One fresh process: Engine.load + generate, timed as a whole; compile cache in cache_dir.
+    variant: EngineConfig fields (overlap_prefill, decode_attention)."""
     os.environ["PIPELINE_CACHE_DIR"] = cache_dir
     start = time.perf_counter()
-    engine = _mixed_engine(folder, p, dtype, batch, overlap_prefill)  # imports JAX and the engine
+    engine = _mixed_engine(folder, p, dtype, batch, variant)  # imports JAX and the engine
     generate_start = time.perf_counter()
     out = list(engine.generate(_mixed_requests(prompts)))
     end = time.perf_counter()
@@ -204,11 +205,11 @@ def bench_ours_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list
                 tokens={c.prompt_index: c.token_ids for c in out})
 
 
-def _mixed_engine(folder: str, p: dict, dtype: str, batch: int, overlap_prefill: bool | str):
+def _mixed_engine(folder: str, p: dict, dtype: str, batch: int, variant: dict):
     from engine import Engine, EngineConfig, SamplingParams
 
     return Engine.load(folder, dtype=dtype, sampling=SamplingParams(max_new_tokens=p["new"]),
-                       engine=EngineConfig(batch_size=batch, overlap_prefill=overlap_prefill), max_prompt_tokens=p["prompt_len"])
+                       engine=EngineConfig(batch_size=batch, **variant), max_prompt_tokens=p["prompt_len"])
 
 
 def _mixed_requests(prompts: list[list[int]]):
@@ -243,19 +244,19 @@ def bench_hf_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[l
     return dict(generate_s=end - start, process_s=end - process_start, device=f"cpu, torch {torch.__version__}", tokens=out)
 
 
-def alternate_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[list[int]], overlaps: list, rounds: int,
+def alternate_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[list[int]], variants: list[dict], rounds: int,
                     cache_dir: str) -> dict:
-    """One process, an engine per `engine.overlap_prefill` value: a first generate each (compiling
+    """One process, an engine per variant (EngineConfig fields): a first generate each (compiling
     or loading its programs), then `rounds` rounds of one timed generate each, the order turned
-    round every round. Returns the wall times per value, after checking every run's tokens."""
+    round every round. Returns the wall times per variant, after checking every run's tokens."""
     os.environ["PIPELINE_CACHE_DIR"] = cache_dir
-    engines = [_mixed_engine(folder, p, dtype, batch, overlap) for overlap in overlaps]
+    engines = [_mixed_engine(folder, p, dtype, batch, variant) for variant in variants]
 
     def run(engine) -> dict[int, list[int]]:
         return {c.prompt_index: c.token_ids for c in engine.generate(_mixed_requests(prompts))}
 
     expected = run(engines[0])
-    assert all(run(engine) == expected for engine in engines[1:]), "overlap_prefill changed tokens"
+    assert all(run(engine) == expected for engine in engines[1:]), "the variants' tokens differ"
     walls: list[list[float]] = [[] for _ in engines]
     for r in range(rounds):
         order = range(len(engines)) if r % 2 == 0 else reversed(range(len(engines)))
@@ -268,18 +269,20 @@ def alternate_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[
 
 def run_mixed(args, p: dict) -> None:
     prompts = mixed_prompts(p)
+    variants = {f"{o}" + (f"/{a}" if len(args.attention) > 1 else ""): dict(overlap_prefill=OVERLAP[o], decode_attention=a)
+                for o, a in itertools.product(args.overlap_prefill, args.attention)}
     batches = [args.batch] if args.batch else list(p["batch"])
     with tempfile.TemporaryDirectory() as folder:
         _in_child(build_checkpoint, p, folder, "float32" if "float32" in args.dtype else "bfloat16")
         if args.alternate:
             for dtype, batch in itertools.product(args.dtype, batches):
                 with tempfile.TemporaryDirectory() as cache_dir:
-                    out = _in_child(alternate_mixed, folder, p, dtype, batch, prompts,
-                                    [OVERLAP[o] for o in args.overlap_prefill], args.alternate, cache_dir)
+                    out = _in_child(alternate_mixed, folder, p, dtype, batch, prompts, list(variants.values()),
+                                    args.alternate, cache_dir)
                 for describe in out["describe"]:
                     print(describe, flush=True)
                 result = {"preset": args.preset, "dtype": dtype, "batch": batch, "warm_generate_s": {
-                    o: walls for o, walls in zip(args.overlap_prefill, out["walls"])}}
+                    name: walls for name, walls in zip(variants, out["walls"])}}
                 result["mean_s"] = {o: round(sum(w) / len(w), 2) for o, w in result["warm_generate_s"].items()}
                 print(json.dumps(result), flush=True)
             return
@@ -289,9 +292,8 @@ def run_mixed(args, p: dict) -> None:
         for dtype in args.dtype:
             for batch in batches:
                 hf = None if args.skip_hf else _in_child(bench_hf_mixed, folder, p, dtype, batch, prompts)
-                tokens = [_report_mixed(args, p, folder, dtype, batch, prompts, hf, OVERLAP[overlap])
-                          for overlap in args.overlap_prefill]
-                assert all(t == tokens[0] for t in tokens), "overlap_prefill changed tokens"
+                tokens = [_report_mixed(args, p, folder, dtype, batch, prompts, hf, variant) for variant in variants.values()]
+                assert all(t == tokens[0] for t in tokens), "the variants' tokens differ"
 
 
 OVERLAP = {"auto": "auto", "on": True, "off": False}
@@ -299,14 +301,14 @@ OVERLAP = {"auto": "auto", "on": True, "off": False}
 
 
 def _report_mixed(args, p: dict, folder: str, dtype: str, batch: int, prompts: list[list[int]], hf: dict | None,
-                  overlap: bool | str) -> dict[int, list[int]]:
+                  variant: dict) -> dict[int, list[int]]:
     """Our cold and warm runs (fresh processes, a fresh compile cache), beside transformers' `hf`;
     returns the tokens by prompt."""
     with tempfile.TemporaryDirectory() as cache_dir:
-        cold = _in_child(bench_ours_mixed, folder, p, dtype, batch, prompts, cache_dir, overlap)
-        warm = _in_child(bench_ours_mixed, folder, p, dtype, batch, prompts, cache_dir, overlap)
+        cold = _in_child(bench_ours_mixed, folder, p, dtype, batch, prompts, cache_dir, variant)
+        warm = _in_child(bench_ours_mixed, folder, p, dtype, batch, prompts, cache_dir, variant)
     assert cold["tokens"] == warm["tokens"]
-    result = {"preset": args.preset, "dtype": dtype, "batch": batch, "overlap_prefill": overlap}
+    result = {"preset": args.preset, "dtype": dtype, "batch": batch, **variant}
     for name, r in (("cold", cold), ("warm", warm)):
         result.update({f"{name}_process_s": round(r["process_s"], 2), f"{name}_generate_s": round(r["generate_s"], 2),
                        f"{name}_compile_s": round(r["compile_s"], 2), f"{name}_compiled": r["compilations"],
@@ -338,13 +340,13 @@ def main() -> None:
     parser.add_argument("--overlap-prefill", nargs="+", choices=sorted(OVERLAP), default=["auto"],
                         help="mixed presets: engine.overlap_prefill, one run (cold and warm) per value")
     parser.add_argument("--alternate", type=int, metavar="N",
-                        help="mixed presets: instead, N rounds of warm generates, one per --overlap-prefill value, in one process")
+                        help="mixed presets: instead, N rounds of warm generates, one per --overlap-prefill and --attention value, in one process")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample instead of greedy (steady-state presets; both sides, same settings)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 = off on both sides (transformers' default is 50)")
-    parser.add_argument("--attention", nargs="+", choices=["auto", "xla", "pallas"], default=["auto"],
-                        help="engine.decode_attention: each value is timed in turn (steady-state presets)")
+    parser.add_argument("--attention", nargs="+", choices=["auto", "xla", "pallas", "cpu"], default=["auto"],
+                        help="engine.decode_attention: each value is timed in turn (cpu: the engine's C++ kernel)")
     parser.add_argument("--kernel-tuning", nargs="+", metavar="NAME=N,...", default=[""],
                         help="how the pallas attention reads the cache (engine.kernels.KernelTuning fields, e.g. the fastest "
                              "of scripts/bench_decode_attention.py's --tuning ways; '' the engine's): each timed in turn")
@@ -356,8 +358,8 @@ def main() -> None:
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if "mixed" in p:
-        if args.temperature or args.attention != ["auto"] or args.kernel_tuning != [""]:
-            parser.error("--temperature, --attention and --kernel-tuning apply to the steady-state presets only")
+        if args.temperature or args.kernel_tuning != [""]:
+            parser.error("--temperature and --kernel-tuning apply to the steady-state presets only")
         run_mixed(args, p)
         return
     if args.temperature:

@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--bandwidth-tbps", type=float, default=3.0, help="for the bound column (H100: ~3.0)")
     parser.add_argument("--batch", type=int, help="decode slots (default: the preset's batch; the first of a mixed preset's)")
     parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--attention", choices=["auto", "xla", "pallas", "cpu"], default="auto",
+                        help="engine.decode_attention (cpu: the engine's C++ kernel, each row read to its length)")
     parser.add_argument("--checkpoint", help="keep the random checkpoint in this folder (built if empty) and "
                                              "reuse it, e.g. to profile two checkouts on the same weights")
     parser.add_argument("--trace", action="store_true", help="trace one call per position and print its kernels")
@@ -71,7 +73,8 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
     from engine.llama import pages_covering
 
     engine = Engine.load(folder, dtype=args.dtype, sampling=SamplingParams(max_new_tokens=preset["new"]),
-                         engine=EngineConfig(batch_size=preset["batch"]), max_prompt_tokens=preset["prompt_len"])
+                         engine=EngineConfig(batch_size=preset["batch"], decode_attention=args.attention),
+                         max_prompt_tokens=preset["prompt_len"])
     slots, steps = preset["batch"], engine.engine_config.decode_chunk_steps
     ((cache, state),) = engine._init(slots)
     # Random keys and values (a key per page), written over the zeros in place (donated): two
@@ -110,7 +113,7 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
             times.append(time.perf_counter() - started)
         step_s = statistics.median(times[2:] or times) / steps
         # What a call reads of the cache: the pages that hold the rows; the kernel, each row to its length.
-        read = position if engine.attention == "pallas" else ends[pages_covering(position, ends) - 1]
+        read = position if engine.attention in ("pallas", "cpu") else ends[pages_covering(position, ends) - 1]
         step_bytes = weight_bytes + kv_bytes * read // ends[-1]
         row = {"position": position, "ms_per_step": round(step_s * 1e3, 3), "compile_s": round(compile_s, 1),
                "cache_positions_read": read, "GB_per_step": round(step_bytes / 1e9, 3),

@@ -17,20 +17,24 @@ if [ "${1:-}" = "--test" ]; then
 fi
 
 if [ ! -x .venv/bin/python ]; then
-  echo "setup: [1/3] creating the virtual environment .venv ($("$PYTHON" --version 2>&1))"
+  echo "setup: [1/4] creating the virtual environment .venv ($("$PYTHON" --version 2>&1))"
   "$PYTHON" -m venv .venv
 else
-  echo "setup: [1/3] using the virtual environment .venv ($(.venv/bin/python --version 2>&1))"
+  echo "setup: [1/4] using the virtual environment .venv ($(.venv/bin/python --version 2>&1))"
 fi
 
-echo "setup: [2/3] installing $what with pip (a minute or two on a fresh machine)"
+echo "setup: [2/4] installing $what with pip (a minute or two on a fresh machine)"
 # pip's own lines, one per package it collects; everything else it prints to stdout is dropped.
 .venv/bin/python -m pip install --disable-pip-version-check --progress-bar off -e ".${extras}" \
   | sed -u -n -e 's/^Collecting \([^ ;]*\).*/  collecting \1/p' \
               -e 's/^Installing collected packages: .*/  installing the collected packages/p' \
               -e 's/^Successfully installed \(.*\)/  installed: \1/p'
 
-echo "setup: [3/3] building the demo checkpoint in demo/model"
+echo "setup: [3/4] building the engine's CPU decode-attention kernel (C++, a few seconds; optional)"
+# Where no C++ compiler builds it, the engine attends with XLA operations instead (slower on a CPU).
+.venv/bin/python -m engine.cpu_attention | sed -u 's/^/  /' || echo "  not built: the engine will use its XLA attention"
+
+echo "setup: [4/4] building the demo checkpoint in demo/model"
 # transformers' "PyTorch was not found" advice is noise here: it builds a config and a tokenizer only.
 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 .venv/bin/python demo/checkpoint.py demo/model
 

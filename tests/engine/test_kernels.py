@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from haliax import Axis
 
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, kernels
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, cpu_attention, kernels
 from engine.config import InvalidConfig
 from engine.decode import cache_ends
 from engine.jax_compat import hax
@@ -69,7 +69,8 @@ def test_engine_with_the_kernel_makes_the_same_tokens(llama, monkeypatch):
     """float32, sampled, three samples of five prompts, 4 slots (rows join and leave between
     chunks): every row's tokens are the same with the kernel as with the engine's attention,
     with the decode chunk's own positions through the kernel too, and with each step's keys and
-    values written into the cache in place (no chunk buffer)."""
+    values written into the cache in place (no chunk buffer); and with the engine's CPU kernel
+    (engine/cpu_attention.py) where it builds."""
     path, _ = llama
     prompts = [np.random.RandomState(30 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([4, 13, 7, 16, 9])]
     sampling = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, n=3, seed=3)
@@ -88,6 +89,8 @@ def test_engine_with_the_kernel_makes_the_same_tokens(llama, monkeypatch):
     assert run("pallas") == xla
     monkeypatch.setattr(kernels, "TUNING", KernelTuning(in_place=1))  # the cache written in the decode loop
     assert run("pallas") == xla
+    if cpu_attention.unavailable() is None:
+        assert run("cpu") == xla
 
 
 def test_which_attention_each_host_gets():
@@ -95,7 +98,7 @@ def test_which_attention_each_host_gets():
         return resolve("auto", platform=platform, head_dim=head_dim, dtype=dtype)
 
     assert (auto("gpu"), auto("gpu", 64, "float16")) == ("pallas", "pallas")
-    assert auto("cpu") == auto("tpu") == "xla"
+    assert auto("tpu") == "xla"  # a CPU's: tests/engine/test_cpu_attention.py
     assert auto("gpu", dtype="float32") == "xla"  # the engine's attention keeps float32 products
     assert auto("gpu", head_dim=80) == auto("gpu", head_dim=8) == "xla"  # Triton's blocks: powers of two >= 16
     assert resolve("xla", platform="gpu", head_dim=128, dtype="bfloat16") == "xla"
@@ -104,14 +107,13 @@ def test_which_attention_each_host_gets():
         resolve("pallas", platform="tpu", head_dim=128, dtype="bfloat16")
     with pytest.raises(InvalidConfig, match="pallas needs a head_dim that is a power of two >= 16 .*; this model's is 80"):
         resolve("pallas", platform="gpu", head_dim=80, dtype="bfloat16")
-    with pytest.raises(InvalidConfig, match="engine.decode_attention must be auto, xla or pallas, got 'flash'"):
-        EngineConfig(decode_attention="flash")
 
 
 def test_the_kernel_runs_per_device_over_several(llama):
     """Four forced CPU devices: host data parallel (rows over 4 devices) and a global mesh (rows
-    over 2, KV heads over 2, also with the cache written in place), each with the kernel, give
-    one device's tokens (float32, sampled)."""
+    over 2, KV heads over 2, also with the cache written in place), each with the kernel, and
+    host data parallel with the engine's CPU kernel, give one device's tokens (float32,
+    sampled)."""
     path, _ = llama
     prompts = [np.random.RandomState(40 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([6, 14, 3, 10])]
     sampling = dict(max_new_tokens=8, temperature=0.9, top_k=20, n=2, seed=5)
@@ -123,14 +125,16 @@ def test_the_kernel_runs_per_device_over_several(llama):
         import json, sys
         sys.path.insert(0, {os.getcwd()!r})
         import jax
-        from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, kernels
+        from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, cpu_attention, kernels
         assert jax.device_count() == 4
         out = {{}}
-        for mode in ("host_dp", "global_mesh", "global_mesh in place"):  # the global mesh: auto, data 2 x model 2
+        modes = ("host_dp", "global_mesh", "global_mesh in place") + (("host_dp cpu",) if cpu_attention.unavailable() is None else ())
+        for mode in modes:  # the global mesh: data 2 x model 2
             kernels.TUNING = kernels.KernelTuning(in_place=int(mode.endswith("in place")))  # read by Engine.load
+            attention = "cpu" if mode.endswith("cpu") else "pallas"
             engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(**{sampling!r}), max_prompt_tokens=16,
-                                 engine=EngineConfig(batch_size=4, mode=mode.split()[0], decode_attention="pallas"))
-            assert engine.attention == "pallas"
+                                 engine=EngineConfig(batch_size=4, mode=mode.split()[0], decode_attention=attention))
+            assert engine.attention == attention
             out[mode + " cache"] = [engine.layout.mesh.size, str(engine.layout.cache_sharding.spec)]
             out[mode] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in engine.generate(
                 GenerationRequest(i, p, [0, 1]) for i, p in enumerate({prompts!r}))}}
@@ -142,6 +146,8 @@ def test_the_kernel_runs_per_device_over_several(llama):
     assert out["host_dp"] == want
     assert out["global_mesh"] == want
     assert out["global_mesh in place"] == want
+    if cpu_attention.unavailable() is None:
+        assert out["host_dp cpu"] == want  # the engine's CPU kernel, each device its own rows
 
 
 def _decode_program_for_cuda(attention: str, head_dim: int = 64, kernel: KernelTuning = KernelTuning(), steps: int = 4) -> str:

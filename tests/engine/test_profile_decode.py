@@ -15,13 +15,14 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "profile
 def test_profile_decode_counts_the_pages_read_and_names_the_kernels(tmp_path):
     done = subprocess.run(
         [sys.executable, SCRIPT, "--preset", "cpu-tiny", "--batch", "4", "--repeats", "2", "--trace", "--top", "5",
-         "--hlo", str(tmp_path), "16", "96"],
+         "--hlo", str(tmp_path), "--attention", "xla", "16", "96"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [row["position"] for row in rows] == [16, 96]
-    # cpu-tiny holds 64 + 128 positions in four pages of 48: rows at 16 read one page, at 96 two.
+    # cpu-tiny holds 64 + 128 positions in four pages of 48: rows at 16 read one page, at 96 two
+    # (the engine's XLA attention; the CPU kernel reads each row to its position).
     assert [row["cache_positions_read"] for row in rows] == [48, 96]
     assert rows[0]["GB_per_step"] < rows[1]["GB_per_step"]
     for row in rows:

@@ -1,0 +1,161 @@
+"""The engine's CPU decode-attention kernel (`engine.decode_attention: cpu`), an XLA FFI custom call in C++.
+
+Owns: building engine/csrc/decode_attention.cc with the machine's C++ compiler against jaxlib's
+own FFI headers (`jax.ffi.include_dir()`), for this CPU (`-march=native`), into a shared library
+in `$PIPELINE_KERNEL_DIR` (default `~/.cache/jax-batch-pipeline/kernels`); loading it and
+registering its target with XLA once per process; and calling it on a page of the cache.
+
+    cpu_attention.unavailable()       # None, or why the kernel cannot run here (no compiler, ...)
+    o, l, m = cpu_attention.page_residuals(q, keys, values, lengths, scale)
+    python -m engine.cpu_attention    # builds it now (scripts/setup.sh does; else the first use)
+
+What the kernel computes is `engine.kernels.page_residuals`' contract, for one page: each row
+read to its own length, its (row, KV head) pairs spread over XLA's intra-op threads. Why it
+exists, and what it changes, is in docs/performance-notes.md ("A CPU kernel for decode
+attention").
+
+The library's name holds a hash of what it was built from (the source, the compiler and its
+flags, jaxlib's version, the CPU's model and flags), so a changed source, compiler, jaxlib or
+machine builds a new one, and hosts of different CPUs sharing the folder each build their own.
+Processes building at once each write a file of their own and rename it into place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+import jax
+import jaxlib
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_attention.cc")
+DEFAULT_DIR = "~/.cache/jax-batch-pipeline/kernels"
+TARGET = "pipeline_decode_attention"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC")
+"""Compile flags. -ffast-math lets the compiler sum a dot product in vector lanes and call
+glibc's vector exp; the order is fixed by the build, so a row's result still does not depend on
+the batch. Infinities stay defined. The library is linked apart, without it: linked with
+-ffast-math, a library turns on the CPU's flush-to-zero mode for the whole process when it is
+loaded (subnormal numbers read as zero everywhere, numpy's included)."""
+
+_lock = threading.Lock()
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded on this machine; the message says why."""
+
+
+def kernel_dir() -> str:
+    return os.path.expanduser(os.environ.get("PIPELINE_KERNEL_DIR") or DEFAULT_DIR)
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx:
+        raise KernelUnavailable("no C++ compiler found (install g++, or set CXX)")
+    return cxx
+
+
+def _cpu_signature() -> str:
+    """The CPU's model name and flags (Linux), what -march=native builds for."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def library_path() -> str:
+    """Where the library for this source, compiler, jaxlib and CPU is (built or not)."""
+    cxx = _compiler()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"the C++ compiler {cxx} does not run: {e}") from None
+    digest = hashlib.sha256()
+    for part in (open(SOURCE, "rb").read(), " ".join(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
+                 _cpu_signature().encode()):
+        digest.update(part)
+    return os.path.join(kernel_dir(), f"decode_attention-{digest.hexdigest()[:16]}.so")
+
+
+def build() -> str:
+    """The library's path, compiled first if it is not there yet (about 3 s)."""
+    path = library_path()
+    if os.path.exists(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".partial", dir=os.path.dirname(path))
+    os.close(fd)
+    cxx, objects = _compiler(), partial + ".o"
+    commands = ([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", SOURCE, "-o", objects],
+                [cxx, "-shared", objects, "-o", partial])  # linked without -ffast-math (FLAGS)
+    try:
+        for command in commands:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+                raise KernelUnavailable(f"building {SOURCE} failed ({' '.join(command[:3])} ...): " + " | ".join(errors[-3:]))
+        os.replace(partial, path)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"building {SOURCE} failed: {e}") from None
+    finally:
+        for leftover in (partial, objects):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+    return path
+
+
+_failure: str | None = None
+"""Why the kernel cannot run in this process, once a try failed (not retried: a failed build takes seconds)."""
+_registered = False
+
+
+def unavailable() -> str | None:
+    """None where the kernel runs on this machine (built, loaded and registered with XLA once per
+    process, building it first if needed), else why not."""
+    global _failure, _registered
+    with _lock:
+        if not _registered and _failure is None:
+            try:
+                library = ctypes.cdll.LoadLibrary(build())
+                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PipelineDecodeAttention), platform="cpu")
+                _registered = True
+            except (KernelUnavailable, OSError, AttributeError) as e:
+                _failure = str(e)
+        return _failure
+
+
+def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array, scale: float):
+    """(o, l, m) of one page, as `engine.kernels.page_residuals`: q [batch, kv_heads, group,
+    head_dim], keys/values [batch, kv_heads, positions, head_dim] float32, lengths [batch]
+    (positions of the page each row has written). o [batch, kv_heads, group, head_dim] is the
+    unnormalized weighted values, l and m [batch, kv_heads, group] the softmax's sum and
+    maximum; a row with nothing written gives o = l = 0 and m = float32 min."""
+    error = unavailable()
+    if error:
+        raise KernelUnavailable(error)
+    batch, kv_heads, group, head_dim = q.shape
+    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((batch, kv_heads, group), jnp.float32),
+              jax.ShapeDtypeStruct((batch, kv_heads, group), jnp.float32))
+    call = jax.ffi.ffi_call(TARGET, shapes)
+    return call(q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32), lengths.astype(jnp.int32),
+                scale=np.float32(scale))
+
+
+if __name__ == "__main__":
+    try:
+        print(f"CPU decode-attention kernel: {build()}")
+    except KernelUnavailable as e:
+        print(f"CPU decode-attention kernel not built: {e} (the engine uses its XLA attention instead)", file=sys.stderr)
+        sys.exit(1)

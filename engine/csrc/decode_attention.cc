@@ -1,0 +1,180 @@
+// Decode attention over a float32 KV cache page on the CPU, as an XLA FFI custom call
+// (engine/cpu_attention.py builds, loads and calls it; `engine.decode_attention: cpu`).
+//
+// For each (row, KV head) of a page, the row's first `lengths[row]` positions only:
+//   scores = scale * q . keys, m = max(scores),
+//   e = exp(scores - m), l = sum(e), o = sum(e * values)
+// returned unnormalized with the softmax residuals (o, l, m), the same contract as the Pallas
+// path's `engine.kernels.page_residuals`, so pages and the decode chunk's buffer combine the
+// same way. A row with nothing written gives o = l = 0 and m = the float32 minimum.
+//
+// Why a kernel of our own: XLA's CPU runtime runs a decode step's operations one at a time and
+// its batched dots over the cache on one thread, reading every position of the pages that hold
+// the longest live row. Here the (row, head) pairs are split over XLA's own intra-op thread
+// pool, and each row reads only what it wrote. Each pair is computed alone, in one order, so a
+// row's result does not depend on the batch, the other rows or the thread that ran it.
+//
+// Shapes: q [batch, kv_heads, group, head_dim], keys/values [batch, kv_heads, positions,
+// head_dim], lengths [batch] int32; o [batch, kv_heads, group, head_dim], l and m
+// [batch, kv_heads, group], all float32 and row-major.
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Job {
+  const float* q;
+  const float* keys;
+  const float* values;
+  const int32_t* lengths;
+  float* o;
+  float* l;
+  float* m;
+  int64_t kv_heads, group, positions, head_dim;
+  float scale;
+  int64_t pairs;  // batch x kv_heads
+  int64_t parts;  // contiguous runs of pairs, one per thread at most
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+};
+
+// One KV head of one row: `group` queries over its first n positions. D fixed at compile time
+// lets the compiler keep a query and the weighted sum in vector registers.
+template <int64_t D>
+void attend(const float* q, const float* k, const float* v, int64_t n, int64_t group, int64_t d_runtime, float scale,
+            float* o, float* l, float* m, float* scores) {
+  const int64_t dim = D > 0 ? D : d_runtime;
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * dim;
+    float* s = scores + g * n;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* kt = k + t * dim;
+      float dot = 0.0f;
+#pragma GCC unroll 16
+      for (int64_t d = 0; d < (D > 0 ? D : dim); ++d) dot += qg[d] * kt[d];
+      s[t] = dot * scale;
+    }
+    float top = -FLT_MAX;
+    for (int64_t t = 0; t < n; ++t) top = s[t] > top ? s[t] : top;
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - top);
+      sum += s[t];
+    }
+    l[g] = sum;
+    m[g] = top;
+    float* og = o + g * dim;
+    for (int64_t d = 0; d < dim; ++d) og[d] = 0.0f;
+    if constexpr (D > 0) {
+      float acc[D] = {};
+      for (int64_t t = 0; t < n; ++t) {
+        const float e = s[t];
+        const float* vt = v + t * D;
+#pragma GCC unroll 16
+        for (int64_t d = 0; d < D; ++d) acc[d] += e * vt[d];
+      }
+      for (int64_t d = 0; d < D; ++d) og[d] = acc[d];
+    } else {
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t d = 0; d < dim; ++d) og[d] += s[t] * v[t * dim + d];
+    }
+  }
+}
+
+void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
+  const int64_t G = job.group, D = job.head_dim, P = job.positions;
+  int64_t n = job.lengths[pair / job.kv_heads];
+  n = n < 0 ? 0 : (n > P ? P : n);
+  const float* q = job.q + pair * G * D;
+  const float* k = job.keys + pair * P * D;
+  const float* v = job.values + pair * P * D;
+  float* o = job.o + pair * G * D;
+  float* l = job.l + pair * G;
+  float* m = job.m + pair * G;
+  if (n == 0) {
+    for (int64_t i = 0; i < G * D; ++i) o[i] = 0.0f;
+    for (int64_t g = 0; g < G; ++g) {
+      l[g] = 0.0f;
+      m[g] = -FLT_MAX;
+    }
+    return;
+  }
+  scores.resize(G * n);
+  switch (D) {
+    case 64: return attend<64>(q, k, v, n, G, D, job.scale, o, l, m, scores.data());
+    case 128: return attend<128>(q, k, v, n, G, D, job.scale, o, l, m, scores.data());
+    default: return attend<0>(q, k, v, n, G, D, job.scale, o, l, m, scores.data());
+  }
+}
+
+// Takes parts until none is left. The calling thread runs this too and then waits only for
+// parts other threads have taken, never for a task the pool has not started: a pool whose
+// threads are all busy (another program's call, a second lane) cannot stall the call.
+void work(Job& job) {
+  std::vector<float> scores;
+  for (;;) {
+    const int64_t part = job.next.fetch_add(1);
+    if (part >= job.parts) return;
+    const int64_t begin = part * job.pairs / job.parts, end = (part + 1) * job.pairs / job.parts;
+    for (int64_t pair = begin; pair < end; ++pair) attend_pair(job, pair, scores);
+    job.finished.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                           ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> lengths, float scale,
+                           ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> l,
+                           ffi::ResultBuffer<ffi::F32> m) {
+  auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[0] != qd[0] || kd[1] != qd[1] || kd[3] != qd[3] ||
+      vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3] ||
+      lengths.element_count() != static_cast<size_t>(qd[0]))
+    return ffi::Error::InvalidArgument(
+        "decode attention: expected q [batch, kv_heads, group, head_dim], keys and values [batch, kv_heads, positions, "
+        "head_dim] and lengths [batch]");
+  auto job = std::make_shared<Job>();
+  job->q = q.typed_data();
+  job->keys = keys.typed_data();
+  job->values = values.typed_data();
+  job->lengths = lengths.typed_data();
+  job->o = o->typed_data();
+  job->l = l->typed_data();
+  job->m = m->typed_data();
+  job->kv_heads = qd[1];
+  job->group = qd[2];
+  job->head_dim = qd[3];
+  job->positions = kd[2];
+  job->scale = scale;
+  job->pairs = qd[0] * qd[1];
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  job->parts = std::min(job->pairs, threads);
+  for (int64_t i = 1; i < job->parts; ++i) pool.Schedule([job] { work(*job); });
+  work(*job);
+  while (job->finished.load(std::memory_order_acquire) < job->parts) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // values
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // l
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // m

@@ -1,0 +1,143 @@
+"""The engine's C++ CPU decode-attention kernel (`engine.decode_attention: cpu`,
+engine/cpu_attention.py): the same attention as the engine's own XLA operations over ragged
+rows, GQA and every head size path, a row's result the same whatever the batch, how it is built
+(and the message when it cannot be), and which setting a CPU host gets."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from haliax import Axis
+
+from engine import EngineConfig, cpu_attention
+from engine.config import InvalidConfig
+from engine.jax_compat import hax
+from engine.kernels import attend_pages_kernel, resolve
+from engine.llama import LayerKV, _attend_pages
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+pytestmark = pytest.mark.skipif(cpu_attention.unavailable() is not None,
+                                reason=f"the CPU kernel cannot be built here: {cpu_attention.unavailable()}")
+
+
+def _pages_and_query(batch: int, kv_heads: int, group: int, head_dim: int, page_lens: tuple[int, ...], steps: int, seed: int):
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    Batch, Pos, KVHeads, QPerKV, HeadDim = (Axis("batch", batch), Axis("position", 1), Axis("kv_heads", kv_heads),
+                                           Axis("q_per_kv", group), Axis("head_dim", head_dim))
+
+    def normal(*axes):
+        return hax.named(jax.random.normal(next(keys), tuple(a.size for a in axes)), axes)
+
+    pages = [LayerKV(*(normal(Batch, KVHeads, Axis("key_position", n), HeadDim) for _ in range(2))) for n in page_lens]
+    Chunk = Axis("chunk", steps)
+    chunk = LayerKV(*(normal(Batch, KVHeads, Chunk, HeadDim) for _ in range(2)))
+    chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= 2, (batch, 1, steps)), (Batch, Pos, Chunk))
+    return normal(Batch, Pos, KVHeads, QPerKV, HeadDim), pages, chunk, chunk_mask
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # the kernel's general loop, and its two fixed head sizes
+def test_cpu_kernel_matches_the_engines_attention_over_ragged_rows(head_dim):
+    """Pages of 32, 16 and 10 positions, rows of lengths 0..58 (some with nothing in a page, one
+    with nothing at all before the chunk), two query heads per KV head, and a chunk buffer with
+    its first 3 steps written: the kernel's result equals _attend_pages' to float32 rounding,
+    with one kernel call per page."""
+    batch, page_lens = 7, (32, 16, 10)
+    q, pages, chunk, chunk_mask = _pages_and_query(batch, 2, 2, head_dim, page_lens, steps=4, seed=head_dim)
+    lengths = jnp.asarray([0, 5, 32, 40, 48, 58, 1], jnp.int32)
+    scale = 1 / math.sqrt(head_dim)
+    Batch, Pos = q.resolve_axis("batch"), q.resolve_axis("position")
+    parts, start = [], 0
+    for page, n in zip(pages, page_lens):
+        written = hax.named((start + jnp.arange(n))[None, None, :] < lengths[:, None, None], (Batch, Pos, Axis("key_position", n)))
+        parts.append((page.k, page.v, written, "key_position"))
+        start += n
+    parts.append((chunk.k, chunk.v, chunk_mask, "chunk"))
+    axes = ("batch", "position", "kv_heads", "q_per_kv", "head_dim")
+    want = _attend_pages(q, parts, scale).rearrange(axes).array
+
+    def attend(q, pages, chunk):
+        return attend_pages_kernel(q, pages, lengths, chunk, chunk_mask, scale, attention="cpu").rearrange(axes).array
+
+    np.testing.assert_allclose(attend(q, pages, chunk), want, rtol=3e-6, atol=3e-6)
+    assert str(jax.make_jaxpr(attend)(q, pages, chunk)).count("ffi_call[") == len(page_lens)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch():
+    """Each (row, KV head) is computed alone, in one order, whichever thread takes it: a row
+    attended in a batch of 9 gives the very bits it gives alone or among 2."""
+    q, pages, _, _ = _pages_and_query(9, 4, 1, 64, (96,), steps=4, seed=7)
+    keys, values, query = pages[0].k.array, pages[0].v.array, q["position", 0].array
+    lengths = jnp.asarray([96, 3, 50, 0, 77, 96, 12, 64, 31], jnp.int32)
+    o, l, m = jax.jit(cpu_attention.page_residuals, static_argnums=4)(query, keys, values, lengths, 0.125)
+    for rows in ([4], [2, 7], [8]):
+        index = jnp.asarray(rows)
+        o1, l1, m1 = cpu_attention.page_residuals(query[index], keys[index], values[index], lengths[index], 0.125)
+        assert np.array_equal(o1, o[index]) and np.array_equal(l1, l[index]) and np.array_equal(m1, m[index])
+    assert float(jnp.max(jnp.abs(o[3]))) == 0 and float(jnp.max(l[3])) == 0  # nothing written: o = l = 0
+    assert float(m[3].max()) == float(jnp.finfo(jnp.float32).min)
+
+
+def test_the_kernel_is_built_once_per_source_and_machine(tmp_path, monkeypatch):
+    """The library is built into $PIPELINE_KERNEL_DIR under a name that hashes what it was built
+    from, and a second call finds it instead of building again."""
+    monkeypatch.setenv("PIPELINE_KERNEL_DIR", str(tmp_path / "kernels"))
+    path = cpu_attention.build()
+    assert os.path.dirname(path) == str(tmp_path / "kernels") and os.path.basename(path).startswith("decode_attention-")
+    built = os.stat(path).st_mtime_ns
+    assert cpu_attention.build() == path and os.stat(path).st_mtime_ns == built
+    assert os.listdir(tmp_path / "kernels") == [os.path.basename(path)]  # no partial file left behind
+    monkeypatch.setattr(cpu_attention, "FLAGS", cpu_attention.FLAGS + ("-DPIPELINE_TEST_FLAG",))
+    assert cpu_attention.library_path() != path
+
+
+def test_a_kernel_that_cannot_be_built_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPELINE_KERNEL_DIR", str(tmp_path / "kernels"))
+    compiler = tmp_path / "broken-c++"
+    compiler.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo broken 1.0 && exit 0\necho 'fatal error: no headers' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    with pytest.raises(cpu_attention.KernelUnavailable, match=r"building .*decode_attention.cc failed .*fatal error: no headers"):
+        cpu_attention.build()
+    assert os.listdir(tmp_path / "kernels") == []  # nothing half written is left to be loaded
+    monkeypatch.setenv("CXX", str(tmp_path / "missing-c++"))
+    with pytest.raises(cpu_attention.KernelUnavailable, match="the C\\+\\+ compiler .*missing-c\\+\\+ does not run"):
+        cpu_attention.build()
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
+    with pytest.raises(cpu_attention.KernelUnavailable, match="no C\\+\\+ compiler found"):
+        cpu_attention.build()
+
+
+def test_which_attention_a_cpu_host_gets(monkeypatch):
+    """auto is the kernel on a CPU, the engine's XLA attention where the kernel cannot be built;
+    `cpu` is refused off the CPU and, with the reason, where it cannot be built."""
+    assert resolve("auto", platform="cpu", head_dim=64, dtype="float32") == "cpu"
+    assert resolve("auto", platform="cpu", head_dim=8, dtype="bfloat16") == "cpu"
+    assert resolve("cpu", platform="cpu", head_dim=80, dtype="float32") == "cpu"
+    assert resolve("xla", platform="cpu", head_dim=64, dtype="float32") == "xla"
+    with pytest.raises(InvalidConfig, match="engine.decode_attention: cpu is the engine's CPU kernel; this host's devices are gpu"):
+        resolve("cpu", platform="gpu", head_dim=64, dtype="bfloat16")
+    monkeypatch.setattr(cpu_attention, "unavailable", lambda: "no C++ compiler found (install g++, or set CXX)")
+    assert resolve("auto", platform="cpu", head_dim=64, dtype="float32") == "xla"
+    with pytest.raises(InvalidConfig, match=r"cpu needs the engine's C\+\+ kernel, which cannot be built here: no C\+\+ compiler"):
+        resolve("cpu", platform="cpu", head_dim=64, dtype="float32")
+    with pytest.raises(InvalidConfig, match="engine.decode_attention must be auto, xla, pallas or cpu, got 'flash'"):
+        EngineConfig(decode_attention="flash")
+
+
+def test_loading_the_kernel_leaves_the_processs_floating_point_alone(tmp_path):
+    """A library built with -ffast-math turns on flush-to-zero for the whole process when loaded
+    (hypothesis and numpy then see subnormal floats as zero); the kernel's build must not."""
+    script = ("import numpy as np\nfrom engine import cpu_attention\nassert cpu_attention.unavailable() is None\n"
+              "tiny = np.float32(1e-40)\nprint(bool(tiny > 0), bool(tiny * np.float32(2) > 0))\n")
+    env = {**os.environ, "PIPELINE_KERNEL_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"]
