@@ -27,6 +27,7 @@ when it starts, and torch's cache would otherwise hold memory JAX needs.
     python scripts/bench_engine.py --preset llama3-8b --dtype bfloat16                 # on a GPU
     python scripts/bench_engine.py --preset cpu-mixed                                  # batch 16 and 64
     python scripts/bench_engine.py --preset cpu-mixed-prefill --batch 64 --dtype float32
+    python scripts/bench_engine.py --preset cpu-mixed --batch 16 --attention xla cpu   # both attentions, one run
 
 The mixed presets (issue 13) draw 300 prompt lengths log-uniformly between 4 and 512 tokens and
 time our engine twice, each in a fresh process: cold (an empty compilation cache folder, so
