@@ -45,3 +45,42 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
         )
     return out[0, len(prompt):].tolist()
+
+
+def ragged_attention_case(*, batch: int, kv_heads: int, group: int, head_dim: int, page_lens: tuple[int, ...],
+                          steps: int, lengths: list[int], seed: int = 0):
+    """A decode step's attention inputs, random: q (batch, position, kv_heads, q_per_kv, head_dim),
+    cache pages of `page_lens` positions, a chunk buffer of `steps` with its first 3 steps
+    written, and rows that wrote `lengths` positions of the pages. Returns (q, pages, chunk,
+    chunk_mask, lengths, want): want is the engine's own attention over them (`_attend_pages`,
+    batch, position, kv_heads, q_per_kv, head_dim)."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from haliax import Axis
+
+    from engine.jax_compat import hax
+    from engine.llama import LayerKV, _attend_pages
+
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    Batch, Pos, KVHeads, QPerKV, HeadDim = (Axis("batch", batch), Axis("position", 1), Axis("kv_heads", kv_heads),
+                                           Axis("q_per_kv", group), Axis("head_dim", head_dim))
+
+    def normal(*axes):
+        return hax.named(jax.random.normal(next(keys), tuple(a.size for a in axes)), axes)
+
+    pages = [LayerKV(*(normal(Batch, KVHeads, Axis("key_position", n), HeadDim) for _ in range(2))) for n in page_lens]
+    Chunk = Axis("chunk", steps)
+    chunk = LayerKV(*(normal(Batch, KVHeads, Chunk, HeadDim) for _ in range(2)))
+    chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= 2, (batch, 1, steps)), (Batch, Pos, Chunk))
+    q = normal(Batch, Pos, KVHeads, QPerKV, HeadDim)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    parts, start = [], 0
+    for page, n in zip(pages, page_lens):
+        written = hax.named((start + jnp.arange(n))[None, None, :] < lengths[:, None, None], (Batch, Pos, Axis("key_position", n)))
+        parts.append((page.k, page.v, written, "key_position"))
+        start += n
+    parts.append((chunk.k, chunk.v, chunk_mask, "chunk"))
+    want = _attend_pages(q, parts, 1 / math.sqrt(head_dim)).rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim"))
+    return q, pages, chunk, chunk_mask, lengths, want.array

@@ -14,32 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from haliax import Axis
 
 from engine import EngineConfig, cpu_attention
 from engine.config import InvalidConfig
-from engine.jax_compat import hax
 from engine.kernels import attend_pages_kernel, resolve
-from engine.llama import LayerKV, _attend_pages
+from engine_testlib import ragged_attention_case
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 pytestmark = pytest.mark.skipif(cpu_attention.unavailable() is not None,
                                 reason=f"the CPU kernel cannot be built here: {cpu_attention.unavailable()}")
-
-
-def _pages_and_query(batch: int, kv_heads: int, group: int, head_dim: int, page_lens: tuple[int, ...], steps: int, seed: int):
-    keys = iter(jax.random.split(jax.random.key(seed), 16))
-    Batch, Pos, KVHeads, QPerKV, HeadDim = (Axis("batch", batch), Axis("position", 1), Axis("kv_heads", kv_heads),
-                                           Axis("q_per_kv", group), Axis("head_dim", head_dim))
-
-    def normal(*axes):
-        return hax.named(jax.random.normal(next(keys), tuple(a.size for a in axes)), axes)
-
-    pages = [LayerKV(*(normal(Batch, KVHeads, Axis("key_position", n), HeadDim) for _ in range(2))) for n in page_lens]
-    Chunk = Axis("chunk", steps)
-    chunk = LayerKV(*(normal(Batch, KVHeads, Chunk, HeadDim) for _ in range(2)))
-    chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= 2, (batch, 1, steps)), (Batch, Pos, Chunk))
-    return normal(Batch, Pos, KVHeads, QPerKV, HeadDim), pages, chunk, chunk_mask
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128])  # the kernel's general loop, and its two fixed head sizes
@@ -48,19 +31,12 @@ def test_cpu_kernel_matches_the_engines_attention_over_ragged_rows(head_dim):
     with nothing at all before the chunk), two query heads per KV head, and a chunk buffer with
     its first 3 steps written: the kernel's result equals _attend_pages' to float32 rounding,
     with one kernel call per page."""
-    batch, page_lens = 7, (32, 16, 10)
-    q, pages, chunk, chunk_mask = _pages_and_query(batch, 2, 2, head_dim, page_lens, steps=4, seed=head_dim)
-    lengths = jnp.asarray([0, 5, 32, 40, 48, 58, 1], jnp.int32)
+    page_lens = (32, 16, 10)
+    q, pages, chunk, chunk_mask, lengths, want = ragged_attention_case(
+        batch=7, kv_heads=2, group=2, head_dim=head_dim, page_lens=page_lens, steps=4, lengths=[0, 5, 32, 40, 48, 58, 1],
+        seed=head_dim)
     scale = 1 / math.sqrt(head_dim)
-    Batch, Pos = q.resolve_axis("batch"), q.resolve_axis("position")
-    parts, start = [], 0
-    for page, n in zip(pages, page_lens):
-        written = hax.named((start + jnp.arange(n))[None, None, :] < lengths[:, None, None], (Batch, Pos, Axis("key_position", n)))
-        parts.append((page.k, page.v, written, "key_position"))
-        start += n
-    parts.append((chunk.k, chunk.v, chunk_mask, "chunk"))
     axes = ("batch", "position", "kv_heads", "q_per_kv", "head_dim")
-    want = _attend_pages(q, parts, scale).rearrange(axes).array
 
     def attend(q, pages, chunk):
         return attend_pages_kernel(q, pages, lengths, chunk, chunk_mask, scale, attention="cpu").rearrange(axes).array
@@ -72,9 +48,11 @@ def test_cpu_kernel_matches_the_engines_attention_over_ragged_rows(head_dim):
 def test_a_rows_result_does_not_depend_on_the_batch():
     """Each (row, KV head) is computed alone, in one order, whichever thread takes it: a row
     attended in a batch of 9 gives the very bits it gives alone or among 2."""
-    q, pages, _, _ = _pages_and_query(9, 4, 1, 64, (96,), steps=4, seed=7)
+    lengths = [96, 3, 50, 0, 77, 96, 12, 64, 31]
+    q, pages, *_ = ragged_attention_case(batch=9, kv_heads=4, group=1, head_dim=64, page_lens=(96,), steps=4,
+                                         lengths=lengths, seed=7)
     keys, values, query = pages[0].k.array, pages[0].v.array, q["position", 0].array
-    lengths = jnp.asarray([96, 3, 50, 0, 77, 96, 12, 64, 31], jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
     o, l, m = jax.jit(cpu_attention.page_residuals, static_argnums=4)(query, keys, values, lengths, 0.125)
     for rows in ([4], [2, 7], [8]):
         index = jnp.asarray(rows)

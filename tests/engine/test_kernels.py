@@ -15,15 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from haliax import Axis
 
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, cpu_attention, kernels
 from engine.config import InvalidConfig
 from engine.decode import cache_ends
-from engine.jax_compat import hax
 from engine.kernels import KernelTuning, attend_pages_kernel, kernel_blocks, resolve
-from engine.llama import LayerKV, _attend_pages
-from engine_testlib import VOCAB, run_on_forced_devices
+from engine_testlib import VOCAB, ragged_attention_case, run_on_forced_devices
 
 
 @pytest.mark.parametrize("steps, tuning", [(4, KernelTuning()), (16, KernelTuning(chunk_kernel=1))])
@@ -32,31 +29,11 @@ def test_kernel_attention_matches_the_engines_over_ragged_rows(steps, tuning):
     lengths 0..58 (some with nothing in a page), two query heads per KV head, and a chunk buffer
     with its first 3 steps written (4 steps: by XLA operations; 16, tuned so: by the kernel too):
     the kernel's result equals _attend_pages' to float32 rounding."""
-    batch, kv_heads, group, head_dim = 6, 2, 2, 16
-    page_lens = (32, 16, 10)
-    keys = iter(jax.random.split(jax.random.key(0), 16))
-    Batch, Pos, KVHeads, QPerKV, HeadDim = (Axis("batch", batch), Axis("position", 1), Axis("kv_heads", kv_heads),
-                                           Axis("q_per_kv", group), Axis("head_dim", head_dim))
-
-    def normal(*axes):
-        return hax.named(jax.random.normal(next(keys), tuple(a.size for a in axes)), axes)
-
-    pages = [LayerKV(*(normal(Batch, KVHeads, Axis("key_position", n), HeadDim) for _ in range(2))) for n in page_lens]
-    Chunk = Axis("chunk", steps)
-    chunk = LayerKV(*(normal(Batch, KVHeads, Chunk, HeadDim) for _ in range(2)))
-    chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= 2, (batch, 1, steps)), (Batch, Pos, Chunk))
-    q = normal(Batch, Pos, KVHeads, QPerKV, HeadDim)
-    lengths = jnp.asarray([0, 5, 32, 40, 48, 58], jnp.int32)
-    scale = 1 / math.sqrt(head_dim)
-
-    parts, start = [], 0
-    for page, n in zip(pages, page_lens):
-        written = hax.named((start + jnp.arange(n))[None, None, :] < lengths[:, None, None], (Batch, Pos, Axis("key_position", n)))
-        parts.append((page.k, page.v, written, "key_position"))
-        start += n
-    parts.append((chunk.k, chunk.v, chunk_mask, "chunk"))
+    q, pages, chunk, chunk_mask, lengths, want = ragged_attention_case(
+        batch=6, kv_heads=2, group=2, head_dim=16, page_lens=(32, 16, 10), steps=steps, lengths=[0, 5, 32, 40, 48, 58])
+    scale = 1 / math.sqrt(16)
     axes = ("batch", "position", "kv_heads", "q_per_kv", "head_dim")
-    want = _attend_pages(q, parts, scale).rearrange(axes).array
+
     def attend(q, pages, chunk):
         return attend_pages_kernel(q, pages, lengths, chunk, chunk_mask, scale, tuning=tuning).rearrange(axes).array
 
