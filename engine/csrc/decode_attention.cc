@@ -50,7 +50,7 @@ struct Job {
 };
 
 // One KV head of one row: `group` queries over its first n positions. D fixed at compile time
-// lets the compiler keep a query and the weighted sum in vector registers.
+// (0: d_runtime) lets the compiler keep a query and the weighted sum in vector registers.
 template <int64_t D>
 void attend(const float* q, const float* k, const float* v, int64_t n, int64_t group, int64_t d_runtime, float scale,
             float* o, float* l, float* m, float* scores) {
@@ -62,7 +62,7 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t g
       const float* kt = k + t * dim;
       float dot = 0.0f;
 #pragma GCC unroll 16
-      for (int64_t d = 0; d < (D > 0 ? D : dim); ++d) dot += qg[d] * kt[d];
+      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kt[d];
       s[t] = dot * scale;
     }
     float top = -FLT_MAX;
@@ -75,7 +75,6 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t g
     l[g] = sum;
     m[g] = top;
     float* og = o + g * dim;
-    for (int64_t d = 0; d < dim; ++d) og[d] = 0.0f;
     if constexpr (D > 0) {
       float acc[D] = {};
       for (int64_t t = 0; t < n; ++t) {
@@ -86,6 +85,7 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t g
       }
       for (int64_t d = 0; d < D; ++d) og[d] = acc[d];
     } else {
+      for (int64_t d = 0; d < dim; ++d) og[d] = 0.0f;
       for (int64_t t = 0; t < n; ++t)
         for (int64_t d = 0; d < dim; ++d) og[d] += s[t] * v[t * dim + d];
     }
