@@ -47,6 +47,8 @@ alternating which goes first (our side only):
 
     python scripts/bench_engine.py --preset cpu-mixed --batch 16 --overlap-prefill off auto
     python scripts/bench_engine.py --preset cpu-mixed --batch 16 --overlap-prefill off auto --alternate 4
+    python scripts/bench_engine.py --preset cpu-mixed --batch 16 --overlap-prefill off auto --lanes 1 2 --alternate 4
+    python scripts/bench_engine.py --preset cpu-tiny --dtype float32 --lanes 1 2 --skip-hf
 
 Presets (layers x width, vocab; prompts x prompt tokens, new tokens, batch) are the workloads
 in docs/performance-notes.md.
@@ -109,11 +111,11 @@ def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
-def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pass: bool, attention: str) -> dict:
+def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pass: bool, attention: str, lanes) -> dict:
     from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, kernels
 
     sampling = SamplingParams(max_new_tokens=p["new"], **p.get("sampling", {}))
-    engine = Engine.load(folder, dtype=dtype, sampling=sampling, engine=EngineConfig(batch_size=p["batch"], decode_attention=attention),
+    engine = Engine.load(folder, dtype=dtype, sampling=sampling, engine=EngineConfig(batch_size=p["batch"], decode_attention=attention, lanes=lanes),
                          max_prompt_tokens=p["prompt_len"])
     requests = [GenerationRequest(i, row.tolist(), [0]) for i, row in enumerate(prompts)]
 
@@ -189,7 +191,7 @@ def mixed_prompts(p: dict, seed: int = 0) -> list[list[int]]:
 def bench_ours_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[list[int]], cache_dir: str,
                      variant: dict) -> dict:
     """One fresh process: Engine.load + generate, timed as a whole; compile cache in cache_dir.
-    variant: EngineConfig fields (overlap_prefill, decode_attention)."""
+    variant: EngineConfig fields (overlap_prefill, decode_attention, lanes)."""
     os.environ["PIPELINE_CACHE_DIR"] = cache_dir
     start = time.perf_counter()
     engine = _mixed_engine(folder, p, dtype, batch, variant)  # imports JAX and the engine
@@ -281,8 +283,9 @@ def check_variants(dtype: str, variants: list[dict], tokens: list[dict[int, list
 
 def run_mixed(args, p: dict) -> None:
     prompts = mixed_prompts(p)
-    variants = {f"{o}" + (f"/{a}" if len(args.attention) > 1 else ""): dict(overlap_prefill=OVERLAP[o], decode_attention=a)
-                for o, a in itertools.product(args.overlap_prefill, args.attention)}
+    variants = {f"{o}" + (f"/{a}" if len(args.attention) > 1 else "") + (f"/lanes={n}" if len(args.lanes) > 1 else ""):
+                dict(overlap_prefill=OVERLAP[o], decode_attention=a, lanes=n)
+                for o, a, n in itertools.product(args.overlap_prefill, args.attention, args.lanes)}
     batches = [args.batch] if args.batch else list(p["batch"])
     with tempfile.TemporaryDirectory() as folder:
         _in_child(build_checkpoint, p, folder, "float32" if "float32" in args.dtype else "bfloat16")
@@ -310,6 +313,11 @@ def run_mixed(args, p: dict) -> None:
 
 OVERLAP = {"auto": "auto", "on": True, "off": False}
 """--overlap-prefill's choices: `engine.overlap_prefill`."""
+
+
+def _lanes(text: str):
+    """--lanes' values: `engine.lanes`, auto or a count."""
+    return text if text == "auto" else int(text)
 
 
 def _report_mixed(args, p: dict, folder: str, dtype: str, batch: int, prompts: list[list[int]], hf: dict | None,
@@ -352,13 +360,15 @@ def main() -> None:
     parser.add_argument("--overlap-prefill", nargs="+", choices=sorted(OVERLAP), default=["auto"],
                         help="mixed presets: engine.overlap_prefill, one run (cold and warm) per value")
     parser.add_argument("--alternate", type=int, metavar="N",
-                        help="mixed presets: instead, N rounds of warm generates, one per --overlap-prefill and --attention value, in one process")
+                        help="mixed presets: instead, N rounds of warm generates, one per --overlap-prefill, --attention and --lanes value, in one process")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample instead of greedy (steady-state presets; both sides, same settings)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 = off on both sides (transformers' default is 50)")
     parser.add_argument("--attention", nargs="+", choices=["auto", "xla", "pallas", "cpu"], default=["auto"],
                         help="engine.decode_attention: each value is timed in turn (cpu: the engine's C++ kernel)")
+    parser.add_argument("--lanes", nargs="+", type=_lanes, default=["auto"],
+                        help="engine.lanes (auto or a count): each value is timed in turn")
     parser.add_argument("--kernel-tuning", nargs="+", metavar="NAME=N,...", default=[""],
                         help="how the pallas attention reads the cache (engine.kernels.KernelTuning fields, e.g. the fastest "
                              "of scripts/bench_decode_attention.py's --tuning ways; '' the engine's): each timed in turn")
@@ -395,11 +405,11 @@ def main() -> None:
             print(json.dumps({"peer": "transformers", "dtype": dtype, **peers[dtype]}), flush=True)
         # A fresh compilation cache, so that ours_compile_s is compiling, not loading what an earlier run left.
         os.environ["PIPELINE_CACHE_DIR"] = os.path.join(folder, "pipeline-cache")
-        for dtype, attention, tuning in itertools.product(args.dtype, args.attention, tunings):
+        for dtype, attention, lanes, tuning in itertools.product(args.dtype, args.attention, args.lanes, tunings):
             if attention == "xla" and tuning != tunings[0]:
                 continue  # the tuning is the kernel's: xla once
             kernels.TUNING = tuning  # read by Engine.load
-            ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention)
+            ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention, lanes)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
                       "sampling": p.get("sampling", "greedy"), "ours_attention": ours["attention"],
                       "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
