@@ -7,6 +7,7 @@ registering its target with XLA once per process; and calling it on a page of th
 
     cpu_attention.unavailable()       # None, or why the kernel cannot run here (no compiler, ...)
     o, l, m = cpu_attention.page_residuals(q, keys, values, lengths, scale)
+    o, l, m = cpu_attention.page_residuals(q, keys, values, lengths, scale, rows=cache_rows)  # rows read in place
     python -m engine.cpu_attention    # builds it now (scripts/setup.sh does; else the first use)
 
 What the kernel computes is `engine.kernels.page_residuals`' contract, for one page: each row
@@ -138,12 +139,16 @@ def unavailable() -> str | None:
         return _failure
 
 
-def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array, scale: float):
+def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array, scale: float, *,
+                   rows: jax.Array | None = None):
     """(o, l, m) of one page, as `engine.kernels.page_residuals`: q [batch, kv_heads, group,
     head_dim], keys/values [batch, kv_heads, positions, head_dim] float32, lengths [batch]
     (positions of the page each row has written). o [batch, kv_heads, group, head_dim] is the
     unnormalized weighted values, l and m [batch, kv_heads, group] the softmax's sum and
-    maximum; a row with nothing written gives o = l = 0 and m = float32 min."""
+    maximum; a row with nothing written gives o = l = 0 and m = float32 min.
+
+    rows [batch] int32: instead, row b reads cache row rows[b] of keys/values [cache_rows, ...]
+    in place (a prefill chunk's prompts); a row out of range reads nothing."""
     error = unavailable()
     if error:
         raise KernelUnavailable(error)
@@ -151,8 +156,10 @@ def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: ja
     shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((batch, kv_heads, group), jnp.float32),
               jax.ShapeDtypeStruct((batch, kv_heads, group), jnp.float32))
     call = jax.ffi.ffi_call(TARGET, shapes)
-    return call(q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32), lengths.astype(jnp.int32),
-                scale=np.float32(scale))
+    if rows is None:
+        rows = jnp.arange(batch, dtype=jnp.int32)
+    return call(q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32), rows.astype(jnp.int32),
+                lengths.astype(jnp.int32), scale=np.float32(scale))
 
 
 if __name__ == "__main__":

@@ -192,7 +192,9 @@ def prefill_chunk(
     valid = jnp.arange(C)[None, :] < lengths[:, None]
     write_positions = jnp.where(valid, positions, seq_len)  # out of range: dropped
     reach = jnp.max(starts + lengths)
-    contexts = tuple(PrefillChunk(kv, slots, positions, write_positions, reach, fresh) for kv in cache.layers)
+    # The CPU kernel reads prompts' rows in place on one device; over several, rows live apart.
+    attention = "cpu" if spec.attention == "cpu" and len(spec.cache_sharding.device_set) == 1 else "xla"
+    contexts = tuple(PrefillChunk(kv, slots, positions, write_positions, reach, fresh, attention) for kv in cache.layers)
     hidden, layers = model.forward(hax.named(tokens, (Batch, Pos)), hax.named(positions, (Batch, Pos)), contexts)
 
     last = hidden.rearrange(("embed", "batch", "position")).array[:, jnp.arange(R), lengths - 1]

@@ -161,9 +161,10 @@ def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: ja
 
 def xla_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, scale: float):
     """The same (o, l, m) as `page_residuals` by XLA operations, for the keys where mask
-    [batch, positions] is True: the decode chunk's buffer, and pages the kernel cannot read."""
+    (broadcast to [batch, kv_heads, group, positions]) is True: the decode chunk's buffer, pages
+    the kernel cannot read, and a prefill chunk's own keys."""
     s = jnp.einsum("bhgd,bhkd->bhgk", q, keys, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1)
     e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
     o = jnp.einsum("bhgk,bhkd->bhgd", e.astype(values.dtype), values, preferred_element_type=jnp.float32)
@@ -222,7 +223,7 @@ def _attend_arrays(q, pages, lengths, chunk=None, mask=None, *, scale: float, tu
         # the chunk's written positions are a prefix: its length per row
         parts.append(_residuals(q, *chunk, jnp.sum(mask, axis=1, dtype=jnp.int32), scale, tuning))
     elif chunk is not None:
-        parts.append(xla_residuals(q, *chunk, mask, scale))
+        parts.append(xla_residuals(q, *chunk, mask[:, None, None, :], scale))
     return combine(parts)
 
 
@@ -234,5 +235,32 @@ def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, att
         return cpu_attention.page_residuals(q, keys, values, written, scale)
     blocks = kernel_blocks(keys.shape[2], q.shape[0] * q.shape[1], tuning)
     if blocks is None:
-        return xla_residuals(q, keys, values, jnp.arange(keys.shape[2])[None, :] < written[:, None], scale)
+        return xla_residuals(q, keys, values, (jnp.arange(keys.shape[2])[None, :] < written[:, None])[:, None, None, :], scale)
     return page_residuals(q, keys, values, written, scale, blocks=blocks, tuning=tuning)
+
+
+def attend_prefill_cpu(q: NamedArray, k: NamedArray, v: NamedArray, pages, rows: jax.Array, starts: jax.Array,
+                       scale: float) -> NamedArray:
+    """A later prefill chunk's attention with `engine.decode_attention: cpu`: q (batch, position,
+    kv_heads, q_per_kv, head_dim) over its prompt's cache row rows [batch] (out of range: none),
+    the first starts [batch] positions (what earlier chunks wrote, seen by every query of the
+    chunk), through the CPU kernel, read in place; and over the chunk's own keys/values k, v
+    (batch, kv_heads, position, head_dim), causally, by XLA. One device's cache only: the
+    kernel's call is not split over devices. The same result as `engine.llama._attend_pages`
+    over the cache row up to each query's position, float32."""
+    axes = ("batch", "kv_heads", "position", "q_per_kv", "head_dim")
+    q = q.rearrange(axes)
+    batch, heads, chunk, per_kv, dim = q.array.shape
+    flat = q.array.reshape(batch, heads, chunk * per_kv, dim)  # the query group: (position, q_per_kv)
+    parts, start = [], 0
+    for page in pages:
+        page_len = page.k.array.shape[2]
+        parts.append(cpu_attention.page_residuals(flat, page.k.array, page.v.array, jnp.clip(starts - start, 0, page_len),
+                                                  scale, rows=rows))
+        start += page_len
+    dtype = pages[0].k.dtype  # the cache's: the chunk's keys/values as they were written
+    causal = jnp.arange(chunk)[None, :] <= (jnp.arange(chunk * per_kv) // per_kv)[:, None]
+    keys, values = (x.rearrange(("batch", "kv_heads", "position", "head_dim")).array.astype(dtype) for x in (k, v))
+    parts.append(xla_residuals(flat, keys, values, causal[None, None], scale))
+    out = combine(parts).reshape(batch, heads, chunk, per_kv, dim)
+    return hax.named(out, tuple(q.resolve_axis(a) for a in axes))

@@ -375,6 +375,10 @@ class PrefillChunk(NamedTuple):
     fresh: bool
     """Every row starts its prompt here, so nothing before the chunk is read: it attends to its
     own keys only instead of gathering its cache row (static: one program each way)."""
+    attention: str = "xla"
+    """How a later chunk attends (static): xla, its cache row's first pages gathered, one
+    branch per page count (`by_pages`); cpu, the engine's C++ kernel, each row read in place to
+    its own length (`engine.kernels.attend_prefill_cpu`; one device's cache)."""
 
 
 class DecodeStep(NamedTuple):
@@ -489,6 +493,8 @@ class Attention(eqx.Module):
             mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (Batch.size, C, C)),
                              (Batch, Pos, Axis("key_position", C)))
             return _attend(q, k.rename({"position": "key_position"}), v.rename({"position": "key_position"}), mask, scale)
+        if context.attention == "cpu":
+            return kernels.attend_prefill_cpu(q, k, v, cache.pages, context.slots[:, 0], context.positions[:, 0], scale)
         read = jnp.minimum(context.slots[:, 0], cache.pages[0].k.array.shape[0] - 1)
 
         def attend(count: int):

@@ -1,7 +1,8 @@
 // Decode attention over a float32 KV cache page on the CPU, as an XLA FFI custom call
 // (engine/cpu_attention.py builds, loads and calls it; `engine.decode_attention: cpu`).
 //
-// For each (row, KV head) of a page, the row's first `lengths[row]` positions only:
+// For each (row, KV head) of a page, the row's first `lengths[row]` positions only (none where
+// its cache row is out of range):
 //   scores = scale * q . keys, m = max(scores),
 //   e = exp(scores - m), l = sum(e), o = sum(e * values)
 // returned unnormalized with the softmax residuals (o, l, m), the same contract as the Pallas
@@ -14,9 +15,10 @@
 // pool, and each row reads only what it wrote. Each pair is computed alone, in one order, so a
 // row's result does not depend on the batch, the other rows or the thread that ran it.
 //
-// Shapes: q [batch, kv_heads, group, head_dim], keys/values [batch, kv_heads, positions,
-// head_dim], lengths [batch] int32; o [batch, kv_heads, group, head_dim], l and m
-// [batch, kv_heads, group], all float32 and row-major.
+// Shapes: q [batch, kv_heads, group, head_dim], keys/values [cache_rows, kv_heads, positions,
+// head_dim], rows and lengths [batch] int32 (row b reads cache row rows[b]: decode passes
+// 0..batch-1, a prefill chunk its prompts' rows, read in place); o [batch, kv_heads, group,
+// head_dim], l and m [batch, kv_heads, group], all float32 and row-major.
 
 #include <algorithm>
 #include <atomic>
@@ -37,11 +39,12 @@ struct Job {
   const float* q;
   const float* keys;
   const float* values;
+  const int32_t* rows;
   const int32_t* lengths;
   float* o;
   float* l;
   float* m;
-  int64_t kv_heads, group, positions, head_dim;
+  int64_t kv_heads, group, positions, head_dim, cache_rows;
   float scale;
   int64_t pairs;  // batch x kv_heads
   int64_t parts;  // contiguous runs of pairs, one per thread at most
@@ -94,11 +97,14 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t g
 
 void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
   const int64_t G = job.group, D = job.head_dim, P = job.positions;
-  int64_t n = job.lengths[pair / job.kv_heads];
+  const int64_t row = pair / job.kv_heads, head = pair % job.kv_heads;
+  const int64_t cache_row = job.rows[row];
+  int64_t n = cache_row < 0 || cache_row >= job.cache_rows ? 0 : job.lengths[row];
   n = n < 0 ? 0 : (n > P ? P : n);
   const float* q = job.q + pair * G * D;
-  const float* k = job.keys + pair * P * D;
-  const float* v = job.values + pair * P * D;
+  const int64_t at = n > 0 ? (cache_row * job.kv_heads + head) * P * D : 0;
+  const float* k = job.keys + at;
+  const float* v = job.values + at;
   float* o = job.o + pair * G * D;
   float* l = job.l + pair * G;
   float* m = job.m + pair * G;
@@ -133,20 +139,22 @@ void work(Job& job) {
 }
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
-                           ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> lengths, float scale,
+                           ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> lengths,
+                           float scale,
                            ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> l,
                            ffi::ResultBuffer<ffi::F32> m) {
   auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[0] != qd[0] || kd[1] != qd[1] || kd[3] != qd[3] ||
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[1] != qd[1] || kd[3] != qd[3] ||
       vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3] ||
-      lengths.element_count() != static_cast<size_t>(qd[0]))
+      rows.element_count() != static_cast<size_t>(qd[0]) || lengths.element_count() != static_cast<size_t>(qd[0]))
     return ffi::Error::InvalidArgument(
-        "decode attention: expected q [batch, kv_heads, group, head_dim], keys and values [batch, kv_heads, positions, "
-        "head_dim] and lengths [batch]");
+        "decode attention: expected q [batch, kv_heads, group, head_dim], keys and values [cache_rows, kv_heads, "
+        "positions, head_dim], rows and lengths [batch]");
   auto job = std::make_shared<Job>();
   job->q = q.typed_data();
   job->keys = keys.typed_data();
   job->values = values.typed_data();
+  job->rows = rows.typed_data();
   job->lengths = lengths.typed_data();
   job->o = o->typed_data();
   job->l = l->typed_data();
@@ -155,6 +163,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   job->group = qd[2];
   job->head_dim = qd[3];
   job->positions = kd[2];
+  job->cache_rows = kd[0];
   job->scale = scale;
   job->pairs = qd[0] * qd[1];
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -173,6 +182,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()  // values
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o

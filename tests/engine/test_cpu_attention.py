@@ -47,7 +47,8 @@ def test_cpu_kernel_matches_the_engines_attention_over_ragged_rows(head_dim):
 
 def test_a_rows_result_does_not_depend_on_the_batch():
     """Each (row, KV head) is computed alone, in one order, whichever thread takes it: a row
-    attended in a batch of 9 gives the very bits it gives alone or among 2."""
+    attended in a batch of 9 gives the very bits it gives alone or among 2, and the same read in
+    place from the whole cache by its row index (as a prefill chunk reads its prompts' rows)."""
     lengths = [96, 3, 50, 0, 77, 96, 12, 64, 31]
     q, pages, *_ = ragged_attention_case(batch=9, kv_heads=4, group=1, head_dim=64, page_lens=(96,), steps=4,
                                          lengths=lengths, seed=7)
@@ -58,8 +59,48 @@ def test_a_rows_result_does_not_depend_on_the_batch():
         index = jnp.asarray(rows)
         o1, l1, m1 = cpu_attention.page_residuals(query[index], keys[index], values[index], lengths[index], 0.125)
         assert np.array_equal(o1, o[index]) and np.array_equal(l1, l[index]) and np.array_equal(m1, m[index])
+        o2, l2, m2 = cpu_attention.page_residuals(query[index], keys, values, lengths[index], 0.125, rows=index)
+        assert np.array_equal(o2, o[index]) and np.array_equal(l2, l[index]) and np.array_equal(m2, m[index])
+    # a row whose cache row is out of range (a prefill call's padding row) reads nothing
+    o, l, m = cpu_attention.page_residuals(query[:2], keys, values, lengths[:2], 0.125, rows=jnp.asarray([9, -1]))
+    assert float(jnp.max(jnp.abs(o))) == 0 and float(jnp.max(l)) == 0
     assert float(jnp.max(jnp.abs(o[3]))) == 0 and float(jnp.max(l[3])) == 0  # nothing written: o = l = 0
     assert float(m[3].max()) == float(jnp.finfo(jnp.float32).min)
+
+
+def test_a_later_prefill_chunk_attends_the_same_through_the_kernel():
+    """A later prefill chunk (4 tokens of 3 prompts at positions 20, 37 and 0 of their cache
+    rows, two query heads per KV head, pages of 32, 16 and 16) attends through the kernel, its
+    prompts' rows read in place, as through the XLA operations' gathered rows and page branches,
+    to float32 rounding; a padding row (no cache row) stays finite. One kernel call per page."""
+    from haliax import Axis
+
+    from engine.jax_compat import hax
+    from engine.llama import Attention, LayerKV, PagedKV, PrefillChunk, _write_chunk
+
+    keys = iter(jax.random.split(jax.random.key(3), 9))
+    Batch, Pos, KVHeads, HeadDim = Axis("batch", 3), Axis("position", 4), Axis("kv_heads", 2), Axis("head_dim", 16)
+
+    def normal(*axes):
+        return hax.named(jax.random.normal(next(keys), tuple(a.size for a in axes)), axes)
+
+    cache = PagedKV(tuple(LayerKV(*(normal(Axis("batch", 5), KVHeads, Axis("key_position", n), HeadDim) for _ in range(2)))
+                          for n in (32, 16, 16)))
+    q = normal(Batch, Pos, KVHeads, Axis("q_per_kv", 2), HeadDim)
+    k, v = (normal(Batch, KVHeads, Pos, HeadDim) for _ in range(2))
+    slots, starts = jnp.asarray([[2], [0], [5]]), jnp.asarray([20, 37, 0])  # 5: out of range, a padding row
+    positions = starts[:, None] + jnp.arange(4)[None, :]
+    write_positions = jnp.where(slots < 5, positions, 64)
+
+    def attend(q, k, v, attention: str):
+        context = PrefillChunk(cache, slots, positions, write_positions, jnp.max(starts) + 4, False, attention)
+        return Attention._prefill(q, k, v, _write_chunk(context, k, v), context, 0.25).rearrange(
+            ("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array
+
+    got, want = attend(q, k, v, "cpu"), attend(q, k, v, "xla")
+    np.testing.assert_allclose(got[:2], want[:2], rtol=3e-6, atol=3e-6)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    assert str(jax.make_jaxpr(attend, static_argnums=3)(q, k, v, "cpu")).count("ffi_call[") == 3
 
 
 def test_the_kernel_is_built_once_per_source_and_machine(tmp_path, monkeypatch):
