@@ -3,7 +3,8 @@
 Owns: building engine/csrc/decode_attention.cc with the machine's C++ compiler against jaxlib's
 own FFI headers (`jax.ffi.include_dir()`), for this CPU (`-march=native`), into a shared library
 in `$PIPELINE_KERNEL_DIR` (default `~/.cache/jax-batch-pipeline/kernels`); loading it and
-registering its target with XLA once per process; and calling it on a page of the cache.
+registering its target with XLA once per process; and calling it on a page of the cache (a
+decode step's rows, or a later prefill chunk's prompts' rows, read in place by index).
 
     cpu_attention.unavailable()       # None, or why the kernel cannot run here (no compiler, ...)
     o, l, m = cpu_attention.page_residuals(q, keys, values, lengths, scale)

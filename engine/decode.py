@@ -35,7 +35,8 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
 - How many pages a call reads is chosen on the device, by a `lax.switch` inside the one program:
   the choice adds no programs (a decode chunk: 1-4 pages; a prefill chunk: the first or all).
   With a kernel that reads each row to its own length (`engine.decode_attention: cpu`), a decode
-  chunk passes it every page and has no switch: one branch to trace and compile.
+  chunk passes it every page and has no switch: one branch to trace and compile; so does a later
+  prefill chunk on one device, the kernel reading its prompts' cache rows in place.
 
 Both return what the host reads back (new tokens and done flags) as separate arrays laid out
 by `spec.host_sharding`: on a global mesh they are replicated, so every host holds a copy.

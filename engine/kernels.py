@@ -10,6 +10,9 @@ chunk's buffer by their softmax residuals (the running maximum and sum of each p
 
 With `engine.decode_attention: cpu` each page goes instead to the engine's own C++ CPU kernel
 (engine/cpu_attention.py), which returns the same residuals; the chunk's buffer stays with XLA.
+A later prefill chunk on one device attends through it too (`attend_prefill_cpu`): its queries
+over its prompts' cache rows, read in place up to where the chunk starts, and over the chunk's
+own keys causally by XLA.
 
 The Pallas kernel is JAX's, not ours: this module only tunes its blocks and combines its results. It
 runs on GPUs, over several devices under `jax.shard_map` (each device its own rows and KV

@@ -25,6 +25,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -95,6 +96,82 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t g
   }
 }
 
+// Many queries of one KV head (a prefill chunk's tokens: MANY or more). Here the work is compute,
+// not reading the cache, so it is laid out for the vector units: the queries are transposed and
+// every inner loop runs across MANY of them, one vector. Scores take KEYS keys at a time, each
+// its own chain of fused multiply-adds over head_dim, and the weighted values accumulate
+// transposed, VALUE_DIMS dimensions at a time: independent chains, no sum across vector lanes.
+// Each query's result is the same chain of operations whatever the batch, n or the grouping.
+constexpr int64_t MANY = 16;
+constexpr int64_t KEYS = 4;
+constexpr int64_t VALUE_DIMS = 8;
+typedef float Queries __attribute__((vector_size(MANY * sizeof(float))));  // one value per query
+
+inline Queries load(const float* p) {
+  Queries x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline void store(float* p, const Queries& x) { std::memcpy(p, &x, sizeof(x)); }
+
+void attend_many(const float* q, const float* k, const float* v, int64_t n, int64_t group, int64_t dim, float scale,
+                 float* o, float* l, float* m, std::vector<float>& work) {
+  const int64_t width = (group + MANY - 1) / MANY * MANY;
+  work.assign((2 * dim + n + 2) * width, 0.0f);
+  float* qt = work.data();       // [dim][width]: the queries, transposed, zero-padded
+  float* ot = qt + dim * width;  // [dim][width]: the weighted values, transposed
+  float* s = ot + dim * width;   // [n][width]: scores, then their exponentials
+  float* top = s + n * width;    // [width]
+  float* sum = top + width;      // [width]
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d) qt[d * width + g] = q[g * dim + d];
+  for (int64_t b = 0; b < width; b += MANY) {
+    int64_t t = 0;
+    for (; t + KEYS <= n; t += KEYS) {
+      Queries acc[KEYS] = {};
+      for (int64_t d = 0; d < dim; ++d) {
+        const Queries qd = load(qt + d * width + b);
+        for (int64_t i = 0; i < KEYS; ++i) acc[i] += qd * k[(t + i) * dim + d];
+      }
+      for (int64_t i = 0; i < KEYS; ++i) store(s + (t + i) * width + b, acc[i] * scale);
+    }
+    for (; t < n; ++t) {
+      Queries acc = {};
+      for (int64_t d = 0; d < dim; ++d) acc += load(qt + d * width + b) * k[t * dim + d];
+      store(s + t * width + b, acc * scale);
+    }
+    Queries best = load(s + b);
+    for (t = 1; t < n; ++t) {
+      const Queries st = load(s + t * width + b);
+      best = st > best ? st : best;
+    }
+    store(top + b, best);
+  }
+  for (int64_t t = 0; t < n; ++t)  // a plain loop: the compiler calls glibc's vector exp
+    for (int64_t g = 0; g < width; ++g) {
+      s[t * width + g] = std::exp(s[t * width + g] - top[g]);
+      sum[g] += s[t * width + g];
+    }
+  for (int64_t b = 0; b < width; b += MANY)
+    for (int64_t d0 = 0; d0 < dim; d0 += VALUE_DIMS) {
+      const int64_t dims = std::min(VALUE_DIMS, dim - d0);
+      Queries acc[VALUE_DIMS] = {};
+      for (int64_t t = 0; t < n; ++t) {
+        const Queries e = load(s + t * width + b);
+        const float* vt = v + t * dim + d0;
+        for (int64_t i = 0; i < VALUE_DIMS; ++i)
+          if (i < dims) acc[i] += e * vt[i];
+      }
+      for (int64_t i = 0; i < dims; ++i) store(ot + (d0 + i) * width + b, acc[i]);
+    }
+  for (int64_t g = 0; g < group; ++g) {
+    l[g] = sum[g];
+    m[g] = top[g];
+    for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = ot[d * width + g];
+  }
+}
+
 void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
   const int64_t G = job.group, D = job.head_dim, P = job.positions;
   const int64_t row = pair / job.kv_heads, head = pair % job.kv_heads;
@@ -116,6 +193,7 @@ void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
     }
     return;
   }
+  if (G >= MANY) return attend_many(q, k, v, n, G, D, job.scale, o, l, m, scores);
   scores.resize(G * n);
   switch (D) {
     case 64: return attend<64>(q, k, v, n, G, D, job.scale, o, l, m, scores.data());

@@ -25,16 +25,18 @@ pytestmark = pytest.mark.skipif(cpu_attention.unavailable() is not None,
                                 reason=f"the CPU kernel cannot be built here: {cpu_attention.unavailable()}")
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 128])  # the kernel's general loop, and its two fixed head sizes
-def test_cpu_kernel_matches_the_engines_attention_over_ragged_rows(head_dim):
+# The kernel's general loop, its two fixed head sizes, and its loop for many queries (a prefill
+# chunk's: 16 or more per KV head), with head sizes and query counts that leave partial blocks.
+@pytest.mark.parametrize("head_dim, group", [(16, 2), (64, 2), (128, 2), (64, 16), (20, 21)])
+def test_cpu_kernel_matches_the_engines_attention_over_ragged_rows(head_dim, group):
     """Pages of 32, 16 and 10 positions, rows of lengths 0..58 (some with nothing in a page, one
-    with nothing at all before the chunk), two query heads per KV head, and a chunk buffer with
-    its first 3 steps written: the kernel's result equals _attend_pages' to float32 rounding,
-    with one kernel call per page."""
+    with nothing at all before the chunk), `group` query heads per KV head, and a chunk buffer
+    with its first 3 steps written: the kernel's result equals _attend_pages' to float32
+    rounding, with one kernel call per page."""
     page_lens = (32, 16, 10)
     q, pages, chunk, chunk_mask, lengths, want = ragged_attention_case(
-        batch=7, kv_heads=2, group=2, head_dim=head_dim, page_lens=page_lens, steps=4, lengths=[0, 5, 32, 40, 48, 58, 1],
-        seed=head_dim)
+        batch=7, kv_heads=2, group=group, head_dim=head_dim, page_lens=page_lens, steps=4, lengths=[0, 5, 32, 40, 48, 58, 1],
+        seed=head_dim + group)
     scale = 1 / math.sqrt(head_dim)
     axes = ("batch", "position", "kv_heads", "q_per_kv", "head_dim")
 
@@ -69,7 +71,7 @@ def test_a_rows_result_does_not_depend_on_the_batch():
 
 
 def test_a_later_prefill_chunk_attends_the_same_through_the_kernel():
-    """A later prefill chunk (4 tokens of 3 prompts at positions 20, 37 and 0 of their cache
+    """A later prefill chunk (8 tokens of 3 prompts at positions 20, 37 and 0 of their cache
     rows, two query heads per KV head, pages of 32, 16 and 16) attends through the kernel, its
     prompts' rows read in place, as through the XLA operations' gathered rows and page branches,
     to float32 rounding; a padding row (no cache row) stays finite. One kernel call per page."""
@@ -79,7 +81,7 @@ def test_a_later_prefill_chunk_attends_the_same_through_the_kernel():
     from engine.llama import Attention, LayerKV, PagedKV, PrefillChunk, _write_chunk
 
     keys = iter(jax.random.split(jax.random.key(3), 9))
-    Batch, Pos, KVHeads, HeadDim = Axis("batch", 3), Axis("position", 4), Axis("kv_heads", 2), Axis("head_dim", 16)
+    Batch, Pos, KVHeads, HeadDim = Axis("batch", 3), Axis("position", 8), Axis("kv_heads", 2), Axis("head_dim", 16)
 
     def normal(*axes):
         return hax.named(jax.random.normal(next(keys), tuple(a.size for a in axes)), axes)
@@ -89,11 +91,11 @@ def test_a_later_prefill_chunk_attends_the_same_through_the_kernel():
     q = normal(Batch, Pos, KVHeads, Axis("q_per_kv", 2), HeadDim)
     k, v = (normal(Batch, KVHeads, Pos, HeadDim) for _ in range(2))
     slots, starts = jnp.asarray([[2], [0], [5]]), jnp.asarray([20, 37, 0])  # 5: out of range, a padding row
-    positions = starts[:, None] + jnp.arange(4)[None, :]
+    positions = starts[:, None] + jnp.arange(8)[None, :]
     write_positions = jnp.where(slots < 5, positions, 64)
 
     def attend(q, k, v, attention: str):
-        context = PrefillChunk(cache, slots, positions, write_positions, jnp.max(starts) + 4, False, attention)
+        context = PrefillChunk(cache, slots, positions, write_positions, jnp.max(starts) + 8, False, attention)
         return Attention._prefill(q, k, v, _write_chunk(context, k, v), context, 0.25).rearrange(
             ("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array
 
