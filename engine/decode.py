@@ -74,7 +74,7 @@ class DecodeSpec:
     host_sharding: jax.sharding.Sharding
     """Layout of the tokens and done flags the host reads back after each call."""
     attention: str = "xla"
-    """Decode attention: xla or pallas (`engine.decode_attention`, resolved by engine/kernels.py)."""
+    """Decode attention: xla, pallas or cpu (`engine.decode_attention`, resolved by engine/kernels.py)."""
     kernel: KernelTuning = KernelTuning()
     """With pallas, how the kernel reads the cache's pages (`engine.kernels.TUNING`)."""
 

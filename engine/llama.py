@@ -486,7 +486,8 @@ class Attention(eqx.Module):
     @staticmethod
     def _prefill(q, k, v, cache: PagedKV, context: PrefillChunk, scale: float):
         """A fresh chunk attends to its own keys (causal); a later one to its cache row's first
-        pages covering the call's rows (each page's rows gathered)."""
+        pages covering the call's rows (each page's rows gathered), or with the CPU kernel to its
+        cache row in place, up to where the chunk starts, and to its own keys."""
         Batch, Pos = q.resolve_axis("batch"), q.resolve_axis("position")
         if context.fresh:
             C = Pos.size

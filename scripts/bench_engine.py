@@ -111,7 +111,8 @@ def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
-def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pass: bool, attention: str, lanes) -> dict:
+def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pass: bool, attention: str,
+               lanes: int | str) -> dict:
     from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, kernels
 
     sampling = SamplingParams(max_new_tokens=p["new"], **p.get("sampling", {}))

@@ -1,5 +1,6 @@
 // Decode attention over a float32 KV cache page on the CPU, as an XLA FFI custom call
-// (engine/cpu_attention.py builds, loads and calls it; `engine.decode_attention: cpu`).
+// (engine/cpu_attention.py builds, loads and calls it; `engine.decode_attention: cpu`). Later
+// prefill chunks call it too, over their prompts' cache rows, with many queries per KV head.
 //
 // For each (row, KV head) of a page, the row's first `lengths[row]` positions only (none where
 // its cache row is out of range):
@@ -101,7 +102,8 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t g
 // every inner loop runs across MANY of them, one vector. Scores take KEYS keys at a time, each
 // its own chain of fused multiply-adds over head_dim, and the weighted values accumulate
 // transposed, VALUE_DIMS dimensions at a time: independent chains, no sum across vector lanes.
-// Each query's result is the same chain of operations whatever the batch, n or the grouping.
+// Each query's result is the same chain of operations whatever the batch or the other rows, and
+// a key's score the same whether it was taken among KEYS or alone.
 constexpr int64_t MANY = 16;
 constexpr int64_t KEYS = 4;
 constexpr int64_t VALUE_DIMS = 8;
