@@ -3,8 +3,10 @@
 Where `bench_engine.py` measures whole runs side by side with transformers, this isolates
 the decode program: ms per decode step with every row at a given position, the bytes a step
 reads (the weights, less the embedding table, and the cache pages that hold the rows, or with
-the kernel (`engine.decode_attention: pallas`) the rows' positions: decode attends over them in
-place), the bound at a given bandwidth, and the fraction reached. Compare
+a kernel (`engine.decode_attention: pallas` or `cpu`) the rows' positions: decode attends over
+them in place), the bound at a given bandwidth, and the fraction reached (on an accelerator an
+H100's 3.0 TB/s unless --bandwidth-tbps says otherwise; on a CPU only with it: `python
+scripts/bench_dots.py --stream` measures the machine's). Compare
 two commits by running it from each checkout on the same machine. It times one program at the
 whole batch; on a CPU host the engine may run two at half the batch side by side (`engine.lanes`).
 
@@ -41,7 +43,9 @@ def main() -> None:
     parser.add_argument("positions", nargs="*", type=int, help="rows' positions to time (default: the prompt length)")
     parser.add_argument("--preset", choices=sorted(bench.PRESETS), default="cpu-tiny")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--bandwidth-tbps", type=float, default=3.0, help="for the bound column (H100: ~3.0)")
+    parser.add_argument("--bandwidth-tbps", type=float,
+                        help="the device's memory bandwidth, for the bound columns (default: an H100's ~3.0 on an "
+                             "accelerator; none on a CPU, where the columns are left out)")
     parser.add_argument("--batch", type=int, help="decode slots (default: the preset's batch; the first of a mixed preset's)")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--attention", choices=["auto", "xla", "pallas", "cpu"], default="auto",
@@ -76,6 +80,7 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
                          engine=EngineConfig(batch_size=preset["batch"], decode_attention=args.attention),
                          max_prompt_tokens=preset["prompt_len"])
     slots, steps = preset["batch"], engine.engine_config.decode_chunk_steps
+    bandwidth = args.bandwidth_tbps or (None if engine.devices[0].platform == "cpu" else 3.0)  # TB/s, for the bound
     ((cache, state),) = engine._init(slots)
     # Random keys and values (a key per page), written over the zeros in place (donated): two
     # caches of the 8B at batch 128 would not fit an H100.
@@ -116,10 +121,11 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
         read = position if engine.attention in ("pallas", "cpu") else ends[pages_covering(position, ends) - 1]
         step_bytes = weight_bytes + kv_bytes * read // ends[-1]
         row = {"position": position, "ms_per_step": round(step_s * 1e3, 3), "compile_s": round(compile_s, 1),
-               "cache_positions_read": read, "GB_per_step": round(step_bytes / 1e9, 3),
-               "bound_ms": round(step_bytes / (args.bandwidth_tbps * 1e12) * 1e3, 3),
-               "fraction_of_bound": round(step_bytes / (args.bandwidth_tbps * 1e12) / step_s, 3),
-               "device": str(jax.devices()[0].device_kind)}
+               "cache_positions_read": read, "GB_per_step": round(step_bytes / 1e9, 3)}
+        if bandwidth:
+            row.update(bound_ms=round(step_bytes / (bandwidth * 1e12) * 1e3, 3),
+                       fraction_of_bound=round(step_bytes / (bandwidth * 1e12) / step_s, 3))
+        row["device"] = str(jax.devices()[0].device_kind)
         if args.trace:
             with tempfile.TemporaryDirectory() as folder:
                 state = jax.block_until_ready(fresh_state())
