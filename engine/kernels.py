@@ -217,11 +217,7 @@ def _attend_arrays(q, pages, lengths, chunk=None, mask=None, *, scale: float, tu
     """attend_pages_kernel on one device's arrays: q [batch, kv_heads, group, head_dim], pages
     [(keys, values)] and chunk (keys, values) [batch, kv_heads, positions, head_dim] or None,
     lengths [batch], mask [batch, chunk]. Returns [batch, kv_heads, group, head_dim] float32."""
-    parts, start = [], 0
-    for keys, values in pages:
-        page_len = keys.shape[2]
-        parts.append(_residuals(q, keys, values, jnp.clip(lengths - start, 0, page_len), scale, tuning, attention))
-        start += page_len
+    parts = _pages_residuals(q, pages, lengths, scale, tuning, attention)
     if chunk is not None and tuning.chunk_kernel and attention == "pallas":
         # the chunk's written positions are a prefix: its length per row
         parts.append(_residuals(q, *chunk, jnp.sum(mask, axis=1, dtype=jnp.int32), scale, tuning))
@@ -230,12 +226,24 @@ def _attend_arrays(q, pages, lengths, chunk=None, mask=None, *, scale: float, tu
     return combine(parts)
 
 
-def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, attention: str = "pallas"):
+def _pages_residuals(q, pages, lengths, scale: float, tuning: KernelTuning, attention: str, rows=None) -> list:
+    """(o, l, m) of each page [(keys, values)], in order, each row read to its first `lengths`
+    [batch] positions of the cache (a page holds its share of them)."""
+    parts, start = [], 0
+    for keys, values in pages:
+        page_len = keys.shape[2]
+        parts.append(_residuals(q, keys, values, jnp.clip(lengths - start, 0, page_len), scale, tuning, attention, rows))
+        start += page_len
+    return parts
+
+
+def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, attention: str = "pallas", rows=None):
     """(o, l, m) of keys/values [batch, kv_heads, positions, head_dim], each row's first
-    `written` [batch] positions: by the CPU kernel (attention cpu), else by the Pallas kernel
-    where it can read them (`kernel_blocks`), else by XLA operations."""
+    `written` [batch] positions: by the CPU kernel (attention cpu; rows: the cache rows it reads
+    in place, `cpu_attention.page_residuals`), else by the Pallas kernel where it can read them
+    (`kernel_blocks`), else by XLA operations."""
     if attention == "cpu":
-        return cpu_attention.page_residuals(q, keys, values, written, scale)
+        return cpu_attention.page_residuals(q, keys, values, written, scale, rows=rows)
     blocks = kernel_blocks(keys.shape[2], q.shape[0] * q.shape[1], tuning)
     if blocks is None:
         return xla_residuals(q, keys, values, (jnp.arange(keys.shape[2])[None, :] < written[:, None])[:, None, None, :], scale)
@@ -255,12 +263,7 @@ def attend_prefill_cpu(q: NamedArray, k: NamedArray, v: NamedArray, pages, rows:
     q = q.rearrange(axes)
     batch, heads, chunk, per_kv, dim = q.array.shape
     flat = q.array.reshape(batch, heads, chunk * per_kv, dim)  # the query group: (position, q_per_kv)
-    parts, start = [], 0
-    for page in pages:
-        page_len = page.k.array.shape[2]
-        parts.append(cpu_attention.page_residuals(flat, page.k.array, page.v.array, jnp.clip(starts - start, 0, page_len),
-                                                  scale, rows=rows))
-        start += page_len
+    parts = _pages_residuals(flat, [(page.k.array, page.v.array) for page in pages], starts, scale, TUNING, "cpu", rows)
     dtype = pages[0].k.dtype  # the cache's: the chunk's keys/values as they were written
     causal = jnp.arange(chunk)[None, :] <= (jnp.arange(chunk * per_kv) // per_kv)[:, None]
     keys, values = (x.rearrange(("batch", "kv_heads", "position", "head_dim")).array.astype(dtype) for x in (k, v))
