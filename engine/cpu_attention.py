@@ -43,11 +43,28 @@ SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_attention.cc")
 DEFAULT_DIR = "~/.cache/jax-batch-pipeline/kernels"
 TARGET = "pipeline_decode_attention"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC")
-"""Compile flags. -ffast-math lets the compiler sum a dot product in vector lanes and call
-glibc's vector exp; the order is fixed by the build, so a row's result still does not depend on
-the batch. Infinities stay defined. The library is linked apart, without it: linked with
--ffast-math, a library turns on the CPU's flush-to-zero mode for the whole process when it is
-loaded (subnormal numbers read as zero everywhere, numpy's included)."""
+"""Compile flags. -ffast-math lets the compiler sum a dot product in vector lanes; the order is
+fixed by the build, so a row's result still does not depend on the batch. Infinities stay
+defined (which also keeps <cmath> from declaring glibc's vector expf: the source declares it).
+The library is linked apart, without -ffast-math: linked with it, a library turns on the CPU's
+flush-to-zero mode for the whole process when it is loaded (subnormal numbers read as zero
+everywhere, numpy's included)."""
+
+BFLOAT16_BITS = jnp.dtype(jnp.uint16)
+"""A KV cache stored in uint16 holds bfloat16 values as their bits: a bfloat16 model's cache on
+the CPU, read by this kernel only (`engine.kernels.cache_dtype`). XLA's CPU backend scatters
+bfloat16 through float32, converting the whole page there and back at every write (6 ms a page
+and layer per decode call at the 125M shape: more than a third of the step); a uint16 view of a
+bfloat16 page is a copy too. Scattering uint16 is a plain copy of the written rows."""
+
+
+def value_dtype(stored) -> jnp.dtype:
+    """The dtype of the values a cache page of dtype `stored` holds (bfloat16 for BFLOAT16_BITS)."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(stored) == BFLOAT16_BITS else jnp.dtype(stored)
+
+
+LIBRARIES = ("-lmvec",)
+"""Linked in: glibc's vector math library, whose expf the kernel's loops call (16 at a time)."""
 
 _lock = threading.Lock()
 
@@ -87,7 +104,7 @@ def library_path() -> str:
     digest = hashlib.sha256()
     with open(SOURCE, "rb") as f:
         source = f.read()
-    for part in (source, " ".join(FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
+    for part in (source, " ".join(FLAGS + LIBRARIES).encode(), version.encode(), jaxlib.__version__.encode(),
                  _cpu_signature().encode()):
         digest.update(part)
     return os.path.join(kernel_dir(), f"decode_attention-{digest.hexdigest()[:16]}.so")
@@ -103,7 +120,7 @@ def build() -> str:
     os.close(fd)
     cxx, objects = _compiler(), partial + ".o"
     commands = ([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", SOURCE, "-o", objects],
-                [cxx, "-shared", objects, "-o", partial])  # linked without -ffast-math (FLAGS)
+                [cxx, "-shared", objects, "-o", partial, *LIBRARIES])  # linked without -ffast-math (FLAGS)
     try:
         for command in commands:
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -143,7 +160,8 @@ def unavailable() -> str | None:
 def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array, scale: float, *,
                    rows: jax.Array | None = None):
     """(o, l, m) of one page, as `engine.kernels.page_residuals`: q [batch, kv_heads, group,
-    head_dim], keys/values [batch, kv_heads, positions, head_dim] float32, lengths [batch]
+    head_dim], keys/values [batch, kv_heads, positions, head_dim] (float32, or both bfloat16 or its
+    bits, `BFLOAT16_BITS`, read as they are: the bits of the same values in float32), lengths [batch]
     (positions of the page each row has written). o [batch, kv_heads, group, head_dim] is the
     unnormalized weighted values, l and m [batch, kv_heads, group] the softmax's sum and
     maximum; a row with nothing written gives o = l = 0 and m = float32 min.
@@ -159,8 +177,10 @@ def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: ja
     call = jax.ffi.ffi_call(TARGET, shapes)
     if rows is None:
         rows = jnp.arange(batch, dtype=jnp.int32)
-    return call(q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32), rows.astype(jnp.int32),
-                lengths.astype(jnp.int32), scale=np.float32(scale))
+    if value_dtype(keys.dtype) != jnp.bfloat16:  # the kernel reads a bfloat16 cache as it is, widened exactly
+        keys, values = keys.astype(jnp.float32), values.astype(jnp.float32)
+    return call(q.astype(jnp.float32), keys, values.astype(keys.dtype), rows.astype(jnp.int32), lengths.astype(jnp.int32),
+                scale=np.float32(scale))
 
 
 if __name__ == "__main__":

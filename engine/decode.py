@@ -51,11 +51,12 @@ import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
 
+from engine import cpu_attention
 from engine.config import SamplingParams
 from engine.jax_compat import hax
 from engine.kernels import KernelTuning
 from engine.llama import (
-    DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, by_pages, cache_pages, page_spans,
+    DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, by_pages, cache_pages, page_spans, set_rows,
 )
 from engine.sampler import row_keys, sample, step_keys
 
@@ -267,7 +268,7 @@ def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState,
     masks = page_masks(cache.ends, count, state.position)
     chunk_axes = (Batch, model.config.KVHeads, Chunk, model.config.HeadDim)
     chunk_shape = tuple(a.size for a in chunk_axes)
-    cache_dtype = cache.layers[0].pages[0].k.dtype
+    cache_dtype = cpu_attention.value_dtype(cache.layers[0].pages[0].k.dtype)  # the buffer holds values: bfloat16, not its bits
     chunks = tuple(LayerKV(*(hax.named(jnp.zeros(chunk_shape, cache_dtype), chunk_axes) for _ in range(2))) for _ in cache.layers)
 
     def body(carry):
@@ -356,13 +357,10 @@ def adopt_rows(model: LlamaLM, cache: KVCache, state: DecodeState, staged: KVCac
     like the other programs."""
     del model
 
-    def put(into: jax.Array, rows: jax.Array) -> jax.Array:
-        return into.at[to].set(rows, mode="drop")
-
     # Leaf by leaf: the two caches differ in their batch axis, so their trees do not match.
     leaves, treedef = jax.tree.flatten(cache)
-    cache = jax.tree.unflatten(treedef, [put(a, b) for a, b in zip(leaves, jax.tree.leaves(staged))])
-    state = jax.tree.map(put, state, staged_state)
+    cache = jax.tree.unflatten(treedef, [set_rows(a, to, b) for a, b in zip(leaves, jax.tree.leaves(staged))])
+    state = jax.tree.map(lambda into, rows: into.at[to].set(rows, mode="drop"), state, staged_state)
     return _finish(cache, state, jnp.full((cache.slots, 0), -1, jnp.int32), spec)
 
 

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import checkpoint, compile_cache, kernels
+from engine import checkpoint, compile_cache, cpu_attention, kernels
 from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
 from engine.decode import DecodeSpec, adopt_rows, decode_chunk, new_cache, new_state, prefill_chunk
 from engine.llama import LlamaConfig, UnsupportedModelError, load_checkpoint, pages_covering
@@ -411,7 +411,8 @@ class Engine:
         self._spec = DecodeSpec(compiled_sampling, stop_ids, layout.batch_sharding, layout.cache_sharding, layout.host_sharding,
                                 attention, kernels.TUNING)
         self._seq_len = max_prompt_tokens + sampling.max_new_tokens
-        self._cache_dtype = jnp.float32 if self.devices[0].platform == "cpu" else DTYPES[dtype]
+        self._cache_dtype = kernels.cache_dtype(attention, platform=self.devices[0].platform, dtype=DTYPES[dtype],
+                                                devices=len(layout.cache_sharding.device_set))
         n_dev = layout.data_size
         rows = max(1, plan.prefill_tokens // engine_config.prefill_chunk_tokens)
         self._lanes = plan.lanes
@@ -487,7 +488,8 @@ class Engine:
         plan = plan_batch(
             config,
             dtype=DTYPES[dtype],
-            cache_dtype=jnp.float32 if devices[0].platform == "cpu" else DTYPES[dtype],
+            cache_dtype=kernels.cache_dtype(attention, platform=devices[0].platform, dtype=DTYPES[dtype],
+                                            devices=len(layout.cache_sharding.device_set)),
             batch_size=engine.batch_size,
             max_prompt_tokens=max_prompt_tokens,
             max_new_tokens=sampling.max_new_tokens,
@@ -535,7 +537,7 @@ class Engine:
             f" prompts <= {self.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new;"
             f" prefill {self._prefill_rows} rows x {self.engine_config.prefill_chunk_tokens} tokens per call"
             f"{f' beside decode, into {self._staged} staging rows' if self._staged else ''};"
-            f" decode attention {self.attention}"
+            f" decode attention {self.attention} over a {cpu_attention.value_dtype(self._cache_dtype).name} KV cache"
         )
 
     # ------------------------------------------------------------------ compiled programs

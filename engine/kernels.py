@@ -126,6 +126,22 @@ def resolve(setting: str, *, platform: str, head_dim: int, dtype: str) -> str:
     return setting
 
 
+def cache_dtype(attention: str, *, platform: str, dtype, devices: int):
+    """The KV cache's dtype for a model in `dtype` whose cache spans `devices` devices: the model's
+    on accelerators. On a CPU float32 (XLA's CPU dots read a 16-bit cache slowly: "Prefill and
+    decode apart" in docs/performance-notes.md) unless the CPU kernel makes every read of it: `cpu` attention on one
+    device (over several, a later prefill chunk attends the XLA way). A bfloat16 model's keys and
+    values are bfloat16 values either way (its projections round to it) and every read of the
+    cache with the kernel is in float32, so a bfloat16 cache changes no bit, only the bytes a
+    step reads: half. It is stored as the bits, in uint16 (`cpu_attention.BFLOAT16_BITS`: XLA's
+    CPU backend writes bfloat16 through float32)."""
+    if platform != "cpu":
+        return dtype
+    if attention == "cpu" and devices == 1:
+        return cpu_attention.BFLOAT16_BITS if jnp.dtype(dtype) == jnp.bfloat16 else dtype
+    return jnp.float32
+
+
 def kernel_blocks(page_len: int, programs: int, tuning: KernelTuning = KernelTuning()) -> tuple[int, int] | None:
     """(k_splits, block_k) for a page of `page_len` positions attended by `programs` (batch x
     kv_heads) kernel instances, or None where the kernel cannot read it: block_k is the largest
@@ -222,6 +238,8 @@ def _attend_arrays(q, pages, lengths, chunk=None, mask=None, *, scale: float, tu
         # the chunk's written positions are a prefix: its length per row
         parts.append(_residuals(q, *chunk, jnp.sum(mask, axis=1, dtype=jnp.int32), scale, tuning))
     elif chunk is not None:
+        if attention == "cpu":  # in float32, as the kernel reads the pages (a bfloat16 cache: the same values)
+            chunk = tuple(x.astype(jnp.float32) for x in chunk)
         parts.append(xla_residuals(q, *chunk, mask[:, None, None, :], scale))
     return combine(parts)
 
@@ -264,9 +282,10 @@ def attend_prefill_cpu(q: NamedArray, k: NamedArray, v: NamedArray, pages, rows:
     batch, heads, chunk, per_kv, dim = q.array.shape
     flat = q.array.reshape(batch, heads, chunk * per_kv, dim)  # the query group: (position, q_per_kv)
     parts = _pages_residuals(flat, [(page.k.array, page.v.array) for page in pages], starts, scale, TUNING, "cpu", rows)
-    dtype = pages[0].k.dtype  # the cache's: the chunk's keys/values as they were written
+    dtype = cpu_attention.value_dtype(pages[0].k.dtype)  # the chunk's keys/values as the cache holds them, read in float32 as the kernel does
     causal = jnp.arange(chunk)[None, :] <= (jnp.arange(chunk * per_kv) // per_kv)[:, None]
-    keys, values = (x.rearrange(("batch", "kv_heads", "position", "head_dim")).array.astype(dtype) for x in (k, v))
+    keys, values = (x.rearrange(("batch", "kv_heads", "position", "head_dim")).array.astype(dtype).astype(jnp.float32)
+                    for x in (k, v))
     parts.append(xla_residuals(flat, keys, values, causal[None, None], scale))
     out = combine(parts).reshape(batch, heads, chunk, per_kv, dim)
     return hax.named(out, tuple(q.resolve_axis(a) for a in axes))

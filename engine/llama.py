@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from haliax import Axis, NamedArray
 
-from engine import checkpoint, kernels
+from engine import checkpoint, cpu_attention, kernels
 from engine.jax_compat import hax
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -177,6 +177,17 @@ def _xla_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def set_rows(array: jax.Array, index, new: jax.Array) -> jax.Array:
+    """array.at[index].set(new) in place, out-of-range indices dropped. new is either stored as
+    array is (rows of another cache: copied as they are) or values, rounded to the dtype of the
+    values array holds and given as bits to a `cpu_attention.BFLOAT16_BITS` array."""
+    if new.dtype != array.dtype:
+        new = new.astype(cpu_attention.value_dtype(array.dtype))
+        if array.dtype == cpu_attention.BFLOAT16_BITS:
+            new = jax.lax.bitcast_convert_type(new, cpu_attention.BFLOAT16_BITS)
+    return array.at[index].set(new, mode="drop")
+
+
 def linear(x: NamedArray, weight: NamedArray, axis: str) -> NamedArray:
     """A projection weight times x, summed over `axis`: (weight's out axis, x's other axes...),
     accumulated in float32 and rounded once to x's dtype, as torch's Linear does.
@@ -321,7 +332,7 @@ class PagedKV(NamedTuple):
         for page, (start, end) in zip(self.pages, self.spans):
             inside = jnp.where((positions >= start) & (positions < end), positions - start, end - start)
             pages.append(LayerKV(*(
-                hax.named(old.array.at[rows, :, inside, :].set(new.astype(old.dtype), mode="drop"), old.axes)
+                hax.named(set_rows(old.array, (rows, slice(None), inside), new), old.axes)
                 for old, new in ((page.k, k), (page.v, v))
             )))
         return PagedKV(tuple(pages))

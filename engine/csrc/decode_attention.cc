@@ -1,4 +1,4 @@
-// Decode attention over a float32 KV cache page on the CPU, as an XLA FFI custom call
+// Decode attention over a KV cache page (float32 or bfloat16) on the CPU, as an XLA FFI custom call
 // (engine/cpu_attention.py builds, loads and calls it; `engine.decode_attention: cpu`). Later
 // prefill chunks call it too, over their prompts' cache rows, with many queries per KV head.
 //
@@ -19,7 +19,11 @@
 // Shapes: q [batch, kv_heads, group, head_dim], keys/values [cache_rows, kv_heads, positions,
 // head_dim], rows and lengths [batch] int32 (row b reads cache row rows[b]: decode passes
 // 0..batch-1, a prefill chunk its prompts' rows, read in place); o [batch, kv_heads, group,
-// head_dim], l and m [batch, kv_heads, group], all float32 and row-major.
+// head_dim], l and m [batch, kv_heads, group], all row-major. Everything is float32 but the
+// keys and values, which are float32 or both bfloat16 (a bfloat16 model's cache: half the bytes
+// to read), given as bfloat16 or as its bits in uint16 (how the engine stores it on the CPU). A
+// bfloat16 key is widened to the float32 of the same value, exactly, so the results are the
+// bits of the same keys in a float32 cache.
 
 #include <algorithm>
 #include <atomic>
@@ -33,14 +37,31 @@
 
 #include "xla/ffi/api/ffi.h"
 
+// glibc's vector expf (libmvec: 16 floats a call with AVX-512, 8 with AVX2), which the compiler
+// calls in the loops below. <cmath> declares it only when __FAST_MATH__ is defined, and
+// -fno-finite-math-only (see FLAGS in engine/cpu_attention.py) leaves that undefined; without
+// it every exponential was a scalar call, about half of a decode call's time.
+extern "C" float expf(float) noexcept __attribute__((simd("notinbranch")));
+
 namespace ffi = xla::ffi;
 
 namespace {
 
+// A bfloat16 is the top half of the float32 of the same value: widening it is exact.
+typedef uint16_t BFloat16;
+inline float widen(float x) { return x; }
+inline float widen(BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 struct Job {
   const float* q;
-  const float* keys;
-  const float* values;
+  const void* keys;  // float or BFloat16, as `bfloat16` says
+  const void* values;
+  bool bfloat16;
   const int32_t* rows;
   const int32_t* lengths;
   float* o;
@@ -56,25 +77,25 @@ struct Job {
 
 // One KV head of one row: `group` queries over its first n positions. D fixed at compile time
 // (0: d_runtime) lets the compiler keep a query and the weighted sum in vector registers.
-template <int64_t D>
-void attend(const float* q, const float* k, const float* v, int64_t n, int64_t group, int64_t d_runtime, float scale,
+template <int64_t D, typename T>
+void attend(const float* q, const T* k, const T* v, int64_t n, int64_t group, int64_t d_runtime, float scale,
             float* o, float* l, float* m, float* scores) {
   const int64_t dim = D > 0 ? D : d_runtime;
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * dim;
     float* s = scores + g * n;
     for (int64_t t = 0; t < n; ++t) {
-      const float* kt = k + t * dim;
+      const T* kt = k + t * dim;
       float dot = 0.0f;
 #pragma GCC unroll 16
-      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kt[d];
+      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * widen(kt[d]);
       s[t] = dot * scale;
     }
     float top = -FLT_MAX;
     for (int64_t t = 0; t < n; ++t) top = s[t] > top ? s[t] : top;
     float sum = 0.0f;
     for (int64_t t = 0; t < n; ++t) {
-      s[t] = std::exp(s[t] - top);
+      s[t] = expf(s[t] - top);
       sum += s[t];
     }
     l[g] = sum;
@@ -84,15 +105,15 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t g
       float acc[D] = {};
       for (int64_t t = 0; t < n; ++t) {
         const float e = s[t];
-        const float* vt = v + t * D;
+        const T* vt = v + t * D;
 #pragma GCC unroll 16
-        for (int64_t d = 0; d < D; ++d) acc[d] += e * vt[d];
+        for (int64_t d = 0; d < D; ++d) acc[d] += e * widen(vt[d]);
       }
       for (int64_t d = 0; d < D; ++d) og[d] = acc[d];
     } else {
       for (int64_t d = 0; d < dim; ++d) og[d] = 0.0f;
       for (int64_t t = 0; t < n; ++t)
-        for (int64_t d = 0; d < dim; ++d) og[d] += s[t] * v[t * dim + d];
+        for (int64_t d = 0; d < dim; ++d) og[d] += s[t] * widen(v[t * dim + d]);
     }
   }
 }
@@ -117,7 +138,8 @@ inline Queries load(const float* p) {
 
 inline void store(float* p, const Queries& x) { std::memcpy(p, &x, sizeof(x)); }
 
-void attend_many(const float* q, const float* k, const float* v, int64_t n, int64_t group, int64_t dim, float scale,
+template <typename T>
+void attend_many(const float* q, const T* k, const T* v, int64_t n, int64_t group, int64_t dim, float scale,
                  float* o, float* l, float* m, std::vector<float>& work) {
   const int64_t width = (group + MANY - 1) / MANY * MANY;
   work.assign((2 * dim + n + 2) * width, 0.0f);
@@ -134,13 +156,13 @@ void attend_many(const float* q, const float* k, const float* v, int64_t n, int6
       Queries acc[KEYS] = {};
       for (int64_t d = 0; d < dim; ++d) {
         const Queries qd = load(qt + d * width + b);
-        for (int64_t i = 0; i < KEYS; ++i) acc[i] += qd * k[(t + i) * dim + d];
+        for (int64_t i = 0; i < KEYS; ++i) acc[i] += qd * widen(k[(t + i) * dim + d]);
       }
       for (int64_t i = 0; i < KEYS; ++i) store(s + (t + i) * width + b, acc[i] * scale);
     }
     for (; t < n; ++t) {
       Queries acc = {};
-      for (int64_t d = 0; d < dim; ++d) acc += load(qt + d * width + b) * k[t * dim + d];
+      for (int64_t d = 0; d < dim; ++d) acc += load(qt + d * width + b) * widen(k[t * dim + d]);
       store(s + t * width + b, acc * scale);
     }
     Queries best = load(s + b);
@@ -150,9 +172,9 @@ void attend_many(const float* q, const float* k, const float* v, int64_t n, int6
     }
     store(top + b, best);
   }
-  for (int64_t t = 0; t < n; ++t)  // a plain loop: the compiler calls glibc's vector exp
+  for (int64_t t = 0; t < n; ++t)  // a plain loop: the compiler calls glibc's vector expf
     for (int64_t g = 0; g < width; ++g) {
-      s[t * width + g] = std::exp(s[t * width + g] - top[g]);
+      s[t * width + g] = expf(s[t * width + g] - top[g]);
       sum[g] += s[t * width + g];
     }
   for (int64_t b = 0; b < width; b += MANY)
@@ -161,9 +183,9 @@ void attend_many(const float* q, const float* k, const float* v, int64_t n, int6
       Queries acc[VALUE_DIMS] = {};
       for (int64_t t = 0; t < n; ++t) {
         const Queries e = load(s + t * width + b);
-        const float* vt = v + t * dim + d0;
+        const T* vt = v + t * dim + d0;
         for (int64_t i = 0; i < VALUE_DIMS; ++i)
-          if (i < dims) acc[i] += e * vt[i];
+          if (i < dims) acc[i] += e * widen(vt[i]);
       }
       for (int64_t i = 0; i < dims; ++i) store(ot + (d0 + i) * width + b, acc[i]);
     }
@@ -174,6 +196,7 @@ void attend_many(const float* q, const float* k, const float* v, int64_t n, int6
   }
 }
 
+template <typename T>
 void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
   const int64_t G = job.group, D = job.head_dim, P = job.positions;
   const int64_t row = pair / job.kv_heads, head = pair % job.kv_heads;
@@ -182,8 +205,8 @@ void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
   n = n < 0 ? 0 : (n > P ? P : n);
   const float* q = job.q + pair * G * D;
   const int64_t at = n > 0 ? (cache_row * job.kv_heads + head) * P * D : 0;
-  const float* k = job.keys + at;
-  const float* v = job.values + at;
+  const T* k = static_cast<const T*>(job.keys) + at;
+  const T* v = static_cast<const T*>(job.values) + at;
   float* o = job.o + pair * G * D;
   float* l = job.l + pair * G;
   float* m = job.m + pair * G;
@@ -213,13 +236,17 @@ void work(Job& job) {
     const int64_t part = job.next.fetch_add(1);
     if (part >= job.parts) return;
     const int64_t begin = part * job.pairs / job.parts, end = (part + 1) * job.pairs / job.parts;
-    for (int64_t pair = begin; pair < end; ++pair) attend_pair(job, pair, scores);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      if (job.bfloat16)
+        attend_pair<BFloat16>(job, pair, scores);
+      else
+        attend_pair<float>(job, pair, scores);
+    }
     job.finished.fetch_add(1, std::memory_order_release);
   }
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
-                           ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> lengths,
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> lengths,
                            float scale,
                            ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> l,
                            ffi::ResultBuffer<ffi::F32> m) {
@@ -230,10 +257,16 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     return ffi::Error::InvalidArgument(
         "decode attention: expected q [batch, kv_heads, group, head_dim], keys and values [cache_rows, kv_heads, "
         "positions, head_dim], rows and lengths [batch]");
+  const ffi::DataType type = keys.element_type();
+  if ((type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::U16) ||
+      values.element_type() != type)
+    return ffi::Error::InvalidArgument(
+        "decode attention: keys and values must both be float32, bfloat16, or uint16 (bfloat16's bits)");
   auto job = std::make_shared<Job>();
   job->q = q.typed_data();
-  job->keys = keys.typed_data();
-  job->values = values.typed_data();
+  job->keys = keys.untyped_data();
+  job->values = values.untyped_data();
+  job->bfloat16 = type != ffi::DataType::F32;
   job->rows = rows.typed_data();
   job->lengths = lengths.typed_data();
   job->o = o->typed_data();
@@ -260,8 +293,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // keys
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // values
+                                  .Arg<ffi::AnyBuffer>()  // keys: float32, bfloat16 or its bits
+                                  .Arg<ffi::AnyBuffer>()  // values: the same
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
                                   .Attr<float>("scale")

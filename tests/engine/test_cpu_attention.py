@@ -70,6 +70,28 @@ def test_a_rows_result_does_not_depend_on_the_batch():
     assert float(m[3].max()) == float(jnp.finfo(jnp.float32).min)
 
 
+@pytest.mark.parametrize("group", [2, 16])
+def test_a_bfloat16_cache_gives_the_bits_of_the_same_values_in_float32(group):
+    """A bfloat16 model's cache holds bfloat16 values; the kernel reads them as they are (half
+    the bytes), as bfloat16 or as its bits in uint16, and widens each exactly, so decode (2
+    queries per KV head) and a prefill chunk's loop for many queries (16) give the very bits of
+    the same values kept in float32."""
+    lengths = jnp.asarray([40, 0, 17, 64, 5], jnp.int32)
+    q, pages, *_ = ragged_attention_case(batch=5, kv_heads=2, group=group, head_dim=64, page_lens=(64,), steps=4,
+                                         lengths=[40, 0, 17, 64, 5], seed=group)
+    keys, values = (x.array.astype(jnp.bfloat16) for x in pages[0])
+    query = q["position", 0].array
+    rows = jnp.asarray([3, 0, 2, 4, 1], jnp.int32)  # read in place, out of order
+    wides = cpu_attention.page_residuals(query, keys.astype(jnp.float32), values.astype(jnp.float32), lengths, 0.125,
+                                         rows=rows)
+    bits = (jax.lax.bitcast_convert_type(x, cpu_attention.BFLOAT16_BITS) for x in (keys, values))
+    for halves in (cpu_attention.page_residuals(query, keys, values, lengths, 0.125, rows=rows),
+                   cpu_attention.page_residuals(query, *bits, lengths, 0.125, rows=rows)):  # as the engine stores them
+        for half, wide in zip(halves, wides):
+            assert half.dtype == jnp.float32 and np.array_equal(half, wide)
+    assert float(jnp.max(jnp.abs(wides[0]))) > 0
+
+
 def test_a_later_prefill_chunk_attends_the_same_through_the_kernel():
     """A later prefill chunk (8 tokens of 3 prompts at positions 20, 37 and 0 of their cache
     rows, two query heads per KV head, pages of 32, 16 and 16) attends through the kernel, its

@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -380,3 +381,32 @@ def test_a_bfloat16_row_gets_the_same_tokens_whatever_rows_share_its_calls(tmp_p
     for batch_size, lanes in ((8, 1), (32, 2)):
         other = run(load(batch_size, lanes), range(len(prompts)))
         assert [i for i in first if other[i] != first[i]] == [], (batch_size, lanes)
+
+
+def test_a_bfloat16_cache_read_by_the_cpu_kernel_changes_no_token(tmp_path, monkeypatch):
+    """With the CPU kernel on one device a bfloat16 model keeps its KV cache in bfloat16 (half
+    the bytes a step reads), where it was float32: the keys and values are bfloat16 values
+    either way and every read of them is in float32, so every row gets the tokens a float32
+    cache gives it, sampled ones included."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    import bench_engine
+
+    from engine import kernels
+
+    preset = bench_engine.PRESETS["cpu-mixed"]
+    bench_engine.build_checkpoint(preset, str(tmp_path), "bfloat16")
+    prompts = bench_engine.mixed_prompts(preset)[:48]  # 4 to 512 tokens: later prefill chunks too
+
+    def run():
+        engine = Engine.load(str(tmp_path), dtype="bfloat16", sampling=SamplingParams(max_new_tokens=20, temperature=0.9),
+                             engine=EngineConfig(batch_size=16, decode_attention="cpu"), max_prompt_tokens=512)
+        completions = {c.prompt_index: c.token_ids for c in engine.generate(GenerationRequest(i, p, [0]) for i, p in enumerate(prompts))}
+        return engine.describe(), completions
+
+    described, halves = run()
+    assert described.endswith("decode attention cpu over a bfloat16 KV cache")
+    monkeypatch.setattr(kernels, "cache_dtype", lambda *args, **kwargs: jnp.float32)
+    described, wides = run()
+    assert described.endswith("decode attention cpu over a float32 KV cache")
+    assert len(halves) == len(prompts) and all(len(tokens) == 20 for tokens in halves.values())
+    assert [i for i in halves if halves[i] != wides[i]] == []
