@@ -17,7 +17,7 @@ import pytest
 
 from engine import EngineConfig, cpu_attention
 from engine.config import InvalidConfig
-from engine.kernels import attend_pages_kernel, resolve
+from engine.kernels import attend_pages_kernel, cache_dtype, resolve
 from engine_testlib import ragged_attention_case
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -173,6 +173,19 @@ def test_which_attention_a_cpu_host_gets(monkeypatch):
         resolve("cpu", platform="cpu", head_dim=64, dtype="float32")
     with pytest.raises(InvalidConfig, match="engine.decode_attention must be auto, xla, pallas or cpu, got 'flash'"):
         EngineConfig(decode_attention="flash")
+
+
+def test_which_cache_dtype_a_host_gets():
+    """A bfloat16 model's KV cache is bfloat16 (stored as its bits in uint16) only where the CPU
+    kernel makes every read of it: on one CPU device. Over several, or with the XLA attention,
+    a CPU keeps float32; an accelerator the model's dtype."""
+    bits, f32, bf16 = cpu_attention.BFLOAT16_BITS, jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+    assert cache_dtype("cpu", platform="cpu", dtype=bf16, devices=1) == bits
+    assert cpu_attention.value_dtype(bits) == bf16 and cpu_attention.value_dtype(f32) == f32
+    assert cache_dtype("cpu", platform="cpu", dtype=f32, devices=1) == f32
+    assert cache_dtype("cpu", platform="cpu", dtype=bf16, devices=4) == f32
+    assert cache_dtype("xla", platform="cpu", dtype=bf16, devices=1) == f32
+    assert cache_dtype("pallas", platform="gpu", dtype=bf16, devices=8) == bf16
 
 
 def test_loading_the_kernel_leaves_the_processs_floating_point_alone(tmp_path):
