@@ -96,8 +96,8 @@ def run(args: argparse.Namespace):
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.dtype(args.dtype or ("bfloat16" if on_gpu else "float32"))
     if dtype != jnp.float32 and not on_gpu:
-        raise SystemExit("--dtype bfloat16 needs a GPU: on the CPU the engine keeps a float32 cache (XLA's CPU dots "
-                         "over a 16-bit one are slow or missing)")
+        raise SystemExit("--dtype bfloat16 needs a GPU: on the CPU the engine's XLA and Pallas attentions keep a float32 "
+                         "cache (XLA's CPU dots over a 16-bit one are slow or missing)")
     try:
         tunings = {"pallas": kernels.TUNING} | {f"pallas:{text}": kernels.KernelTuning.parse(text) for text in args.tuning}
     except ValueError as e:

@@ -14,7 +14,7 @@ Peak of a program = arguments + outputs - donated (aliased) buffers + temporarie
 On a CPU, ask for float32 (`--dtype float32 --cache-dtype float32`) to see the program a GPU
 runs: in bfloat16, XLA's CPU backend converts the whole cache to a float32 copy for attention's
 dots (measured: 86.3 GiB of temporaries for the 8B at batch 128, against 0.57 GiB in float32), a
-CPU-only artifact (the engine keeps its CPU cache in float32). The bfloat16 peak on an
+CPU-only artifact (where XLA's dots read the cache on a CPU, the engine keeps it in float32). The bfloat16 peak on an
 accelerator is then at most the bfloat16 arguments (exact in either run) plus the float32
 run's temporaries.
 """
