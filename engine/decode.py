@@ -34,9 +34,10 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
   of the decode cache between decode calls.
 - How many pages a call reads is chosen on the device, by a `lax.switch` inside the one program:
   the choice adds no programs (a decode chunk: 1-4 pages; a prefill chunk: the first or all).
-  With a kernel that reads each row to its own length (`engine.decode_attention: cpu`), a decode
-  chunk passes it every page and has no switch: one branch to trace and compile; so does a later
-  prefill chunk on one device, the kernel reading its prompts' cache rows in place.
+  With a kernel that reads each row to its own length (`engine.decode_attention: cpu`) the cache
+  is one page and there is no switch: one kernel call a layer, one branch to trace and compile;
+  a later prefill chunk on one device likewise, the kernel reading its prompts' cache rows in
+  place.
 
 Both return what the host reads back (new tokens and done flags) as separate arrays laid out
 by `spec.host_sharding`: on a global mesh they are replicated, so every host holds a copy.
@@ -86,10 +87,16 @@ class DecodeSpec:
 
 def cache_ends(attention: str, seq_len: int, kernel: KernelTuning) -> tuple[int, ...]:
     """Where the cache's pages end along key positions (`cache_pages`): quarters of multiples of
-    16 positions for the engine's own attention. With pallas, `kernel.pages` pages, each a
-    multiple of the longest block the kernel may read (up to `kernel.max_block_k`; no longer
-    than a page), the cache rounded up to it, so that the kernel reads every page in blocks
-    that long: up to a block - 1 more positions per row, never written nor read."""
+    16 positions for the engine's own attention. With cpu one page: the C++ kernel reads each row
+    to its own length wherever it lives, so more pages only add calls, and the parts combined
+    after them (one call and two parts a layer compile in a third less time than four calls and
+    five parts: docs/performance-notes.md; over several devices a later prefill chunk, attended the
+    XLA way, then reads its rows whole). With pallas, `kernel.pages` pages, each a multiple of
+    the longest block the kernel may read (up to `kernel.max_block_k`; no longer than a page),
+    the cache rounded up to it, so that the kernel reads every page in blocks that long: up to a
+    block - 1 more positions per row, never written nor read."""
+    if attention == "cpu":
+        return (seq_len,)
     if attention != "pallas":
         return cache_pages(seq_len)
     share = -(-seq_len // kernel.pages)

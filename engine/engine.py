@@ -152,8 +152,8 @@ class EngineStats:
     prefill_pages_read: int = 0
     """Cache pages read by the prefill calls of later chunks, summed over the calls: each reads
     the first pages covering its rows (a call of first chunks reads none). With the CPU kernel
-    (`engine.decode_attention: cpu`, one device) the pages its rows reach: each row is read only
-    to its own length."""
+    (`engine.decode_attention: cpu`) the cache is one page, so each call counts one: each row is
+    read only to its own length."""
     decode_calls: int = 0
 
     def count_program(self, kind: str, seconds: float, *, loaded: bool) -> None:

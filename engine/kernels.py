@@ -8,8 +8,9 @@ and the kernel's use over the engine's pages: one call per page (with the kernel
 keeps its cache in one page, `KernelTuning.pages`: one call a layer), combined with the decode
 chunk's buffer by their softmax residuals (the running maximum and sum of each part).
 
-With `engine.decode_attention: cpu` each page goes instead to the engine's own C++ CPU kernel
-(engine/cpu_attention.py), which returns the same residuals; the chunk's buffer stays with XLA.
+With `engine.decode_attention: cpu` the page (the engine keeps one for it too) goes instead to
+the engine's own C++ CPU kernel (engine/cpu_attention.py), which returns the same residuals; the
+chunk's buffer stays with XLA.
 A later prefill chunk on one device attends through it too (`attend_prefill_cpu`): its queries
 over its prompts' cache rows, read in place up to where the chunk starts, and over the chunk's
 own keys causally by XLA.

@@ -21,9 +21,10 @@ def _requests(lengths):
     return [GenerationRequest(i, rng.randint(0, VOCAB, n).tolist(), [0]) for i, n in enumerate(lengths)]
 
 
-def _load(path, overlap_prefill):
+def _load(path, overlap_prefill, attention="auto"):
     return Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=5),
-                       engine=EngineConfig(batch_size=4, prefill_chunk_tokens=8, prefill_tokens=16, overlap_prefill=overlap_prefill),
+                       engine=EngineConfig(batch_size=4, prefill_chunk_tokens=8, prefill_tokens=16, overlap_prefill=overlap_prefill,
+                                           decode_attention=attention),
                        max_prompt_tokens=40)
 
 
@@ -31,9 +32,7 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
     """Prompts of every length from 1 to max_prompt_tokens (several prefill chunks for most),
     then a second generate with other lengths: five programs (init, decode, prefill of first
     chunks, of later chunks, and the move of prefilled rows from the staging cache into the
-    lane's: this 2-core CPU prefills beside decoding), obtained once. Decode and prefill calls
-    read the cache's first one to three pages (ending at 16, 32 and 45 positions), in the same
-    programs."""
+    lane's: this 2-core CPU prefills beside decoding), obtained once."""
     path, hf = llama
     previous = jax.config.jax_compilation_cache_dir
     try:
@@ -94,9 +93,10 @@ def test_later_prefill_chunks_go_earliest_first_and_read_the_fewest_pages(llama)
     positions: 1, 2, 2 and 3 pages, counted on the host by the rule `by_pages` applies on the
     device, above), not one prompt's next two (24 and 40 positions, each twice: 10 pages); the
     tokens are transformers'. Prompts are prefilled between decode calls here (no staging cache):
-    beside them, which prompts share a call depends on timing."""
+    beside them, which prompts share a call depends on timing. The engine's XLA attention: the
+    CPU kernel's cache is one page, each row read to its own length."""
     path, hf = llama
-    engine = _load(path, overlap_prefill=False)
+    engine = _load(path, overlap_prefill=False, attention="xla")
     requests = _requests([40, 40])
     out = {c.prompt_index: c.token_ids for c in engine.generate(requests)}
     assert engine.stats.prefill_calls == 5 and engine.stats.prefill_pages_read == 8, engine.stats

@@ -188,6 +188,7 @@ def test_kernel_blocks():
     assert kernel_blocks(640, 1024, KernelTuning(max_block_k=128)) == (1, 128)
     engine = KernelTuning()
     assert cache_ends("xla", 2176, engine) == (544, 1088, 1632, 2176)  # quarters: the engine's attention
+    assert cache_ends("cpu", 2100, engine) == (2100,)  # the CPU kernel's: one page, each row read to its length
     assert cache_ends("pallas", 2176, engine) == (2176,)  # the 8B's: one page, read in blocks of 64
     assert cache_ends("pallas", 2100, engine) == (2112,)  # rounded up to a block
     assert cache_ends("pallas", 2176, KernelTuning(pages=4)) == (576, 1152, 1728, 2176)
