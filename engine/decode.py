@@ -84,6 +84,13 @@ class DecodeSpec:
         """Where the cache's pages end (`new_cache`), for `seq_len` positions."""
         return cache_ends(self.attention, seq_len, self.kernel)
 
+    @property
+    def prefill_in_place(self) -> bool:
+        """Prefill chunks attend through the CPU kernel, their prompts' cache rows read in place:
+        `cpu` attention on one device (over several, the rows live apart). A first chunk then
+        runs the later chunks' program, the kernel reading nothing of its rows (`prefill_chunk`)."""
+        return self.attention == "cpu" and len(self.cache_sharding.device_set) == 1
+
 
 def cache_ends(attention: str, seq_len: int, kernel: KernelTuning) -> tuple[int, ...]:
     """Where the cache's pages end along key positions (`cache_pages`): quarters of multiples of
@@ -190,7 +197,9 @@ def prefill_chunk(
     sample_index [R, n]). fresh: every row's start is 0 (the chunk attends to itself only, no
     cache row is read; the host never mixes first and later chunks in one call, so a prompt's
     numerics do not depend on its neighbours); else the chunk attends to the first pages of its
-    cache row covering every row's chunk. Returns (cache,
+    cache row covering every row's chunk, or with `spec.prefill_in_place` to each row's cache
+    row up to its start, in place (nothing for a first chunk: the engine runs first chunks so
+    too, one program fewer to compile). Returns (cache,
     state, (first token per slot, -1 where none; done per slot)), the last two laid out for the
     host."""
     R, C = tokens.shape
@@ -201,8 +210,7 @@ def prefill_chunk(
     valid = jnp.arange(C)[None, :] < lengths[:, None]
     write_positions = jnp.where(valid, positions, seq_len)  # out of range: dropped
     reach = jnp.max(starts + lengths)
-    # The CPU kernel reads prompts' rows in place on one device; over several, rows live apart.
-    attention = "cpu" if spec.attention == "cpu" and len(spec.cache_sharding.device_set) == 1 else "xla"
+    attention = "cpu" if spec.prefill_in_place else "xla"
     contexts = tuple(PrefillChunk(kv, slots, positions, write_positions, reach, fresh, attention) for kv in cache.layers)
     hidden, layers = model.forward(hax.named(tokens, (Batch, Pos)), hax.named(positions, (Batch, Pos)), contexts)
 

@@ -290,11 +290,12 @@ def test_a_job_that_fits_the_lane_makes_the_same_calls_beside_decode(llama):
     assert "beside decode, into 4 staging rows" in beside.describe()
     assert {key: c.token_ids for key, c in _run(beside, requests).items()} == expected and len(expected) == 4
     assert {stat: getattr(beside.stats, stat) for stat in counted} == calls
-    assert sorted(beside.stats.programs) == ["decode", "init", "prefill", "prefill_fresh"] and not _prefill_threads()
+    first = [] if beside.attention == "cpu" else ["prefill_fresh"]  # the CPU kernel's: first chunks in the later ones' program
+    assert sorted(beside.stats.programs) == ["decode", "init", "prefill"] + first and not _prefill_threads()
     # A longer job: the thread's calls run the lane's programs (the same shapes), one more to move rows.
     assert {key: c.token_ids for key, c in _run(beside, more).items()} == expected_more
-    assert sorted(beside.stats.programs) == ["adopt", "decode", "init", "prefill", "prefill_fresh"]
-    assert beside.stats.programs_used == 5 == beside.max_programs, beside.stats.programs
+    assert sorted(beside.stats.programs) == ["adopt", "decode", "init", "prefill"] + first
+    assert beside.stats.programs_used == 4 + len(first) == beside.max_programs, beside.stats.programs
 
 
 def test_prefill_beside_decode_stops_with_the_lane(llama, greedy_ref, monkeypatch):

@@ -45,17 +45,19 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
         assert sorted(first) == list(range(40)) and all(len(t) == 5 for t in first.values())
         for i in (7, 8, 22, 39):  # one chunk, exactly one, three, five
             assert first[i] == hf_greedy(hf, _requests(range(1, 41))[i].input_ids, 5), i
-        assert engine.max_programs == 5 and sorted(engine.stats.programs) == ["adopt", "decode", "init", "prefill", "prefill_fresh"]
-        assert engine.stats.compilations == 5 and engine.stats.cache_loads == 0, engine.stats.programs
+        # With the CPU kernel (auto here) first chunks run the later chunks' program.
+        kinds = ["adopt", "decode", "init", "prefill"] + ([] if engine.attention == "cpu" else ["prefill_fresh"])
+        assert engine.max_programs == len(kinds) and sorted(engine.stats.programs) == kinds
+        assert engine.stats.compilations == len(kinds) and engine.stats.cache_loads == 0, engine.stats.programs
         # The decode program is compiled beside the others, from the start of generate, and the
         # prompts are prefilled in a thread of their own.
-        assert threads["decode"].startswith("compile-decode") and threads["prefill_fresh"] == "engine-prefill", threads
+        assert threads["decode"].startswith("compile-decode") and threads[kinds[-1]] == "engine-prefill", threads
         assert threads["adopt"] == "MainThread", threads
         # generate waited for its programs, but not for longer than they took (the decode compile overlaps).
         waited = engine.stats.compile_wait_s
         assert 0 < waited <= engine.stats.compile_time_s, (waited, engine.stats.programs)
         list(engine.generate(_requests([3, 40, 17])))
-        assert engine.stats.compilations == 5, engine.stats.programs
+        assert engine.stats.compilations == len(kinds), engine.stats.programs
         assert engine.stats.compile_wait_s - waited < 0.05  # nothing left to wait for
 
         # A new process would find the same programs on disk: forget them in memory, load again.
@@ -64,7 +66,7 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
         again = _load(path, overlap_prefill=True)
         second = {c.prompt_index: c.token_ids for c in again.generate(_requests(range(1, 41)))}
         assert second == first
-        assert again.stats.compilations == 0 and again.stats.cache_loads == 5, again.stats.programs
+        assert again.stats.compilations == 0 and again.stats.cache_loads == len(kinds), again.stats.programs
         assert any((tmp_path / "jax-compile").iterdir())
     finally:
         compile_cache.enable(previous)
@@ -124,7 +126,7 @@ def test_bfloat16_programs_neither_copy_nor_convert_a_weight(tmp_path):
                          engine=EngineConfig(batch_size=4, prefill_chunk_tokens=8, prefill_tokens=16, overlap_prefill=True),
                          max_prompt_tokens=40)
     completions = list(engine.generate(_requests([3, 20, 30])))
-    assert len(completions) == 3 and sorted(engine.stats.programs) == ["adopt", "decode", "init", "prefill", "prefill_fresh"]
+    assert len(completions) == 3 and engine.stats.programs_used == engine.max_programs, engine.stats.programs
 
     weights = {tuple(leaf.shape) for leaf in jax.tree.leaves(engine.model) if leaf.ndim == 2}
     assert {(136, 48), (48, 48), (24, 48), (80, 48), (48, 80)} <= weights
