@@ -22,9 +22,9 @@ them and are prefilled, in chunks of `prefill_chunk_tokens` tokens, before decod
 on, so finished rows stop costing work after at most a chunk. Every program's shapes come from
 the config (slots = batch_size, cache length, prefill rows x chunk, decode steps), so a run
 compiles at most four programs whatever its prompts (init, decode, prefill of first chunks and of
-later ones; three when every prompt fits one chunk, or where the CPU kernel prefills in place
-and first chunks run the later ones' program: a call reading only the cache's first quarter
-runs in the same program, see decode.py; one more with a staging cache, below),
+later ones, a call reading only the cache's first quarter in the same program as one reading all
+of it, see decode.py; three when every prompt fits one chunk, or where the CPU kernel prefills
+in place and first chunks run the later ones' program; one more with a staging cache, below),
 and JAX's persistent compilation cache (engine/compile_cache.py, on by default) lets a rerun or
 resume load them instead. The decode program, the largest, is compiled in a thread of its own
 from the start of `generate`, while the prefill programs are compiled and run.

@@ -32,7 +32,8 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
     """Prompts of every length from 1 to max_prompt_tokens (several prefill chunks for most),
     then a second generate with other lengths: five programs (init, decode, prefill of first
     chunks, of later chunks, and the move of prefilled rows from the staging cache into the
-    lane's: this 2-core CPU prefills beside decoding), obtained once."""
+    lane's: this 2-core CPU prefills beside decoding), four with the CPU kernel (first and later
+    chunks in one program), obtained once."""
     path, hf = llama
     previous = jax.config.jax_compilation_cache_dir
     try:
