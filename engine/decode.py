@@ -55,7 +55,7 @@ from haliax import Axis, NamedArray
 from engine import cpu_attention
 from engine.config import SamplingParams
 from engine.jax_compat import hax
-from engine.kernels import KernelTuning
+from engine.kernels import KernelTuning, reads_in_place
 from engine.llama import (
     DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, by_pages, cache_pages, page_spans, set_rows,
 )
@@ -86,10 +86,10 @@ class DecodeSpec:
 
     @property
     def prefill_in_place(self) -> bool:
-        """Prefill chunks attend through the CPU kernel, their prompts' cache rows read in place:
-        `cpu` attention on one device (over several, the rows live apart). A first chunk then
-        runs the later chunks' program, the kernel reading nothing of its rows (`prefill_chunk`)."""
-        return self.attention == "cpu" and len(self.cache_sharding.device_set) == 1
+        """Prefill chunks attend through the CPU kernel, their prompts' cache rows read in place
+        (`engine.kernels.reads_in_place`). A first chunk then runs the later chunks' program, the
+        kernel reading nothing of its rows (`prefill_chunk`)."""
+        return reads_in_place(self.attention, len(self.cache_sharding.device_set))
 
 
 def cache_ends(attention: str, seq_len: int, kernel: KernelTuning) -> tuple[int, ...]:
@@ -375,7 +375,7 @@ def adopt_rows(model: LlamaLM, cache: KVCache, state: DecodeState, staged: KVCac
     # Leaf by leaf: the two caches differ in their batch axis, so their trees do not match.
     leaves, treedef = jax.tree.flatten(cache)
     cache = jax.tree.unflatten(treedef, [set_rows(a, to, b) for a, b in zip(leaves, jax.tree.leaves(staged))])
-    state = jax.tree.map(lambda into, rows: into.at[to].set(rows, mode="drop"), state, staged_state)
+    state = jax.tree.map(lambda into, rows: set_rows(into, to, rows), state, staged_state)
     return _finish(cache, state, jnp.full((cache.slots, 0), -1, jnp.int32), spec)
 
 

@@ -127,18 +127,25 @@ def resolve(setting: str, *, platform: str, head_dim: int, dtype: str) -> str:
     return setting
 
 
+def reads_in_place(attention: str, devices: int) -> bool:
+    """The CPU kernel makes every read of the cache, each row read where it lives (a prefill
+    chunk's prompts' rows too): `cpu` attention over a cache on one device. Over several the
+    rows live apart, and a later prefill chunk attends the XLA way."""
+    return attention == "cpu" and devices == 1
+
+
 def cache_dtype(attention: str, *, platform: str, dtype, devices: int):
     """The KV cache's dtype for a model in `dtype` whose cache spans `devices` devices: the model's
     on accelerators. On a CPU float32 (XLA's CPU dots read a 16-bit cache slowly: "Prefill and
-    decode apart" in docs/performance-notes.md) unless the CPU kernel makes every read of it:
-    `cpu` attention on one device (over several, a later prefill chunk attends the XLA way). A
-    bfloat16 model's keys and values are bfloat16 values either way (its projections round to
-    it) and every read of the cache with the kernel is in float32, so a bfloat16 cache changes
-    no bit, only the bytes it takes and a step reads: half. It is stored as the bits, in uint16
-    (`cpu_attention.BFLOAT16_BITS`: XLA's CPU backend writes bfloat16 through float32)."""
+    decode apart" in docs/performance-notes.md) unless the CPU kernel makes every read of it
+    (`reads_in_place`). A bfloat16 model's keys and values are bfloat16 values either way (its
+    projections round to it) and every read of the cache with the kernel is in float32, so a
+    bfloat16 cache changes no bit, only the bytes it takes and a step reads: half. It is stored
+    as the bits, in uint16 (`cpu_attention.BFLOAT16_BITS`: XLA's CPU backend writes bfloat16
+    through float32)."""
     if platform != "cpu":
         return dtype
-    if attention == "cpu" and devices == 1:
+    if reads_in_place(attention, devices):
         return cpu_attention.BFLOAT16_BITS if jnp.dtype(dtype) == jnp.bfloat16 else dtype
     return jnp.float32
 
