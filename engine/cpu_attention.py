@@ -4,11 +4,13 @@ Owns: building engine/csrc/decode_attention.cc with the machine's C++ compiler a
 own FFI headers (`jax.ffi.include_dir()`), for this CPU (`-march=native`), into a shared library
 in `$PIPELINE_KERNEL_DIR` (default `~/.cache/jax-batch-pipeline/kernels`); loading it and
 registering its target with XLA once per process; and calling it on a page of the cache (a
-decode step's rows, or a later prefill chunk's prompts' rows, read in place by index).
+decode step's rows, or a prefill chunk's prompts' rows once the chunk is written, read in place
+by index, causally).
 
     cpu_attention.unavailable()       # None, or why the kernel cannot run here (no compiler, ...)
     o, l, m = cpu_attention.page_residuals(q, keys, values, lengths, scale)
     o, l, m = cpu_attention.page_residuals(q, keys, values, lengths, scale, rows=cache_rows)  # rows read in place
+    o, l, m = cpu_attention.page_residuals(q, keys, values, starts, scale, rows=cache_rows, causal=q_per_kv)  # a prefill chunk
     python -m engine.cpu_attention    # builds it now (scripts/setup.sh does; else the first use)
 
 What the kernel computes is `engine.kernels.page_residuals`' contract, for one page: each row
@@ -158,7 +160,7 @@ def unavailable() -> str | None:
 
 
 def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array, scale: float, *,
-                   rows: jax.Array | None = None):
+                   rows: jax.Array | None = None, causal: int = 0):
     """(o, l, m) of one page, as `engine.kernels.page_residuals`: q [batch, kv_heads, group,
     head_dim], keys/values [batch, kv_heads, positions, head_dim] (float32, or both bfloat16 or its
     bits, `BFLOAT16_BITS`, read as they are: the bits of the same values in float32), lengths [batch]
@@ -167,7 +169,11 @@ def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: ja
     maximum; a row with nothing written gives o = l = 0 and m = float32 min.
 
     rows [batch] int32: instead, row b reads cache row rows[b] of keys/values [cache_rows, ...]
-    in place (a prefill chunk's prompts); a row out of range reads nothing."""
+    in place (a prefill chunk's prompts); a row out of range reads nothing.
+
+    causal c > 0: query g of a row reads lengths[row] + g // c + 1 positions instead (a prefill
+    chunk written into its cache rows: its queries (position, query head), c a position, from
+    lengths[row] on)."""
     error = unavailable()
     if error:
         raise KernelUnavailable(error)
@@ -180,7 +186,7 @@ def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: ja
     if value_dtype(keys.dtype) != jnp.bfloat16:  # the kernel reads a bfloat16 cache as it is, widened exactly
         keys, values = keys.astype(jnp.float32), values.astype(jnp.float32)
     return call(q.astype(jnp.float32), keys, values.astype(keys.dtype), rows.astype(jnp.int32), lengths.astype(jnp.int32),
-                scale=np.float32(scale))
+                scale=np.float32(scale), causal=np.int64(causal))
 
 
 if __name__ == "__main__":

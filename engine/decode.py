@@ -87,8 +87,8 @@ class DecodeSpec:
     @property
     def prefill_in_place(self) -> bool:
         """Prefill chunks attend through the CPU kernel, their prompts' cache rows read in place
-        (`engine.kernels.reads_in_place`). A first chunk then runs the later chunks' program, the
-        kernel reading nothing of its rows (`prefill_chunk`)."""
+        once the chunk is written (`engine.kernels.reads_in_place`). A first chunk then runs the
+        later chunks' program: it reads only its own positions there (`prefill_chunk`)."""
         return reads_in_place(self.attention, len(self.cache_sharding.device_set))
 
 
@@ -197,9 +197,10 @@ def prefill_chunk(
     sample_index [R, n]). fresh: every row's start is 0 (the chunk attends to itself only, no
     cache row is read; the host never mixes first and later chunks in one call, so a prompt's
     numerics do not depend on its neighbours); else the chunk attends to the first pages of its
-    cache row covering every row's chunk, or with `spec.prefill_in_place` to each row's cache
-    row up to its start, in place (nothing for a first chunk: the engine runs first chunks so
-    too, one program fewer to compile). Returns (cache,
+    cache row covering every row's chunk and to itself. With `spec.prefill_in_place` any chunk
+    attends to each row's cache row in place, each token up to itself, the chunk written there
+    first (one kernel call a layer; the engine runs first chunks so too, one program fewer to
+    compile). Returns (cache,
     state, (first token per slot, -1 where none; done per slot)), the last two laid out for the
     host."""
     R, C = tokens.shape

@@ -11,9 +11,8 @@ chunk's buffer by their softmax residuals (the running maximum and sum of each p
 With `engine.decode_attention: cpu` the page (the engine keeps one for it too) goes instead to
 the engine's own C++ CPU kernel (engine/cpu_attention.py), which returns the same residuals; the
 chunk's buffer stays with XLA.
-A later prefill chunk on one device attends through it too (`attend_prefill_cpu`): its queries
-over its prompts' cache rows, read in place up to where the chunk starts, and over the chunk's
-own keys causally by XLA.
+A prefill chunk on one device attends through it too (`attend_prefill_cpu`): once the chunk is
+written, its queries over its prompts' cache rows, read in place, causally, in one call a layer.
 
 The Pallas kernel is JAX's, not ours: this module only tunes its blocks and combines its results. It
 runs on GPUs, over several devices under `jax.shard_map` (each device its own rows and KV
@@ -189,7 +188,7 @@ def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: ja
 def xla_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, scale: float):
     """The same (o, l, m) as `page_residuals` by XLA operations, for the keys where mask
     (broadcast to [batch, kv_heads, group, positions]) is True: the decode chunk's buffer, pages
-    the kernel cannot read, and a prefill chunk's own keys."""
+    the kernel cannot read."""
     s = jnp.einsum("bhgd,bhkd->bhgk", q, keys, preferred_element_type=jnp.float32) * scale
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1)
@@ -276,24 +275,21 @@ def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, att
     return page_residuals(q, keys, values, written, scale, blocks=blocks, tuning=tuning)
 
 
-def attend_prefill_cpu(q: NamedArray, k: NamedArray, v: NamedArray, pages, rows: jax.Array, starts: jax.Array,
-                       scale: float) -> NamedArray:
-    """A later prefill chunk's attention with `engine.decode_attention: cpu`: q (batch, position,
-    kv_heads, q_per_kv, head_dim) over its prompt's cache row rows [batch] (out of range: none),
-    the first starts [batch] positions (what earlier chunks wrote, seen by every query of the
-    chunk), through the CPU kernel, read in place; and over the chunk's own keys/values k, v
-    (batch, kv_heads, position, head_dim), causally, by XLA. One device's cache only: the
-    kernel's call is not split over devices. The same result as `engine.llama._attend_pages`
-    over the cache row up to each query's position, float32."""
+def attend_prefill_cpu(q: NamedArray, pages, rows: jax.Array, starts: jax.Array, scale: float) -> NamedArray:
+    """A prefill chunk's attention with `engine.decode_attention: cpu`, once its keys/values are
+    written: q (batch, position, kv_heads, q_per_kv, head_dim) over its prompt's cache row rows
+    [batch] (out of range: none; its queries come out zero), read in place by the CPU kernel,
+    causally: the query at the chunk's position p reads the first starts [batch] + p + 1 positions
+    (what earlier chunks wrote and the chunk up to itself). One call, one page: the kernel's cache
+    (`engine.decode.cache_ends`) on one device (the kernel's call is not split over devices). The
+    same result as `engine.llama._attend_pages` over the cache row up to each query's position,
+    float32."""
+    if len(pages) != 1:
+        raise ValueError(f"the CPU kernel's prefill reads one page of the cache, not {len(pages)}")
     axes = ("batch", "kv_heads", "position", "q_per_kv", "head_dim")
     q = q.rearrange(axes)
     batch, heads, chunk, per_kv, dim = q.array.shape
     flat = q.array.reshape(batch, heads, chunk * per_kv, dim)  # the query group: (position, q_per_kv)
-    parts = _pages_residuals(flat, [(page.k.array, page.v.array) for page in pages], starts, scale, TUNING, "cpu", rows)
-    dtype = cpu_attention.value_dtype(pages[0].k.dtype)  # the chunk's keys/values as the cache holds them, read in float32 as the kernel does
-    causal = jnp.arange(chunk)[None, :] <= (jnp.arange(chunk * per_kv) // per_kv)[:, None]
-    keys, values = (x.rearrange(("batch", "kv_heads", "position", "head_dim")).array.astype(dtype).astype(jnp.float32)
-                    for x in (k, v))
-    parts.append(xla_residuals(flat, keys, values, causal[None, None], scale))
-    out = combine(parts).reshape(batch, heads, chunk, per_kv, dim)
+    o, l, _ = cpu_attention.page_residuals(flat, pages[0].k.array, pages[0].v.array, starts, scale, rows=rows, causal=per_kv)
+    out = (o / jnp.where(l > 0, l, 1.0)[..., None]).reshape(batch, heads, chunk, per_kv, dim)
     return hax.named(out, tuple(q.resolve_axis(a) for a in axes))

@@ -387,9 +387,10 @@ class PrefillChunk(NamedTuple):
     """Every row starts its prompt here, so nothing before the chunk is read: it attends to its
     own keys only instead of gathering its cache row (static: one program each way)."""
     attention: str = "xla"
-    """How a later chunk attends (static): xla, its cache row's first pages gathered, one
-    branch per page count (`by_pages`); cpu, the engine's C++ kernel, each row read in place to
-    its own length (`engine.kernels.attend_prefill_cpu`; one device's cache)."""
+    """How the chunk attends (static): xla, a later chunk its cache row's first pages gathered,
+    one branch per page count (`by_pages`), and its own keys; cpu, the engine's C++ kernel, any
+    chunk its cache row read in place once the chunk is written there, each query up to itself
+    (`engine.kernels.attend_prefill_cpu`; one device's cache)."""
 
 
 class DecodeStep(NamedTuple):
@@ -497,16 +498,16 @@ class Attention(eqx.Module):
     @staticmethod
     def _prefill(q, k, v, cache: PagedKV, context: PrefillChunk, scale: float):
         """A fresh chunk attends to its own keys (causal); a later one to its cache row's first
-        pages covering the call's rows (each page's rows gathered), or with the CPU kernel to its
-        cache row in place, up to where the chunk starts, and to its own keys."""
+        pages covering the call's rows (each page's rows gathered) and its own keys. With the CPU
+        kernel, any chunk attends to its cache row in place, the chunk written there (causal)."""
         Batch, Pos = q.resolve_axis("batch"), q.resolve_axis("position")
+        if context.attention == "cpu":
+            return kernels.attend_prefill_cpu(q, cache.pages, context.slots[:, 0], context.positions[:, 0], scale)
         if context.fresh:
             C = Pos.size
             mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (Batch.size, C, C)),
                              (Batch, Pos, Axis("key_position", C)))
             return _attend(q, k.rename({"position": "key_position"}), v.rename({"position": "key_position"}), mask, scale)
-        if context.attention == "cpu":
-            return kernels.attend_prefill_cpu(q, k, v, cache.pages, context.slots[:, 0], context.positions[:, 0], scale)
         read = jnp.minimum(context.slots[:, 0], cache.pages[0].k.array.shape[0] - 1)
 
         def attend(count: int):

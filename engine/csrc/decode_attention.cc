@@ -1,9 +1,12 @@
 // Decode attention over a KV cache page (float32 or bfloat16) on the CPU, as an XLA FFI custom call
 // (engine/cpu_attention.py builds, loads and calls it; `engine.decode_attention: cpu`). Later
-// prefill chunks call it too, over their prompts' cache rows, with many queries per KV head.
+// prefill chunks call it too, over their prompts' cache rows once the chunk is written, with many
+// queries per KV head, causally.
 //
 // For each (row, KV head) of a page, the row's first `lengths[row]` positions only (none where
-// its cache row is out of range):
+// its cache row is out of range); with `causal` = c > 0, query g reads `lengths[row] + g / c + 1`
+// of them instead (a prefill chunk: its queries are (position, query head of the KV head), c of
+// them a position, and lengths[row] is where the chunk starts):
 //   scores = scale * q . keys, m = max(scores),
 //   e = exp(scores - m), l = sum(e), o = sum(e * values)
 // returned unnormalized with the softmax residuals (o, l, m), the same contract as the Pallas
@@ -18,7 +21,7 @@
 //
 // Shapes: q [batch, kv_heads, group, head_dim], keys/values [cache_rows, kv_heads, positions,
 // head_dim], rows and lengths [batch] int32 (row b reads cache row rows[b]: decode passes
-// 0..batch-1, a prefill chunk its prompts' rows, read in place); o [batch, kv_heads, group,
+// 0..batch-1, a prefill chunk its prompts' rows, read in place), causal an int64 attribute; o [batch, kv_heads, group,
 // head_dim], l and m [batch, kv_heads, group], all row-major. Everything is float32 but the
 // keys and values, which are float32 or both bfloat16 (a bfloat16 model's cache: half the bytes
 // to read), given as bfloat16 or as its bits in uint16 (how the engine stores it on the CPU). A
@@ -69,6 +72,7 @@ struct Job {
   float* l;
   float* m;
   int64_t kv_heads, group, positions, head_dim, cache_rows;
+  int64_t causal;  // queries per position of a causal prefill chunk; 0: every query reads lengths[row]
   float scale;
   int64_t pairs;  // batch x kv_heads
   int64_t parts;  // contiguous runs of pairs, one per thread at most
@@ -76,15 +80,22 @@ struct Job {
   std::atomic<int64_t> finished{0};
 };
 
-// One KV head of one row: `group` queries over its first n positions. D fixed at compile time
-// (0: d_runtime) lets the compiler keep a query and the weighted sum in vector registers.
+// Positions query g reads: all n, or causally `first + g / causal + 1` of them (at most n).
+struct Reach {
+  int64_t n, first, causal;
+  int64_t operator()(int64_t g) const { return causal > 0 ? std::min(n, first + g / causal + 1) : n; }
+};
+
+// One KV head of one row: `group` queries over their first reach(g) positions. D fixed at compile
+// time (0: d_runtime) lets the compiler keep a query and the weighted sum in vector registers.
 template <int64_t D, typename T>
-void attend(const float* q, const T* k, const T* v, int64_t n, int64_t group, int64_t d_runtime, float scale,
+void attend(const float* q, const T* k, const T* v, Reach reach, int64_t group, int64_t d_runtime, float scale,
             float* o, float* l, float* m, float* scores) {
   const int64_t dim = D > 0 ? D : d_runtime;
   for (int64_t g = 0; g < group; ++g) {
+    const int64_t n = reach(g);
     const float* qg = q + g * dim;
-    float* s = scores + g * n;
+    float* s = scores + g * reach.n;
     for (int64_t t = 0; t < n; ++t) {
       const T* kt = k + t * dim;
       float dot = 0.0f;
@@ -125,7 +136,8 @@ void attend(const float* q, const T* k, const T* v, int64_t n, int64_t group, in
 // its own chain of fused multiply-adds over head_dim, and the weighted values accumulate
 // transposed, VALUE_DIMS dimensions at a time: independent chains, no sum across vector lanes.
 // Each query's result is the same chain of operations whatever the batch or the other rows, and
-// a key's score the same whether it was taken among KEYS or alone.
+// a key's score the same whether it was taken among KEYS or alone. Causally, a query's scores past
+// its reach are -inf before the softmax: exact zeros in its sum and weighted values.
 constexpr int64_t MANY = 16;
 constexpr int64_t KEYS = 4;
 constexpr int64_t VALUE_DIMS = 8;
@@ -140,8 +152,9 @@ inline Queries load(const float* p) {
 inline void store(float* p, const Queries& x) { std::memcpy(p, &x, sizeof(x)); }
 
 template <typename T>
-void attend_many(const float* q, const T* k, const T* v, int64_t n, int64_t group, int64_t dim, float scale,
+void attend_many(const float* q, const T* k, const T* v, Reach reach, int64_t group, int64_t dim, float scale,
                  float* o, float* l, float* m, std::vector<float>& work) {
+  const int64_t n = reach.n;
   const int64_t width = (group + MANY - 1) / MANY * MANY;
   work.assign((2 * dim + n + 2) * width, 0.0f);
   float* qt = work.data();       // [dim][width]: the queries, transposed, zero-padded
@@ -166,6 +179,8 @@ void attend_many(const float* q, const T* k, const T* v, int64_t n, int64_t grou
       for (int64_t d = 0; d < dim; ++d) acc += load(qt + d * width + b) * widen(k[t * dim + d]);
       store(s + t * width + b, acc * scale);
     }
+    for (int64_t g = b; g < std::min(b + MANY, group); ++g)
+      for (t = reach(g); t < n; ++t) s[t * width + g] = -INFINITY;
     Queries best = load(s + b);
     for (t = 1; t < n; ++t) {
       const Queries st = load(s + t * width + b);
@@ -202,8 +217,10 @@ void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
   const int64_t G = job.group, D = job.head_dim, P = job.positions;
   const int64_t row = pair / job.kv_heads, head = pair % job.kv_heads;
   const int64_t cache_row = job.rows[row];
-  int64_t n = cache_row < 0 || cache_row >= job.cache_rows ? 0 : job.lengths[row];
-  n = n < 0 ? 0 : (n > P ? P : n);
+  const int64_t first = std::max<int64_t>(0, job.lengths[row]);
+  int64_t n = job.causal > 0 ? first + (G - 1) / job.causal + 1 : first;
+  n = cache_row < 0 || cache_row >= job.cache_rows ? 0 : std::min(n, P);
+  const Reach reach{n, first, job.causal};
   const float* q = job.q + pair * G * D;
   const int64_t at = n > 0 ? (cache_row * job.kv_heads + head) * P * D : 0;
   const T* k = static_cast<const T*>(job.keys) + at;
@@ -219,12 +236,12 @@ void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
     }
     return;
   }
-  if (G >= MANY) return attend_many(q, k, v, n, G, D, job.scale, o, l, m, scores);
+  if (G >= MANY) return attend_many(q, k, v, reach, G, D, job.scale, o, l, m, scores);
   scores.resize(G * n);
   switch (D) {
-    case 64: return attend<64>(q, k, v, n, G, D, job.scale, o, l, m, scores.data());
-    case 128: return attend<128>(q, k, v, n, G, D, job.scale, o, l, m, scores.data());
-    default: return attend<0>(q, k, v, n, G, D, job.scale, o, l, m, scores.data());
+    case 64: return attend<64>(q, k, v, reach, G, D, job.scale, o, l, m, scores.data());
+    case 128: return attend<128>(q, k, v, reach, G, D, job.scale, o, l, m, scores.data());
+    default: return attend<0>(q, k, v, reach, G, D, job.scale, o, l, m, scores.data());
   }
 }
 
@@ -248,7 +265,7 @@ void work(Job& job) {
 }
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
-                           ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> lengths, float scale,
+                           ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> lengths, float scale, int64_t causal,
                            ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> l,
                            ffi::ResultBuffer<ffi::F32> m) {
   auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions();
@@ -278,6 +295,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   job->head_dim = qd[3];
   job->positions = kd[2];
   job->cache_rows = kd[0];
+  job->causal = causal;
   job->scale = scale;
   job->pairs = qd[0] * qd[1];
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -299,6 +317,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("causal")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l
                                   .Ret<ffi::Buffer<ffi::F32>>());  // m

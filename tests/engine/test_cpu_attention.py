@@ -92,39 +92,47 @@ def test_a_bfloat16_cache_gives_the_bits_of_the_same_values_in_float32(group):
     assert float(jnp.max(jnp.abs(wides[0]))) > 0
 
 
-def test_a_later_prefill_chunk_attends_the_same_through_the_kernel():
-    """A later prefill chunk (8 tokens of 3 prompts at positions 20, 37 and 0 of their cache
-    rows, two query heads per KV head, pages of 32, 16 and 16) attends through the kernel, its
-    prompts' rows read in place, as through the XLA operations' gathered rows and page branches,
-    to float32 rounding; a padding row (no cache row) stays finite. One kernel call per page."""
+# The loop for many queries (8 positions x 2 query heads: 16 a KV head) and the general one (4 x 2).
+@pytest.mark.parametrize("chunk, head_dim", [(8, 16), (4, 16), (8, 64)])
+def test_a_prefill_chunk_attends_the_same_through_the_kernel(chunk, head_dim):
+    """Prefill chunks of 4 prompts (two query heads per KV head) at positions 20, 37 and 0 of
+    their cache rows, the last a padding row with no cache row: written into the cache, they
+    attend through one kernel call, their prompts' rows read in place, causally, as through the
+    XLA operations (the later chunks their gathered rows over pages of 32, 16 and 16 and their own
+    keys, a first chunk its own keys alone), to float32 rounding; the padding row comes out zero."""
     from haliax import Axis
 
     from engine.jax_compat import hax
     from engine.llama import Attention, LayerKV, PagedKV, PrefillChunk, _write_chunk
 
-    keys = iter(jax.random.split(jax.random.key(3), 9))
-    Batch, Pos, KVHeads, HeadDim = Axis("batch", 3), Axis("position", 8), Axis("kv_heads", 2), Axis("head_dim", 16)
+    keys = iter(jax.random.split(jax.random.key(head_dim + chunk), 5))
+    Batch, Pos, KVHeads, HeadDim = Axis("batch", 4), Axis("position", chunk), Axis("kv_heads", 2), Axis("head_dim", head_dim)
 
     def normal(*axes):
         return hax.named(jax.random.normal(next(keys), tuple(a.size for a in axes)), axes)
 
-    cache = PagedKV(tuple(LayerKV(*(normal(Axis("batch", 5), KVHeads, Axis("key_position", n), HeadDim) for _ in range(2)))
-                          for n in (32, 16, 16)))
+    page = LayerKV(*(normal(Axis("batch", 5), KVHeads, Axis("key_position", 64), HeadDim) for _ in range(2)))
+    pages = tuple(LayerKV(*(x["key_position", start:end] for x in page)) for start, end in ((0, 32), (32, 48), (48, 64)))
     q = normal(Batch, Pos, KVHeads, Axis("q_per_kv", 2), HeadDim)
     k, v = (normal(Batch, KVHeads, Pos, HeadDim) for _ in range(2))
-    slots, starts = jnp.asarray([[2], [0], [5]]), jnp.asarray([20, 37, 0])  # 5: out of range, a padding row
-    positions = starts[:, None] + jnp.arange(8)[None, :]
+    slots, starts = jnp.asarray([[2], [0], [3], [5]]), jnp.asarray([20, 37, 0, 0])  # 5: out of range, a padding row
+    positions = starts[:, None] + jnp.arange(chunk)[None, :]
     write_positions = jnp.where(slots < 5, positions, 64)
 
-    def attend(q, k, v, attention: str):
-        context = PrefillChunk(cache, slots, positions, write_positions, jnp.max(starts) + 8, False, attention)
+    def attend(q, k, v, rows, attention: str, fresh: bool = False):
+        q, k, v = (hax.named(x.array[rows], (Axis("batch", len(rows)),) + x.axes[1:]) for x in (q, k, v))
+        cache = PagedKV((page,) if attention == "cpu" else pages)
+        context = PrefillChunk(cache, slots[rows], positions[rows], write_positions[rows], jnp.max(starts[rows]) + chunk,
+                               fresh, attention)
         return Attention._prefill(q, k, v, _write_chunk(context, k, v), context, 0.25).rearrange(
             ("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array
 
-    got, want = attend(q, k, v, "cpu"), attend(q, k, v, "xla")
-    np.testing.assert_allclose(got[:2], want[:2], rtol=3e-6, atol=3e-6)
-    assert bool(jnp.all(jnp.isfinite(got)))
-    assert str(jax.make_jaxpr(attend, static_argnums=3)(q, k, v, "cpu")).count("ffi_call[") == 3
+    everything, later, first = jnp.arange(4), jnp.asarray([0, 1]), jnp.asarray([2])
+    got = attend(q, k, v, everything, "cpu")
+    np.testing.assert_allclose(got[:2], attend(q, k, v, later, "xla"), rtol=3e-6, atol=3e-6)
+    np.testing.assert_allclose(got[2:3], attend(q, k, v, first, "xla", fresh=True), rtol=3e-6, atol=3e-6)
+    assert float(jnp.max(jnp.abs(got[3]))) == 0
+    assert str(jax.make_jaxpr(attend, static_argnums=(4, 5))(q, k, v, everything, "cpu")).count("ffi_call[") == 1
 
 
 def test_the_kernel_is_built_once_per_source_and_machine(tmp_path, monkeypatch):
