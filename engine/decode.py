@@ -27,7 +27,9 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
   early when every slot is done. It attends over the cache where it lives, masked by each row's
   position: only over the first of its four pages (`cache_pages`: quarters) that hold every live
   row, plus a small buffer of the chunk's own keys/values, scattered into the cache once after the
-  loop. No window of the cache is copied (before issue 13 a per-chunk copy of a window doubled
+  loop. With the CPU kernel each step writes into the cache's one page instead, carried through
+  the loop, and the kernel reads each row to its length (`DecodeSpec.decode_in_place`). No
+  window of the cache is copied (before issue 13 a per-chunk copy of a window doubled
   the GPU peak).
 - With prefill beside decoding (`engine.overlap_prefill`), prompts are prefilled into a staging
   cache of a few slots, and `adopt_rows` moves their whole rows and decode state into free slots
@@ -36,8 +38,8 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
   the choice adds no programs (a decode chunk: 1-4 pages; a prefill chunk: the first or all).
   With a kernel that reads each row to its own length (`engine.decode_attention: cpu`) the cache
   is one page and there is no switch: one kernel call a layer, one branch to trace and compile;
-  a later prefill chunk on one device likewise, the kernel reading its prompts' cache rows in
-  place.
+  a prefill chunk on one device likewise, the kernel reading its prompts' cache rows in place,
+  causally, once the chunk is written there.
 
 Both return what the host reads back (new tokens and done flags) as separate arrays laid out
 by `spec.host_sharding`: on a global mesh they are replicated, so every host holds a copy.
@@ -83,6 +85,13 @@ class DecodeSpec:
     def cache_ends(self, seq_len: int) -> tuple[int, ...]:
         """Where the cache's pages end (`new_cache`), for `seq_len` positions."""
         return cache_ends(self.attention, seq_len, self.kernel)
+
+    @property
+    def decode_in_place(self) -> bool:
+        """Decode steps write their keys/values into the cache's one page, carried through the
+        loop, and the kernel attends over it (`_decode_in_place`): the CPU kernel's way, and the
+        Pallas kernel's with `KernelTuning.in_place`."""
+        return self.attention == "cpu" or (self.attention == "pallas" and bool(self.kernel.in_place))
 
     @property
     def prefill_in_place(self) -> bool:
@@ -247,12 +256,13 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
     which is scattered into the cache at each row's own position once, after the loop (a scatter
     inside the loop made XLA copy the cache every step).
 
-    With the kernel's in-place tuning (`KernelTuning.in_place`) and a one-page cache, the cache
-    is carried through the loop instead and each step writes into it (`_decode_in_place`).
+    With the CPU kernel, or Pallas' in-place tuning (`DecodeSpec.decode_in_place`), and a
+    one-page cache, the cache is carried through the loop instead and each step writes into it
+    (`_decode_in_place`).
     """
     slots, seq_len = cache.slots, cache.seq_len
     state = state._replace(done=state.done | kill)
-    if spec.attention == "pallas" and spec.kernel.in_place and len(cache.ends) == 1:
+    if spec.decode_in_place and len(cache.ends) == 1:
         cache, state, out = _decode_in_place(model, cache, state, spec=spec, steps=steps)
         return _finish(cache, state, out, spec)
     start = state.position
@@ -313,7 +323,7 @@ def page_masks(ends: tuple[int, ...], count: int, position: jax.Array) -> tuple[
 
 
 def _decode_in_place(model: LlamaLM, cache: KVCache, state: DecodeState, *, spec: DecodeSpec, steps: int):
-    """The decode steps of one chunk with the kernel's in-place tuning over a one-page cache:
+    """The decode steps of one chunk over a one-page cache read by a kernel (`decode_in_place`):
     the cache is carried through the lax.while_loop, each step writes its keys/values at each
     live row's position and attends over the page to that row's length (no chunk buffer, no
     scatter after the loop, no branch per page count). Returns (cache, state, tokens [slots, steps])."""

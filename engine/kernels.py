@@ -9,8 +9,9 @@ keeps its cache in one page, `KernelTuning.pages`: one call a layer), combined w
 chunk's buffer by their softmax residuals (the running maximum and sum of each part).
 
 With `engine.decode_attention: cpu` the page (the engine keeps one for it too) goes instead to
-the engine's own C++ CPU kernel (engine/cpu_attention.py), which returns the same residuals; the
-chunk's buffer stays with XLA.
+the engine's own C++ CPU kernel (engine/cpu_attention.py), which returns the same residuals.
+Each decode step writes its keys/values into that page and the kernel attends over it, to each
+row's length and the new position (`engine.decode.DecodeSpec.decode_in_place`): no chunk buffer.
 A prefill chunk on one device attends through it too (`attend_prefill_cpu`): once the chunk is
 written, its queries over its prompts' cache rows, read in place, causally, in one call a layer.
 
@@ -69,7 +70,8 @@ class KernelTuning(NamedTuple):
     in_place: int = 0
     """1, with one page: each decode step writes its keys/values into the cache in place and the
     kernel attends to each row's length and the new position, with no chunk buffer, its writes
-    and its attention (`engine.decode.decode_chunk`; not yet timed on a GPU)."""
+    and its attention (`engine.decode.decode_chunk`; not yet timed on a GPU; the CPU kernel's
+    way always)."""
 
     @classmethod
     def parse(cls, text: str) -> KernelTuning:

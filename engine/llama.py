@@ -465,9 +465,10 @@ class Attention(eqx.Module):
         - DecodeStep (one position): attends over the cache's pages (read only) and the chunk buffer;
           returns the updated chunk buffer. Keeping the big cache read-only inside the decode
           loop matters: a per-row scatter into it made XLA copy the whole cache every step. With
-          the kernel's in-place tuning and one page (no chunk buffer, no branch per page count),
-          writes the step's key/value into the page and attends over it; returns the updated
-          page (not yet timed on a GPU: engine/kernels.py).
+          the CPU kernel, or Pallas' in-place tuning, and one page (no chunk buffer, no branch per
+          page count), writes the step's key/value into the page and attends over it; returns the
+          updated page (`DecodeSpec.decode_in_place`; the CPU's compiled program writes the page
+          in place, not yet timed on a GPU: engine/kernels.py).
         """
         c = self.config
         q = hax.unflatten_axis(linear(x, self.q_proj, "embed"), "q_heads_dim", (c.KVHeads, c.QPerKV, c.HeadDim))
@@ -533,7 +534,7 @@ class Attention(eqx.Module):
             seq_len = page.k.resolve_axis("key_position").size
             read = jnp.where(context.lengths < seq_len, context.lengths + 1, 1)  # a row writing nothing reads one
             return kernels.attend_pages_kernel(q, (page,), read, None, None, scale, sharding=context.sharding,
-                                               tuning=context.kernel), page
+                                               tuning=context.kernel, attention=context.attention), page
         chunk = context.chunk
         chunk = LayerKV(*(
             hax.named(jax.lax.dynamic_update_slice(old.array, new.array.astype(old.dtype), (0, 0, context.step, 0)), old.axes)

@@ -127,11 +127,13 @@ def test_the_kernel_runs_per_device_over_several(llama):
         assert out["host_dp cpu"] == want  # the engine's CPU kernel, each device its own rows
 
 
-def _decode_program_for_cuda(attention: str, head_dim: int = 64, kernel: KernelTuning = KernelTuning(), steps: int = 4) -> str:
+def _decode_program_for_cuda(attention: str, head_dim: int = 64, kernel: KernelTuning = KernelTuning(), steps: int = 4,
+                             platform: str = "cuda") -> str:
     """The engine's decode program (bfloat16, 2 layers, 8 slots, a cache of 1,024 positions in the
-    pages of `kernel` with pallas, else four), lowered for CUDA from abstract shapes: StableHLO
-    text. Lowering runs Pallas' Triton lowering here, no GPU needed (jax.default_backend is
-    patched so that the kernel is not handed to the interpreter)."""
+    pages of `kernel` with pallas, one with cpu, else four), lowered for CUDA from abstract shapes:
+    StableHLO text. Lowering runs Pallas' Triton lowering here, no GPU needed (jax.default_backend
+    is patched so that the kernel is not handed to the interpreter). platform cpu: lowered for
+    this CPU instead."""
     import equinox as eqx
 
     from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state
@@ -148,11 +150,12 @@ def _decode_program_for_cuda(attention: str, head_dim: int = 64, kernel: KernelT
     model = bfloat16(eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0)))
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     spec = DecodeSpec(SamplingParams(max_new_tokens=64), (), one, one, one, attention, kernel)
-    cache = jax.eval_shape(functools.partial(new_cache, config, 8, spec.cache_ends(1024), jnp.bfloat16))
+    cache_dtype = cpu_attention.BFLOAT16_BITS if attention == "cpu" else jnp.bfloat16  # as kernels.cache_dtype
+    cache = jax.eval_shape(functools.partial(new_cache, config, 8, spec.cache_ends(1024), cache_dtype))
     state = jax.eval_shape(functools.partial(new_state, 8))
     program = jax.jit(functools.partial(decode_chunk, spec=spec, steps=steps))
-    with mock.patch("jax.default_backend", return_value="gpu"):
-        return program.trace(model, cache, state, jax.ShapeDtypeStruct((8,), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
+    with mock.patch("jax.default_backend", return_value="gpu" if platform == "cuda" else platform):
+        return program.trace(model, cache, state, jax.ShapeDtypeStruct((8,), jnp.bool_)).lower(lowering_platforms=(platform,)).as_text()
 
 
 def test_the_decode_program_lowers_for_a_gpu_with_the_kernel():
@@ -172,6 +175,17 @@ def test_the_decode_program_lowers_for_a_gpu_with_the_kernel():
     # Why `auto` keeps xla for heads that are not a power of two: Triton's blocks cannot hold them.
     with pytest.raises(ValueError, match="power of 2"):
         _decode_program_for_cuda("pallas", head_dim=80)
+
+
+@pytest.mark.skipif(cpu_attention.unavailable() is not None, reason="the CPU kernel cannot be built here")
+def test_the_cpu_kernels_decode_program_writes_the_cache_in_place():
+    """With the CPU kernel each decode step writes its keys and values into the cache's one page,
+    carried through the loop, and one kernel call a layer attends over it: no chunk buffer (its
+    writes are dynamic_update_slices), and no page scattered after the loop. The engine's own
+    attention keeps the buffer."""
+    cpu, xla = (_decode_program_for_cuda(attention, platform="cpu") for attention in ("cpu", "xla"))
+    assert cpu.count("custom_call @pipeline_decode_attention") == 1  # the layers share one traced function
+    assert cpu.count("stablehlo.dynamic_update_slice") == 0 < xla.count("stablehlo.dynamic_update_slice")
 
 
 def test_kernel_blocks():
