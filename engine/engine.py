@@ -865,7 +865,8 @@ class Engine:
         share a call: a call of first chunks attends to the chunk alone (prefill_fresh, no cache
         read: about a quarter of a cpu-mixed prefill's work was attention over the mostly empty
         cache row). Where the CPU kernel reads the cache rows in place (`prefill_in_place`), it
-        reads nothing of a first chunk's rows, so first chunks run the later chunks' program:
+        reads of a first chunk's rows only what the chunk wrote, so first chunks run the later
+        chunks' program:
         one program fewer to compile (a cold cpu-mixed-prefill run: 6.3-6.7 s instead of
         7.7-8.9), with the same prefill time. A chunk's keys and values are the same bits
         whichever chunks share its call (`compiler_options`), so the packing changes no token."""
