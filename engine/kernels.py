@@ -253,24 +253,23 @@ def _attend_arrays(q, pages, lengths, chunk=None, mask=None, *, scale: float, tu
     return combine(parts)
 
 
-def _pages_residuals(q, pages, lengths, scale: float, tuning: KernelTuning, attention: str, rows=None) -> list:
+def _pages_residuals(q, pages, lengths, scale: float, tuning: KernelTuning, attention: str) -> list:
     """(o, l, m) of each page [(keys, values)], in order, each row read to its first `lengths`
     [batch] positions of the cache (a page holds its share of them)."""
     parts, start = [], 0
     for keys, values in pages:
         page_len = keys.shape[2]
-        parts.append(_residuals(q, keys, values, jnp.clip(lengths - start, 0, page_len), scale, tuning, attention, rows))
+        parts.append(_residuals(q, keys, values, jnp.clip(lengths - start, 0, page_len), scale, tuning, attention))
         start += page_len
     return parts
 
 
-def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, attention: str = "pallas", rows=None):
+def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, attention: str = "pallas"):
     """(o, l, m) of keys/values [batch, kv_heads, positions, head_dim], each row's first
-    `written` [batch] positions: by the CPU kernel (attention cpu; rows: the cache rows it reads
-    in place, `cpu_attention.page_residuals`), else by the Pallas kernel where it can read them
-    (`kernel_blocks`), else by XLA operations."""
+    `written` [batch] positions: by the CPU kernel (attention cpu, `cpu_attention.page_residuals`),
+    else by the Pallas kernel where it can read them (`kernel_blocks`), else by XLA operations."""
     if attention == "cpu":
-        return cpu_attention.page_residuals(q, keys, values, written, scale, rows=rows)
+        return cpu_attention.page_residuals(q, keys, values, written, scale)
     blocks = kernel_blocks(keys.shape[2], q.shape[0] * q.shape[1], tuning)
     if blocks is None:
         return xla_residuals(q, keys, values, (jnp.arange(keys.shape[2])[None, :] < written[:, None])[:, None, None, :], scale)

@@ -1,7 +1,7 @@
 // Decode attention over a KV cache page (float32 or bfloat16) on the CPU, as an XLA FFI custom call
-// (engine/cpu_attention.py builds, loads and calls it; `engine.decode_attention: cpu`). Later
-// prefill chunks call it too, over their prompts' cache rows once the chunk is written, with many
-// queries per KV head, causally.
+// (engine/cpu_attention.py builds, loads and calls it; `engine.decode_attention: cpu`). Prefill
+// chunks call it too, over their prompts' cache rows once the chunk is written, with many queries
+// per KV head, causally.
 //
 // For each (row, KV head) of a page, the row's first `lengths[row]` positions only (none where
 // its cache row is out of range); with `causal` = c > 0, query g reads `lengths[row] + g / c + 1`
@@ -21,8 +21,8 @@
 //
 // Shapes: q [batch, kv_heads, group, head_dim], keys/values [cache_rows, kv_heads, positions,
 // head_dim], rows and lengths [batch] int32 (row b reads cache row rows[b]: decode passes
-// 0..batch-1, a prefill chunk its prompts' rows, read in place), causal an int64 attribute; o [batch, kv_heads, group,
-// head_dim], l and m [batch, kv_heads, group], all row-major. Everything is float32 but the
+// 0..batch-1, a prefill chunk its prompts' rows, read in place), causal an int64 attribute; o
+// [batch, kv_heads, group, head_dim], l and m [batch, kv_heads, group], all row-major. Everything is float32 but the
 // keys and values, which are float32 or both bfloat16 (a bfloat16 model's cache: half the bytes
 // to read), given as bfloat16 or as its bits in uint16 (how the engine stores it on the CPU). A
 // bfloat16 key is widened to the float32 of the same value, exactly, so the results are the
