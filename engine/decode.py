@@ -271,10 +271,7 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
     def run(count: int):
         return _decode_loop(model, cache, count, state, spec=spec, steps=steps)
 
-    if spec.attention == "cpu":  # the kernel reads each row to its own length: every page, one branch
-        chunks, state, out = run(len(cache.ends))
-    else:
-        chunks, state, out = by_pages(jnp.max(jnp.where(was_live, start, 0)), cache.ends, run)
+    chunks, state, out = by_pages(jnp.max(jnp.where(was_live, start, 0)), cache.ends, run)
     # Entries past a row's last live step are garbage written beyond its valid positions, where
     # nothing is read before it is overwritten; rows idle for the whole chunk (a slot being
     # prefilled, or empty) write nothing; positions past the cache are dropped.
