@@ -895,9 +895,9 @@ class Engine:
             sample_index[r, : len(job.rows)] = [row.sample_index for row in job.rows]
         for job in [job for job in prefilling if job.written == len(job.ids)]:
             prefilling.remove(job)
+        fresh = fresh and not self._spec.prefill_in_place  # first chunks in the later ones' program (above)
         pages = 0 if fresh else pages_covering(int(np.max(starts + lengths)), cache.ends)
         self._count(padded_prompt_tokens=R * C, prefill_calls=1, prefill_pages_read=pages)
-        fresh = fresh and not self._spec.prefill_in_place  # first chunks in the later ones' program (above)
         rows = functools.partial(jax.device_put, device=self._batch_sharding)
         return self._run(
             "prefill_fresh" if fresh else "prefill", functools.partial(prefill_chunk, spec=self._spec, fresh=fresh), (fresh,),

@@ -50,6 +50,8 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
         kinds = ["adopt", "decode", "init", "prefill"] + ([] if engine.attention == "cpu" else ["prefill_fresh"])
         assert engine.max_programs == len(kinds) and sorted(engine.stats.programs) == kinds
         assert engine.stats.compilations == len(kinds) and engine.stats.cache_loads == 0, engine.stats.programs
+        if engine.attention == "cpu":  # one page, read by every call (first chunks' too: their own positions)
+            assert engine.stats.prefill_pages_read == engine.stats.prefill_calls > 0, engine.stats
         # The decode program is compiled beside the others, from the start of generate, and the
         # prompts are prefilled in a thread of their own.
         assert threads["decode"].startswith("compile-decode") and threads[kinds[-1]] == "engine-prefill", threads
