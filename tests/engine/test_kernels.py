@@ -127,13 +127,12 @@ def test_the_kernel_runs_per_device_over_several(llama):
         assert out["host_dp cpu"] == want  # the engine's CPU kernel, each device its own rows
 
 
-def _decode_program_for_cuda(attention: str, head_dim: int = 64, kernel: KernelTuning = KernelTuning(), steps: int = 4,
-                             platform: str = "cuda") -> str:
+def _decode_program_text(attention: str, head_dim: int = 64, kernel: KernelTuning = KernelTuning(), steps: int = 4,
+                         platform: str = "cuda") -> str:
     """The engine's decode program (bfloat16, 2 layers, 8 slots, a cache of 1,024 positions in the
-    pages of `kernel` with pallas, one with cpu, else four), lowered for CUDA from abstract shapes:
-    StableHLO text. Lowering runs Pallas' Triton lowering here, no GPU needed (jax.default_backend
-    is patched so that the kernel is not handed to the interpreter). platform cpu: lowered for
-    this CPU instead."""
+    pages of `kernel` with pallas, one with cpu, else four), lowered for `platform` from abstract
+    shapes: StableHLO text. For CUDA, lowering runs Pallas' Triton lowering here, no GPU needed
+    (jax.default_backend is patched so that the kernel is not handed to the interpreter)."""
     import equinox as eqx
 
     from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state
@@ -165,16 +164,16 @@ def test_the_decode_program_lowers_for_a_gpu_with_the_kernel():
     3 + 4); with the chunk through the kernel, one more where the chunk holds a block of 16;
     none with the engine's attention."""
     triton = "custom_call @__gpu$xla.gpu.triton"
-    assert _decode_program_for_cuda("pallas").count(triton) == 1
-    assert _decode_program_for_cuda("pallas", kernel=KernelTuning(pages=4, num_stages=2)).count(triton) == 10
+    assert _decode_program_text("pallas").count(triton) == 1
+    assert _decode_program_text("pallas", kernel=KernelTuning(pages=4, num_stages=2)).count(triton) == 10
     chunk_kernel = KernelTuning(chunk_kernel=1)
-    assert _decode_program_for_cuda("pallas", kernel=chunk_kernel, steps=16).count(triton) == 2  # and the chunk of 16
-    assert _decode_program_for_cuda("pallas", kernel=chunk_kernel).count(triton) == 1  # 4 steps: below the kernel's blocks
-    assert _decode_program_for_cuda("pallas", kernel=KernelTuning(in_place=1)).count(triton) == 1  # the cache alone
-    assert _decode_program_for_cuda("xla").count(triton) == 0
+    assert _decode_program_text("pallas", kernel=chunk_kernel, steps=16).count(triton) == 2  # and the chunk of 16
+    assert _decode_program_text("pallas", kernel=chunk_kernel).count(triton) == 1  # 4 steps: below the kernel's blocks
+    assert _decode_program_text("pallas", kernel=KernelTuning(in_place=1)).count(triton) == 1  # the cache alone
+    assert _decode_program_text("xla").count(triton) == 0
     # Why `auto` keeps xla for heads that are not a power of two: Triton's blocks cannot hold them.
     with pytest.raises(ValueError, match="power of 2"):
-        _decode_program_for_cuda("pallas", head_dim=80)
+        _decode_program_text("pallas", head_dim=80)
 
 
 @pytest.mark.skipif(cpu_attention.unavailable() is not None, reason="the CPU kernel cannot be built here")
@@ -183,7 +182,7 @@ def test_the_cpu_kernels_decode_program_writes_the_cache_in_place():
     carried through the loop, and one kernel call a layer attends over it: no chunk buffer (its
     writes are dynamic_update_slices), and no page scattered after the loop. The engine's own
     attention keeps the buffer."""
-    cpu, xla = (_decode_program_for_cuda(attention, platform="cpu") for attention in ("cpu", "xla"))
+    cpu, xla = (_decode_program_text(attention, platform="cpu") for attention in ("cpu", "xla"))
     assert cpu.count("custom_call @pipeline_decode_attention") == 1  # the layers share one traced function
     assert cpu.count("stablehlo.dynamic_update_slice") == 0 < xla.count("stablehlo.dynamic_update_slice")
 
