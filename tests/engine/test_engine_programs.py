@@ -5,6 +5,7 @@ mixed prompts, all compiled again on every rerun or resume)."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import jax
@@ -28,7 +29,7 @@ def _load(path, overlap_prefill, attention="auto"):
                        max_prompt_tokens=40)
 
 
-def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
+def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path, monkeypatch):
     """Prompts of every length from 1 to max_prompt_tokens (several prefill chunks for most),
     then a second generate with other lengths: five programs (init, decode, prefill of first
     chunks, of later chunks, and the move of prefilled rows from the staging cache into the
@@ -40,6 +41,16 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
         compile_cache.enable(str(tmp_path / "jax-compile"))
         engine_module._COMPILED.clear()
         engine = _load(path, overlap_prefill=True)
+        collector = []  # gc.isenabled() as each program is traced
+        jit = engine_module.Engine._jit
+
+        def traced(self, fn):
+            def recording(*args, **kwargs):
+                collector.append(gc.isenabled())
+                return fn(*args, **kwargs)
+            return jit(self, recording)
+
+        monkeypatch.setattr(engine_module.Engine, "_jit", traced)
         threads = {}
         engine.on_compile = lambda kind: threads.setdefault(kind, threading.current_thread().name)
         first = {c.prompt_index: c.token_ids for c in engine.generate(_requests(range(1, 41)))}
@@ -50,6 +61,8 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
         kinds = ["adopt", "decode", "init", "prefill"] + ([] if engine.attention == "cpu" else ["prefill_fresh"])
         assert engine.max_programs == len(kinds) and sorted(engine.stats.programs) == kinds
         assert engine.stats.compilations == len(kinds) and engine.stats.cache_loads == 0, engine.stats.programs
+        # Traced with Python's collector paused (the init program is jitted apart), and on again after.
+        assert collector and not any(collector) and gc.isenabled()
         if engine.attention == "cpu":  # one page, read by every call (first chunks' too: their own positions)
             assert engine.stats.prefill_pages_read == engine.stats.prefill_calls > 0, engine.stats
         # The decode program is compiled beside the others, from the start of generate, and the
@@ -73,6 +86,36 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path):
         assert any((tmp_path / "jax-compile").iterdir())
     finally:
         compile_cache.enable(previous)
+
+
+def test_the_collector_is_paused_until_the_last_thread_lowering_leaves():
+    """Engine._program lowers inside `_collector_paused`; the decode program's early compile
+    lowers in a thread beside prefill's, so the collector comes back only when both are done,
+    and stays off if it was off before."""
+    assert gc.isenabled()
+    inside, leave = threading.Event(), threading.Event()
+
+    def lower_in_a_thread():
+        with engine_module._collector_paused():
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=lower_in_a_thread)
+    thread.start()
+    inside.wait(10)
+    with engine_module._collector_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the thread is still lowering
+    leave.set()
+    thread.join()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with engine_module._collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_a_call_reads_the_fewest_pages_that_hold_its_rows():
