@@ -106,6 +106,12 @@ def _collector_paused():
                 gc.enable()
 
 
+def _cache_dtype(attention: str, layout: Layout, dtype: str):
+    """The KV cache's dtype for this attention, devices and model dtype (`kernels.cache_dtype`)."""
+    return kernels.cache_dtype(attention, platform=layout.local_devices[0].platform, dtype=DTYPES[dtype],
+                               devices=len(layout.cache_sharding.device_set))
+
+
 def compiler_options() -> dict[str, str]:
     """XLA options every engine program is compiled with. On the CPU: YNNPACK for single
     products only, not for reductions. XLA's CPU backend hands the softmax's max and sum and
@@ -416,7 +422,7 @@ class _Stager:
 class Engine:
     def __init__(self, model, config: LlamaConfig, *, dtype: str, engine_config: EngineConfig, sampling: SamplingParams,
                  max_prompt_tokens: int, plan: BatchPlan, eos_token_ids: tuple[int, ...], tokenizer, layout: Layout,
-                 source: str, attention: str = "xla"):
+                 source: str, cache_dtype, attention: str = "xla"):
         self.model = model
         self.config = config
         self.dtype = dtype
@@ -443,8 +449,8 @@ class Engine:
         self._spec = DecodeSpec(compiled_sampling, stop_ids, layout.batch_sharding, layout.cache_sharding, layout.host_sharding,
                                 attention, kernels.TUNING)
         self._seq_len = max_prompt_tokens + sampling.max_new_tokens
-        self._cache_dtype = kernels.cache_dtype(attention, platform=self.devices[0].platform, dtype=DTYPES[dtype],
-                                                devices=len(layout.cache_sharding.device_set))
+        self._cache_dtype = cache_dtype
+        """What the KV cache holds: the one `plan` was made for (Engine.load)."""
         n_dev = layout.data_size
         rows = max(1, plan.prefill_tokens // engine_config.prefill_chunk_tokens)
         self._lanes = plan.lanes
@@ -517,11 +523,11 @@ class Engine:
         devices = layout.local_devices
         attention = kernels.resolve(engine.decode_attention, platform=devices[0].platform, head_dim=config.head_dim,
                                     dtype=dtype)
+        cache_dtype = _cache_dtype(attention, layout, dtype)
         plan = plan_batch(
             config,
             dtype=DTYPES[dtype],
-            cache_dtype=kernels.cache_dtype(attention, platform=devices[0].platform, dtype=DTYPES[dtype],
-                                            devices=len(layout.cache_sharding.device_set)),
+            cache_dtype=cache_dtype,
             batch_size=engine.batch_size,
             max_prompt_tokens=max_prompt_tokens,
             max_new_tokens=sampling.max_new_tokens,
@@ -540,7 +546,7 @@ class Engine:
         model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding)
         return Engine(model, config, dtype=dtype, engine_config=engine, sampling=sampling,
                       max_prompt_tokens=max_prompt_tokens, plan=plan, eos_token_ids=tuple(eos), tokenizer=tokenizer,
-                      layout=layout, source=model_path, attention=attention)
+                      layout=layout, source=model_path, attention=attention, cache_dtype=cache_dtype)
 
     @property
     def attention(self) -> str:
