@@ -87,10 +87,10 @@ def _collector_paused():
     """Python's garbage collector paused while a program is traced and lowered. Tracing makes
     many short-lived objects, and the collections they set off took a quarter to a third of a
     program's lowering (cpu-mixed's decode program 0.43 s instead of 0.59, prefill's 0.34-0.41
-    instead of 0.59-0.60). Lowering is on the path of every run, warm or cold: the persistent cache is keyed
-    by the lowered program (docs/performance-notes.md, "Lowering without the collector"). The
-    collector runs again when the last thread lowering leaves (the decode program's early
-    compile lowers beside prefill's), and stays off if it was off."""
+    instead of 0.59-0.60). Lowering is on the path of every run, warm or cold: the persistent
+    cache is keyed by the lowered program (docs/performance-notes.md, "Lowering without the
+    collector"). The collector runs again when the last thread lowering leaves (the decode
+    program's early compile lowers beside prefill's), and stays off if it was off."""
     global _paused_by, _collector_was_enabled
     with _paused_lock:
         if _paused_by == 0:
