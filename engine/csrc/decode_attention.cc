@@ -22,11 +22,11 @@
 // Shapes: q [batch, kv_heads, group, head_dim], keys/values [cache_rows, kv_heads, positions,
 // head_dim], rows and lengths [batch] int32 (row b reads cache row rows[b]: decode passes
 // 0..batch-1, a prefill chunk its prompts' rows, read in place), causal an int64 attribute; o
-// [batch, kv_heads, group, head_dim], l and m [batch, kv_heads, group], all row-major. Everything is float32 but the
-// keys and values, which are float32 or both bfloat16 (a bfloat16 model's cache: half the bytes
-// to read), given as bfloat16 or as its bits in uint16 (how the engine stores it on the CPU). A
-// bfloat16 key is widened to the float32 of the same value, exactly, so the results are the
-// bits of the same keys in a float32 cache.
+// [batch, kv_heads, group, head_dim], l and m [batch, kv_heads, group], all row-major.
+// Everything is float32 but the keys and values, which are float32 or both bfloat16 (a bfloat16
+// model's cache: half the bytes to read), given as bfloat16 or as its bits in uint16 (how the
+// engine stores it on the CPU). A bfloat16 key is widened to the float32 of the same value,
+// exactly, so the results are the bits of the same keys in a float32 cache.
 
 #include <algorithm>
 #include <atomic>
