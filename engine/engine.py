@@ -106,12 +106,6 @@ def _collector_paused():
                 gc.enable()
 
 
-def _cache_dtype(attention: str, layout: Layout, dtype: str):
-    """The KV cache's dtype for this attention, devices and model dtype (`kernels.cache_dtype`)."""
-    return kernels.cache_dtype(attention, platform=layout.local_devices[0].platform, dtype=DTYPES[dtype],
-                               devices=len(layout.cache_sharding.device_set))
-
-
 def compiler_options() -> dict[str, str]:
     """XLA options every engine program is compiled with. On the CPU: YNNPACK for single
     products only, not for reductions. XLA's CPU backend hands the softmax's max and sum and
@@ -523,7 +517,8 @@ class Engine:
         devices = layout.local_devices
         attention = kernels.resolve(engine.decode_attention, platform=devices[0].platform, head_dim=config.head_dim,
                                     dtype=dtype)
-        cache_dtype = _cache_dtype(attention, layout, dtype)
+        cache_dtype = kernels.cache_dtype(attention, platform=devices[0].platform, dtype=DTYPES[dtype],
+                                          devices=len(layout.cache_sharding.device_set))
         plan = plan_batch(
             config,
             dtype=DTYPES[dtype],
