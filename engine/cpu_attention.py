@@ -44,6 +44,7 @@ import numpy as np
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_attention.cc")
 DEFAULT_DIR = "~/.cache/jax-batch-pipeline/kernels"
 TARGET = "pipeline_decode_attention"
+STEP_TARGET = "pipeline_decode_step"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC")
 """Compile flags. -ffast-math lets the compiler sum a dot product in vector lanes; the order is
 fixed by the build, so a row's result still does not depend on the batch. Infinities stay
@@ -63,6 +64,13 @@ bfloat16 page is a copy too. Scattering uint16 is a plain copy of the written ro
 def value_dtype(stored) -> jnp.dtype:
     """The dtype of the values a cache page of dtype `stored` holds (bfloat16 for BFLOAT16_BITS)."""
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(stored) == BFLOAT16_BITS else jnp.dtype(stored)
+
+
+def as_stored(values: jax.Array, stored) -> jax.Array:
+    """values as a cache page of dtype `stored` holds them: rounded to its values' dtype, and as
+    their bits for BFLOAT16_BITS."""
+    values = values.astype(value_dtype(stored))
+    return jax.lax.bitcast_convert_type(values, BFLOAT16_BITS) if jnp.dtype(stored) == BFLOAT16_BITS else values
 
 
 LIBRARIES = ("-lmvec",)
@@ -153,6 +161,7 @@ def unavailable() -> str | None:
             try:
                 library = ctypes.cdll.LoadLibrary(build())
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PipelineDecodeAttention), platform="cpu")
+                jax.ffi.register_ffi_target(STEP_TARGET, jax.ffi.pycapsule(library.PipelineDecodeStep), platform="cpu")
                 _registered = True
             except (KernelUnavailable, OSError, AttributeError) as e:
                 _failure = str(e)
@@ -160,7 +169,7 @@ def unavailable() -> str | None:
 
 
 def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array, scale: float, *,
-                   rows: jax.Array | None = None, causal: int = 0):
+                   rows: jax.Array | None = None, causal: int = 0, normalize: bool = False):
     """(o, l, m) of one page, as `engine.kernels.page_residuals`: q [batch, kv_heads, group,
     head_dim], keys/values [batch, kv_heads, positions, head_dim] (float32, or both bfloat16 or its
     bits, `BFLOAT16_BITS`, read as they are: the bits of the same values in float32), lengths [batch]
@@ -173,10 +182,11 @@ def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: ja
 
     causal c > 0: query g of a row reads lengths[row] + g // c + 1 positions instead (a prefill
     chunk written into its cache rows: its queries (position, query head), c a position, from
-    lengths[row] on)."""
-    error = unavailable()
-    if error:
-        raise KernelUnavailable(error)
+    lengths[row] on).
+
+    normalize: o is the attention itself, o / l (0 where nothing was read), divided in the call
+    as XLA would divide it after."""
+    _require()
     batch, kv_heads, group, _ = q.shape
     shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((batch, kv_heads, group), jnp.float32),
               jax.ShapeDtypeStruct((batch, kv_heads, group), jnp.float32))
@@ -186,7 +196,33 @@ def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: ja
     if value_dtype(keys.dtype) != jnp.bfloat16:  # the kernel reads a bfloat16 cache as it is, widened exactly
         keys, values = keys.astype(jnp.float32), values.astype(jnp.float32)
     return call(q.astype(jnp.float32), keys, values.astype(keys.dtype), rows.astype(jnp.int32), lengths.astype(jnp.int32),
-                scale=np.float32(scale), causal=np.int64(causal))
+                scale=np.float32(scale), causal=np.int64(causal), normalize=np.int64(normalize))
+
+
+def decode_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
+                write_at: jax.Array, lengths: jax.Array, scale: float):
+    """A decode step's attention over a page of the cache whose rows are the batch's, with the
+    step's keys/values written into it first, in one call: new_keys/new_values [batch, kv_heads,
+    head_dim] go to position write_at [batch] of each row (none out of range: a row that writes
+    nothing), then each row attends over its first lengths [batch] positions, as `page_residuals`
+    with normalize. Returns (attention [batch, kv_heads, group, head_dim] float32, keys, values):
+    the page written in place (XLA aliases it to the call's result; a page still read elsewhere
+    is copied first). keys/values are float32 or `BFLOAT16_BITS`, as the engine stores them; the
+    new ones are rounded to that (`as_stored`)."""
+    _require()
+    if keys.dtype not in (jnp.float32, BFLOAT16_BITS) or values.dtype != keys.dtype:
+        raise ValueError(f"a decode step's page is float32 or bfloat16's bits (uint16), not {keys.dtype}/{values.dtype}")
+    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(keys.shape, keys.dtype),
+              jax.ShapeDtypeStruct(values.shape, values.dtype))
+    call = jax.ffi.ffi_call(STEP_TARGET, shapes, input_output_aliases={1: 1, 2: 2})
+    return call(q.astype(jnp.float32), keys, values, as_stored(new_keys, keys.dtype), as_stored(new_values, keys.dtype),
+                write_at.astype(jnp.int32), lengths.astype(jnp.int32), scale=np.float32(scale))
+
+
+def _require() -> None:
+    error = unavailable()
+    if error:
+        raise KernelUnavailable(error)
 
 
 if __name__ == "__main__":

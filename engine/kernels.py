@@ -237,6 +237,31 @@ def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_m
     return hax.named(out, (q.resolve_axis("batch"), q.resolve_axis("position")) + tuple(q.resolve_axis(a) for a in axes[1:]))
 
 
+def attend_step_cpu(q: NamedArray, page, k: NamedArray, v: NamedArray, write_at: jax.Array, scale: float, *,
+                    sharding: NamedSharding | None = None):
+    """A decode step with `engine.decode_attention: cpu` over the one-page cache `page` (LayerKV,
+    keys/values batch, kv_heads, key_position, head_dim): the step's keys/values k, v (batch,
+    kv_heads, position, head_dim) are written at write_at [batch] (past the page: a row that writes
+    nothing, which reads its first position) and q (batch, position, kv_heads, q_per_kv,
+    head_dim) attends over each row up to it, in one kernel call a layer
+    (`cpu_attention.decode_step`: the page written in place, the softmax normalized inside).
+    Returns (attention float32, the page). Over several devices (`sharding`, the cache's) each
+    runs the call on its own rows and heads."""
+    axes = ("batch", "kv_heads", "q_per_kv", "head_dim")
+    seq_len = page.k.resolve_axis("key_position").size
+    read = jnp.where(write_at < seq_len, write_at + 1, 1)
+    step = functools.partial(cpu_attention.decode_step, scale=scale)
+    if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+        rows, heads = (tuple(sharding.spec) + (None, None))[:2]
+        by_head, by_row = PartitionSpec(rows, heads), PartitionSpec(rows)
+        step = jax.shard_map(step, mesh=sharding.mesh, in_specs=(by_head,) * 5 + (by_row, by_row),
+                             out_specs=(by_head,) * 3, check_vma=False)
+    out, keys, values = step(q["position", 0].rearrange(axes).array, page.k.array, page.v.array, k["position", 0].array,
+                             v["position", 0].array, write_at, read)
+    named = hax.named(out[:, None], (q.resolve_axis("batch"), q.resolve_axis("position")) + tuple(q.resolve_axis(a) for a in axes[1:]))
+    return named, type(page)(hax.named(keys, page.k.axes), hax.named(values, page.v.axes))
+
+
 def _attend_arrays(q, pages, lengths, chunk=None, mask=None, *, scale: float, tuning: KernelTuning,
                    attention: str = "pallas") -> jax.Array:
     """attend_pages_kernel on one device's arrays: q [batch, kv_heads, group, head_dim], pages
@@ -291,6 +316,7 @@ def attend_prefill_cpu(q: NamedArray, pages, rows: jax.Array, starts: jax.Array,
     q = q.rearrange(axes)
     batch, heads, chunk, per_kv, dim = q.array.shape
     flat = q.array.reshape(batch, heads, chunk * per_kv, dim)  # the query group: (position, q_per_kv)
-    o, l, _ = cpu_attention.page_residuals(flat, pages[0].k.array, pages[0].v.array, starts, scale, rows=rows, causal=per_kv)
-    out = (o / jnp.where(l > 0, l, 1.0)[..., None]).reshape(batch, heads, chunk, per_kv, dim)
+    out, _, _ = cpu_attention.page_residuals(flat, pages[0].k.array, pages[0].v.array, starts, scale, rows=rows,
+                                             causal=per_kv, normalize=True)
+    out = out.reshape(batch, heads, chunk, per_kv, dim)
     return hax.named(out, tuple(q.resolve_axis(a) for a in axes))

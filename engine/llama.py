@@ -182,9 +182,7 @@ def set_rows(array: jax.Array, index, new: jax.Array) -> jax.Array:
     array is (rows of another cache: copied as they are) or values, rounded to the dtype of the
     values array holds and given as bits to a `cpu_attention.BFLOAT16_BITS` array."""
     if new.dtype != array.dtype:
-        new = new.astype(cpu_attention.value_dtype(array.dtype))
-        if array.dtype == cpu_attention.BFLOAT16_BITS:
-            new = jax.lax.bitcast_convert_type(new, cpu_attention.BFLOAT16_BITS)
+        new = cpu_attention.as_stored(new, array.dtype)
     return array.at[index].set(new, mode="drop")
 
 
@@ -528,6 +526,8 @@ class Attention(eqx.Module):
 
     @staticmethod
     def _decode(q, k, v, context: DecodeStep, scale: float):
+        if context.chunk is None and context.attention == "cpu":  # the write and the attention in one call
+            return kernels.attend_step_cpu(q, context.pages[0], k, v, context.lengths, scale, sharding=context.sharding)
         if context.chunk is None:  # in place: the kernel's one page, carried through the decode loop
             page = PagedKV(context.pages).write(jnp.arange(context.lengths.shape[0])[:, None], context.lengths[:, None],
                                                 jnp.swapaxes(k.array, 1, 2), jnp.swapaxes(v.array, 1, 2)).pages[0]

@@ -1,7 +1,10 @@
 // Decode attention over a KV cache page (float32 or bfloat16) on the CPU, as an XLA FFI custom call
-// (engine/cpu_attention.py builds, loads and calls it; `engine.decode_attention: cpu`). Prefill
-// chunks call it too, over their prompts' cache rows once the chunk is written, with many queries
-// per KV head, causally.
+// (engine/cpu_attention.py builds, loads and calls it; `engine.decode_attention: cpu`). Two
+// targets: `PipelineDecodeAttention`, the attention over a page, which prefill chunks call over
+// their prompts' cache rows once the chunk is written, with many queries per KV head, causally;
+// and `PipelineDecodeStep`, a decode step's whole attention in one call: the step's key and
+// value written into the page (aliased to the call's result: in place), then the attention over
+// it, normalized. Each saves XLA kernels a layer that cost a decode step more than their work.
 //
 // For each (row, KV head) of a page, the row's first `lengths[row]` positions only (none where
 // its cache row is out of range); with `causal` = c > 0, query g reads `lengths[row] + g / c + 1`
@@ -11,7 +14,8 @@
 //   e = exp(scores - m), l = sum(e), o = sum(e * values)
 // returned unnormalized with the softmax residuals (o, l, m), the same contract as the Pallas
 // path's `engine.kernels.page_residuals`, so pages and the decode chunk's buffer combine the
-// same way. A row with nothing written gives o = l = 0 and m = the float32 minimum.
+// same way; or, with `normalize` (and always in a decode step), o / l. A row with nothing
+// written gives o = l = 0 and m = the float32 minimum.
 //
 // Why a kernel of our own: XLA's CPU runtime runs a decode step's operations one at a time and
 // its batched dots over the cache on one thread, reading every position of the pages that hold
@@ -21,8 +25,10 @@
 //
 // Shapes: q [batch, kv_heads, group, head_dim], keys/values [cache_rows, kv_heads, positions,
 // head_dim], rows and lengths [batch] int32 (row b reads cache row rows[b]: decode passes
-// 0..batch-1, a prefill chunk its prompts' rows, read in place), causal an int64 attribute; o
-// [batch, kv_heads, group, head_dim], l and m [batch, kv_heads, group], all row-major.
+// 0..batch-1, a prefill chunk its prompts' rows, read in place), causal and normalize int64
+// attributes; o [batch, kv_heads, group, head_dim], l and m [batch, kv_heads, group], all
+// row-major. A decode step: rows are the page's, none passed; new keys and values [batch,
+// kv_heads, head_dim], stored as the page is, and write_at [batch]; o alone is returned.
 // Everything is float32 but the keys and values, which are float32 or both bfloat16 (a bfloat16
 // model's cache: half the bytes to read), given as bfloat16 or as its bits in uint16 (how the
 // engine stores it on the CPU). A bfloat16 key is widened to the float32 of the same value,
@@ -66,11 +72,19 @@ struct Job {
   const void* keys;  // float or BFloat16, as `bfloat16` says
   const void* values;
   bool bfloat16;
-  const int32_t* rows;
+  const int32_t* rows = nullptr;  // row b reads cache row rows[b]; none: row b
   const int32_t* lengths;
   float* o;
   float* l;
   float* m;
+  // A decode step's write, before any read (DecodeStep): row b's new key/value [batch, kv_heads,
+  // head_dim], stored as the cache is, go to position write_at[b] of cache row b (none out of range).
+  const void* new_keys = nullptr;
+  const void* new_values = nullptr;
+  const int32_t* write_at = nullptr;
+  void* keys_out = nullptr;  // the cache's page, written in place (aliased to keys/values)
+  void* values_out = nullptr;
+  bool normalize = false;  // o / l instead of o, as the softmax's result (0 where l is 0)
   int64_t kv_heads, group, positions, head_dim, cache_rows;
   int64_t causal;  // queries per position of a causal prefill chunk; 0: every query reads lengths[row]
   float scale;
@@ -212,11 +226,12 @@ void attend_many(const float* q, const T* k, const T* v, Reach reach, int64_t gr
   }
 }
 
+// (o, l, m) of one (row, KV head).
 template <typename T>
-void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
+void residuals(const Job& job, int64_t pair, std::vector<float>& scores) {
   const int64_t G = job.group, D = job.head_dim, P = job.positions;
   const int64_t row = pair / job.kv_heads, head = pair % job.kv_heads;
-  const int64_t cache_row = job.rows[row];
+  const int64_t cache_row = job.rows ? job.rows[row] : row;
   const int64_t first = std::max<int64_t>(0, job.lengths[row]);
   int64_t n = job.causal > 0 ? first + (G - 1) / job.causal + 1 : first;
   n = cache_row < 0 || cache_row >= job.cache_rows ? 0 : std::min(n, P);
@@ -245,6 +260,38 @@ void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
   }
 }
 
+// The softmax's result from its residuals, o / l (0 where l is 0), divided as XLA divides: not
+// multiplied by 1 / l, which -ffast-math allows and which can differ in the last bit.
+#if defined(__clang__)
+void normalize(float* o, const float* l, int64_t group, int64_t dim) {
+#pragma float_control(precise, on)
+#else
+__attribute__((optimize("no-reciprocal-math"))) void normalize(float* o, const float* l, int64_t group, int64_t dim) {
+#endif
+  for (int64_t g = 0; g < group; ++g) {
+    const float sum = l[g] > 0.0f ? l[g] : 1.0f;
+    for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = o[g * dim + d] / sum;
+  }
+}
+
+// A decode step's new key and value of one (row, KV head), into the page before it is read.
+template <typename T>
+void write_step(const Job& job, int64_t pair) {
+  const int64_t row = pair / job.kv_heads, head = pair % job.kv_heads, at = job.write_at[row];
+  if (at < 0 || at >= job.positions) return;
+  const int64_t to = ((row * job.kv_heads + head) * job.positions + at) * job.head_dim, from = pair * job.head_dim;
+  const size_t bytes = job.head_dim * sizeof(T);
+  std::memcpy(static_cast<T*>(job.keys_out) + to, static_cast<const T*>(job.new_keys) + from, bytes);
+  std::memcpy(static_cast<T*>(job.values_out) + to, static_cast<const T*>(job.new_values) + from, bytes);
+}
+
+template <typename T>
+void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
+  if (job.write_at) write_step<T>(job, pair);
+  residuals<T>(job, pair, scores);
+  if (job.normalize) normalize(job.o + pair * job.group * job.head_dim, job.l + pair * job.group, job.group, job.head_dim);
+}
+
 // Takes parts until none is left. The calling thread runs this too and then waits only for
 // parts other threads have taken, never for a task the pool has not started: a pool whose
 // threads are all busy (another program's call, a second lane) cannot stall the call.
@@ -264,45 +311,92 @@ void work(Job& job) {
   }
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
-                           ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> lengths, float scale, int64_t causal,
-                           ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> l,
-                           ffi::ResultBuffer<ffi::F32> m) {
+bool bfloat16_bits(ffi::DataType type) { return type == ffi::DataType::BF16 || type == ffi::DataType::U16; }
+
+// Checks the shapes and dtypes both calls share and fills in the job but for its outputs.
+ffi::Error describe(Job& job, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
+                    ffi::Buffer<ffi::S32> lengths, float scale, int64_t causal, int64_t normalize) {
   auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[1] != qd[1] || kd[3] != qd[3] ||
       vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3] ||
-      rows.element_count() != static_cast<size_t>(qd[0]) || lengths.element_count() != static_cast<size_t>(qd[0]))
+      lengths.element_count() != static_cast<size_t>(qd[0]))
     return ffi::Error::InvalidArgument(
         "decode attention: expected q [batch, kv_heads, group, head_dim], keys and values [cache_rows, kv_heads, "
-        "positions, head_dim], rows and lengths [batch]");
+        "positions, head_dim], lengths [batch]");
   const ffi::DataType type = keys.element_type();
-  if ((type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::U16) ||
-      values.element_type() != type)
+  if ((type != ffi::DataType::F32 && !bfloat16_bits(type)) || values.element_type() != type)
     return ffi::Error::InvalidArgument(
         "decode attention: keys and values must both be float32, bfloat16, or uint16 (bfloat16's bits)");
-  auto job = std::make_shared<Job>();
-  job->q = q.typed_data();
-  job->keys = keys.untyped_data();
-  job->values = values.untyped_data();
-  job->bfloat16 = type != ffi::DataType::F32;
-  job->rows = rows.typed_data();
-  job->lengths = lengths.typed_data();
-  job->o = o->typed_data();
-  job->l = l->typed_data();
-  job->m = m->typed_data();
-  job->kv_heads = qd[1];
-  job->group = qd[2];
-  job->head_dim = qd[3];
-  job->positions = kd[2];
-  job->cache_rows = kd[0];
-  job->causal = causal;
-  job->scale = scale;
-  job->pairs = qd[0] * qd[1];
+  job.q = q.typed_data();
+  job.keys = keys.untyped_data();
+  job.values = values.untyped_data();
+  job.bfloat16 = type != ffi::DataType::F32;
+  job.lengths = lengths.typed_data();
+  job.kv_heads = qd[1];
+  job.group = qd[2];
+  job.head_dim = qd[3];
+  job.positions = kd[2];
+  job.cache_rows = kd[0];
+  job.causal = causal;
+  job.normalize = normalize != 0;
+  job.scale = scale;
+  job.pairs = qd[0] * qd[1];
+  return ffi::Error::Success();
+}
+
+// Runs the job's (row, KV head) pairs over the pool and this thread, and returns when all are done.
+void run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   job->parts = std::min(job->pairs, threads);
   for (int64_t i = 1; i < job->parts; ++i) pool.Schedule([job] { work(*job); });
   work(*job);
   while (job->finished.load(std::memory_order_acquire) < job->parts) std::this_thread::yield();
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
+                           ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> lengths, float scale, int64_t causal,
+                           int64_t normalize, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> l,
+                           ffi::ResultBuffer<ffi::F32> m) {
+  auto job = std::make_shared<Job>();
+  if (auto error = describe(*job, q, keys, values, lengths, scale, causal, normalize); error.failure()) return error;
+  if (rows.element_count() != static_cast<size_t>(q.dimensions()[0]))
+    return ffi::Error::InvalidArgument("decode attention: expected rows [batch]");
+  job->rows = rows.typed_data();
+  job->o = o->typed_data();
+  job->l = l->typed_data();
+  job->m = m->typed_data();
+  run(pool, job);
+  return ffi::Error::Success();
+}
+
+// A decode step over a page whose rows are the batch's: each row's new key and value written at
+// write_at[row] (none out of range), then its attention over its first lengths[row] positions,
+// normalized. The page's keys and values are returned, aliased to the arguments: written in place.
+ffi::Error DecodeStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
+                      ffi::AnyBuffer new_keys, ffi::AnyBuffer new_values, ffi::Buffer<ffi::S32> write_at,
+                      ffi::Buffer<ffi::S32> lengths, float scale, ffi::ResultBuffer<ffi::F32> o,
+                      ffi::Result<ffi::AnyBuffer> keys_out, ffi::Result<ffi::AnyBuffer> values_out) {
+  auto job = std::make_shared<Job>();
+  if (auto error = describe(*job, q, keys, values, lengths, scale, 0, 1); error.failure()) return error;
+  auto qd = q.dimensions(), nd = new_keys.dimensions();
+  const ffi::DataType type = keys.element_type(), given = new_keys.element_type();
+  if (keys.dimensions()[0] != qd[0] || nd.size() != 3 || nd[0] != qd[0] || nd[1] != qd[1] || nd[2] != qd[3] ||
+      !std::equal(nd.begin(), nd.end(), new_values.dimensions().begin(), new_values.dimensions().end()) || write_at.element_count() != static_cast<size_t>(qd[0]))
+    return ffi::Error::InvalidArgument(
+        "decode step: expected keys and values [batch, kv_heads, positions, head_dim], new keys and values [batch, "
+        "kv_heads, head_dim], write_at [batch]");
+  if (new_values.element_type() != given || (type == ffi::DataType::F32 ? given != type : !bfloat16_bits(given)))
+    return ffi::Error::InvalidArgument("decode step: the new keys and values must be stored as the page is");
+  job->keys = job->keys_out = keys_out->untyped_data();  // the same buffer as keys, unless XLA copied it first
+  job->values = job->values_out = values_out->untyped_data();
+  job->new_keys = new_keys.untyped_data();
+  job->new_values = new_values.untyped_data();
+  job->write_at = write_at.typed_data();
+  job->o = o->typed_data();
+  std::vector<float> residuals(2 * job->pairs * job->group);  // l and m: normalized here, not returned
+  job->l = residuals.data();
+  job->m = residuals.data() + job->pairs * job->group;
+  run(pool, job);
   return ffi::Error::Success();
 }
 
@@ -318,6 +412,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("causal")
+                                  .Attr<int64_t>("normalize")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l
                                   .Ret<ffi::Buffer<ffi::F32>>());  // m
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeStep, DecodeStep,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // keys: float32, bfloat16 or its bits
+                                  .Arg<ffi::AnyBuffer>()  // values: the same
+                                  .Arg<ffi::AnyBuffer>()  // new keys, stored as the page is
+                                  .Arg<ffi::AnyBuffer>()  // new values
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // write_at
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // o, normalized
+                                  .Ret<ffi::AnyBuffer>()  // keys, aliased to the argument
+                                  .Ret<ffi::AnyBuffer>());  // values

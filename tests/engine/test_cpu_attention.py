@@ -92,6 +92,43 @@ def test_a_bfloat16_cache_gives_the_bits_of_the_same_values_in_float32(group):
     assert float(jnp.max(jnp.abs(wides[0]))) > 0
 
 
+@pytest.mark.parametrize("stored", [jnp.float32, cpu_attention.BFLOAT16_BITS])
+def test_a_decode_step_writes_its_keys_and_attends_in_one_call(stored):
+    """A decode step's one kernel call (`attend_step_cpu`) over a page of 64 positions, float32 or
+    bfloat16's bits: rows writing at 0, 5, 30 and the page's last position, and one writing
+    nothing (at the page's length: it reads its first position). The page comes back with the
+    step's keys and values where they go (rounded as the cache stores them) and nothing else
+    changed, and the attention is the kernel's residuals over that page normalized, bit for bit,
+    as the engine computed them before the two were one call; a row's result is the same alone."""
+    from haliax import Axis
+
+    from engine.jax_compat import hax
+    from engine.kernels import attend_step_cpu
+    from engine.llama import LayerKV, PagedKV
+
+    q, pages, *_ = ragged_attention_case(batch=5, kv_heads=2, group=2, head_dim=64, page_lens=(64,), steps=4,
+                                         lengths=[0] * 5, seed=11)
+    page = LayerKV(*(hax.named(cpu_attention.as_stored(x.array, stored), x.axes) for x in pages[0]))
+    step_axes = (Axis("batch", 5), Axis("kv_heads", 2), Axis("position", 1), Axis("head_dim", 64))
+    k, v = (hax.named(jax.random.normal(jax.random.key(i), (5, 2, 1, 64)), step_axes) for i in (1, 2))
+    write_at = jnp.asarray([0, 5, 63, 64, 30], jnp.int32)
+    got, written = jax.jit(attend_step_cpu, static_argnums=5)(q, page, k, v, write_at, 0.125)
+
+    want_page = PagedKV((page,)).write(jnp.arange(5)[:, None], write_at[:, None], jnp.swapaxes(k.array, 1, 2),
+                                       jnp.swapaxes(v.array, 1, 2)).pages[0]
+    for got_x, want_x, old in zip(written, want_page, page):
+        assert got_x.dtype == stored and np.array_equal(got_x.array, want_x.array)
+        assert int(jnp.sum(jnp.any(got_x.array != old.array, axis=-1))) == 8  # 4 rows x 2 heads, one position each
+    read = jnp.asarray([1, 6, 64, 1, 31], jnp.int32)
+    query = q["position", 0].array
+    o, l, _ = cpu_attention.page_residuals(query, want_page.k.array, want_page.v.array, read, 0.125)
+    attention = got.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array[:, 0]
+    assert np.array_equal(attention, o / l[..., None])
+    alone, _ = attend_step_cpu(q["batch", 2:3], LayerKV(*(x["batch", 2:3] for x in page)), k["batch", 2:3], v["batch", 2:3],
+                               write_at[2:3], 0.125)
+    assert np.array_equal(alone.array[:, 0], attention[2:3])
+
+
 # The loop for many queries (8 positions x 2 query heads: 16 a KV head) and the general one (4 x 2).
 @pytest.mark.parametrize("chunk, head_dim", [(8, 16), (4, 16), (8, 64)])
 def test_a_prefill_chunk_attends_the_same_through_the_kernel(chunk, head_dim):

@@ -179,12 +179,15 @@ def test_the_decode_program_lowers_for_a_gpu_with_the_kernel():
 @pytest.mark.skipif(cpu_attention.unavailable() is not None, reason="the CPU kernel cannot be built here")
 def test_the_cpu_kernels_decode_program_writes_the_cache_in_place():
     """With the CPU kernel each decode step writes its keys and values into the cache's one page,
-    carried through the loop, and one kernel call a layer attends over it: no chunk buffer (its
-    writes are dynamic_update_slices), and no page scattered after the loop. The engine's own
-    attention keeps the buffer."""
+    carried through the loop, inside the one kernel call a layer that attends over it: no chunk
+    buffer (its writes are dynamic_update_slices), no scatter into the page in the loop or after
+    it (the two left write the step's tokens into the chunk's [slots, steps] output). The
+    engine's own attention keeps the buffer."""
     cpu, xla = (_decode_program_text(attention, platform="cpu") for attention in ("cpu", "xla"))
-    assert cpu.count("custom_call @pipeline_decode_attention") == 1  # the layers share one traced function
+    assert cpu.count("custom_call @pipeline_decode_step") == 1  # the layers share one traced function
+    assert cpu.count("custom_call @pipeline_decode_attention") == 0
     assert cpu.count("stablehlo.dynamic_update_slice") == 0 < xla.count("stablehlo.dynamic_update_slice")
+    assert cpu.count("stablehlo.scatter") == 2 < xla.count("stablehlo.scatter")
 
 
 def test_kernel_blocks():
