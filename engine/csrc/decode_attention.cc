@@ -380,8 +380,9 @@ ffi::Error DecodeStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   if (auto error = describe(*job, q, keys, values, lengths, scale, 0, 1); error.failure()) return error;
   auto qd = q.dimensions(), nd = new_keys.dimensions();
   const ffi::DataType type = keys.element_type(), given = new_keys.element_type();
+  auto vd = new_values.dimensions();
   if (keys.dimensions()[0] != qd[0] || nd.size() != 3 || nd[0] != qd[0] || nd[1] != qd[1] || nd[2] != qd[3] ||
-      !std::equal(nd.begin(), nd.end(), new_values.dimensions().begin(), new_values.dimensions().end()) || write_at.element_count() != static_cast<size_t>(qd[0]))
+      !std::equal(nd.begin(), nd.end(), vd.begin(), vd.end()) || write_at.element_count() != static_cast<size_t>(qd[0]))
     return ffi::Error::InvalidArgument(
         "decode step: expected keys and values [batch, kv_heads, positions, head_dim], new keys and values [batch, "
         "kv_heads, head_dim], write_at [batch]");
@@ -393,9 +394,9 @@ ffi::Error DecodeStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   job->new_values = new_values.untyped_data();
   job->write_at = write_at.typed_data();
   job->o = o->typed_data();
-  std::vector<float> residuals(2 * job->pairs * job->group);  // l and m: normalized here, not returned
-  job->l = residuals.data();
-  job->m = residuals.data() + job->pairs * job->group;
+  std::vector<float> sums_and_maxima(2 * job->pairs * job->group);  // l and m: used here, not returned
+  job->l = sums_and_maxima.data();
+  job->m = sums_and_maxima.data() + job->pairs * job->group;
   run(pool, job);
   return ffi::Error::Success();
 }
