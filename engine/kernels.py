@@ -10,8 +10,9 @@ chunk's buffer by their softmax residuals (the running maximum and sum of each p
 
 With `engine.decode_attention: cpu` the page (the engine keeps one for it too) goes instead to
 the engine's own C++ CPU kernel (engine/cpu_attention.py), which returns the same residuals.
-Each decode step writes its keys/values into that page and the kernel attends over it, to each
-row's length and the new position (`engine.decode.DecodeSpec.decode_in_place`): no chunk buffer.
+Each decode step writes its keys/values into that page and attends over it, to each row's
+length and the new position, in one kernel call a layer (`attend_step_cpu`; the page written in
+place, `engine.decode.DecodeSpec.decode_in_place`): no chunk buffer, no scatter, no combine.
 A prefill chunk on one device attends through it too (`attend_prefill_cpu`): once the chunk is
 written, its queries over its prompts' cache rows, read in place, causally, in one call a layer.
 
