@@ -222,45 +222,58 @@ def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_m
     several devices each runs the kernel on its own rows and heads (`jax.shard_map`), since XLA
     cannot split the kernel's call itself. `tuning`: how the kernel reads the pages (the
     engine's `DecodeSpec.kernel`; None: `TUNING`)."""
-    axes = ("batch", "kv_heads", "q_per_kv", "head_dim")
-    q_arr = q["position", 0].rearrange(axes).array
     kv = [(page.k.array, page.v.array) for page in pages]
-    args = (q_arr, kv, lengths)
+    args = (q["position", 0].rearrange(_STEP_AXES).array, kv, lengths)
     if chunk is not None:
         args += ((chunk.k.array, chunk.v.array), chunk_mask["position", 0].rearrange(("batch", "chunk")).array)
     attend = functools.partial(_attend_arrays, scale=scale, tuning=tuning or TUNING, attention=attention)
-    if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
-        rows, heads = (tuple(sharding.spec) + (None, None))[:2]
-        by_head, by_row = PartitionSpec(rows, heads), PartitionSpec(rows)
+    specs = _device_specs(sharding)
+    if specs:
+        by_head, by_row = specs
         attend = jax.shard_map(attend, mesh=sharding.mesh, in_specs=(by_head, by_head, by_row, by_head, by_row)[:len(args)],
                                out_specs=by_head, check_vma=False)
-    out = attend(*args)[:, None]
-    return hax.named(out, (q.resolve_axis("batch"), q.resolve_axis("position")) + tuple(q.resolve_axis(a) for a in axes[1:]))
+    return _as_step(attend(*args), q)
 
 
-def attend_step_cpu(q: NamedArray, page, k: NamedArray, v: NamedArray, write_at: jax.Array, scale: float, *,
-                    sharding: NamedSharding | None = None):
+_STEP_AXES = ("batch", "kv_heads", "q_per_kv", "head_dim")
+"""A decode step's queries and attention, as the kernels take and give them (one position)."""
+
+
+def _device_specs(sharding) -> tuple[PartitionSpec, PartitionSpec] | None:
+    """How a kernel's call is split over the cache's devices (`sharding`: rows over `data`, KV
+    heads over `model` on a global mesh), since XLA cannot split the call itself: the specs of
+    arrays (batch, kv_heads, ...) and (batch,) for `jax.shard_map`, each device its own rows and
+    heads; None on one device, where the call runs as it is."""
+    if not (isinstance(sharding, NamedSharding) and sharding.mesh.size > 1):
+        return None
+    rows, heads = (tuple(sharding.spec) + (None, None))[:2]
+    return PartitionSpec(rows, heads), PartitionSpec(rows)
+
+
+def _as_step(out: jax.Array, q: NamedArray) -> NamedArray:
+    """A kernel's attention [batch, kv_heads, q_per_kv, head_dim] named as the step's queries q
+    (batch, position, kv_heads, q_per_kv, head_dim)."""
+    return hax.named(out[:, None], tuple(q.resolve_axis(a) for a in ("batch", "position") + _STEP_AXES[1:]))
+
+
+def attend_step_cpu(q: NamedArray, page, k: NamedArray, v: NamedArray, write_at: jax.Array, lengths: jax.Array,
+                    scale: float, *, sharding: NamedSharding | None = None):
     """A decode step with `engine.decode_attention: cpu` over the one-page cache `page` (LayerKV,
     keys/values batch, kv_heads, key_position, head_dim): the step's keys/values k, v (batch,
-    kv_heads, position, head_dim) are written at write_at [batch] (past the page: a row that writes
-    nothing, which reads its first position) and q (batch, position, kv_heads, q_per_kv,
-    head_dim) attends over each row up to it, in one kernel call a layer
-    (`cpu_attention.decode_step`: the page written in place, the softmax normalized inside).
-    Returns (attention float32, the page). Over several devices (`sharding`, the cache's) each
-    runs the call on its own rows and heads."""
-    axes = ("batch", "kv_heads", "q_per_kv", "head_dim")
-    seq_len = page.k.resolve_axis("key_position").size
-    read = jnp.where(write_at < seq_len, write_at + 1, 1)
+    kv_heads, position, head_dim) are written at write_at [batch] (past the page: none) and q
+    (batch, position, kv_heads, q_per_kv, head_dim) attends over each row's first lengths [batch]
+    positions, in one kernel call a layer (`cpu_attention.decode_step`: the page written in
+    place, the softmax normalized inside). Returns (attention float32, the page). Over several
+    devices (`sharding`, the cache's) each runs the call on its own rows and heads."""
     step = functools.partial(cpu_attention.decode_step, scale=scale)
-    if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
-        rows, heads = (tuple(sharding.spec) + (None, None))[:2]
-        by_head, by_row = PartitionSpec(rows, heads), PartitionSpec(rows)
+    specs = _device_specs(sharding)
+    if specs:
+        by_head, by_row = specs
         step = jax.shard_map(step, mesh=sharding.mesh, in_specs=(by_head,) * 5 + (by_row, by_row),
                              out_specs=(by_head,) * 3, check_vma=False)
-    out, keys, values = step(q["position", 0].rearrange(axes).array, page.k.array, page.v.array, k["position", 0].array,
-                             v["position", 0].array, write_at, read)
-    named = hax.named(out[:, None], (q.resolve_axis("batch"), q.resolve_axis("position")) + tuple(q.resolve_axis(a) for a in axes[1:]))
-    return named, type(page)(hax.named(keys, page.k.axes), hax.named(values, page.v.axes))
+    out, keys, values = step(q["position", 0].rearrange(_STEP_AXES).array, page.k.array, page.v.array,
+                             k["position", 0].array, v["position", 0].array, write_at, lengths)
+    return _as_step(out, q), type(page)(hax.named(keys, page.k.axes), hax.named(values, page.v.axes))
 
 
 def _attend_arrays(q, pages, lengths, chunk=None, mask=None, *, scale: float, tuning: KernelTuning,

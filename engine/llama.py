@@ -526,13 +526,14 @@ class Attention(eqx.Module):
 
     @staticmethod
     def _decode(q, k, v, context: DecodeStep, scale: float):
-        if context.chunk is None and context.attention == "cpu":  # the write and the attention in one call
-            return kernels.attend_step_cpu(q, context.pages[0], k, v, context.lengths, scale, sharding=context.sharding)
         if context.chunk is None:  # in place: the kernel's one page, carried through the decode loop
+            seq_len = context.pages[0].k.resolve_axis("key_position").size
+            read = jnp.where(context.lengths < seq_len, context.lengths + 1, 1)  # a row writing nothing reads one
+            if context.attention == "cpu":  # the write and the attention in one call
+                return kernels.attend_step_cpu(q, context.pages[0], k, v, context.lengths, read, scale,
+                                               sharding=context.sharding)
             page = PagedKV(context.pages).write(jnp.arange(context.lengths.shape[0])[:, None], context.lengths[:, None],
                                                 jnp.swapaxes(k.array, 1, 2), jnp.swapaxes(v.array, 1, 2)).pages[0]
-            seq_len = page.k.resolve_axis("key_position").size
-            read = jnp.where(context.lengths < seq_len, context.lengths + 1, 1)  # a row writing nothing reads one
             return kernels.attend_pages_kernel(q, (page,), read, None, None, scale, sharding=context.sharding,
                                                tuning=context.kernel, attention=context.attention), page
         chunk = context.chunk

@@ -69,8 +69,8 @@ inline float widen(BFloat16 x) {
 
 struct Job {
   const float* q;
-  const void* keys;  // float or BFloat16, as `bfloat16` says
-  const void* values;
+  void* keys;  // float or BFloat16, as `bfloat16` says; written only by a decode step (its page, aliased)
+  void* values;
   bool bfloat16;
   const int32_t* rows = nullptr;  // row b reads cache row rows[b]; none: row b
   const int32_t* lengths;
@@ -82,8 +82,6 @@ struct Job {
   const void* new_keys = nullptr;
   const void* new_values = nullptr;
   const int32_t* write_at = nullptr;
-  void* keys_out = nullptr;  // the cache's page, written in place (aliased to keys/values)
-  void* values_out = nullptr;
   bool normalize = false;  // o / l instead of o, as the softmax's result (0 where l is 0)
   int64_t kv_heads, group, positions, head_dim, cache_rows;
   int64_t causal;  // queries per position of a causal prefill chunk; 0: every query reads lengths[row]
@@ -281,8 +279,8 @@ void write_step(const Job& job, int64_t pair) {
   if (at < 0 || at >= job.positions) return;
   const int64_t to = ((row * job.kv_heads + head) * job.positions + at) * job.head_dim, from = pair * job.head_dim;
   const size_t bytes = job.head_dim * sizeof(T);
-  std::memcpy(static_cast<T*>(job.keys_out) + to, static_cast<const T*>(job.new_keys) + from, bytes);
-  std::memcpy(static_cast<T*>(job.values_out) + to, static_cast<const T*>(job.new_values) + from, bytes);
+  std::memcpy(static_cast<T*>(job.keys) + to, static_cast<const T*>(job.new_keys) + from, bytes);
+  std::memcpy(static_cast<T*>(job.values) + to, static_cast<const T*>(job.new_values) + from, bytes);
 }
 
 template <typename T>
@@ -388,8 +386,8 @@ ffi::Error DecodeStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
         "kv_heads, head_dim], write_at [batch]");
   if (new_values.element_type() != given || (type == ffi::DataType::F32 ? given != type : !bfloat16_bits(given)))
     return ffi::Error::InvalidArgument("decode step: the new keys and values must be stored as the page is");
-  job->keys = job->keys_out = keys_out->untyped_data();  // the same buffer as keys, unless XLA copied it first
-  job->values = job->values_out = values_out->untyped_data();
+  job->keys = keys_out->untyped_data();  // the same buffer as keys, unless XLA copied it first
+  job->values = values_out->untyped_data();
   job->new_keys = new_keys.untyped_data();
   job->new_values = new_values.untyped_data();
   job->write_at = write_at.typed_data();

@@ -112,20 +112,20 @@ def test_a_decode_step_writes_its_keys_and_attends_in_one_call(stored):
     step_axes = (Axis("batch", 5), Axis("kv_heads", 2), Axis("position", 1), Axis("head_dim", 64))
     k, v = (hax.named(jax.random.normal(jax.random.key(i), (5, 2, 1, 64)), step_axes) for i in (1, 2))
     write_at = jnp.asarray([0, 5, 63, 64, 30], jnp.int32)
-    got, written = jax.jit(attend_step_cpu, static_argnums=5)(q, page, k, v, write_at, 0.125)
+    read = jnp.asarray([1, 6, 64, 1, 31], jnp.int32)  # as the engine's decode step reads them
+    got, written = jax.jit(attend_step_cpu, static_argnums=6)(q, page, k, v, write_at, read, 0.125)
 
     want_page = PagedKV((page,)).write(jnp.arange(5)[:, None], write_at[:, None], jnp.swapaxes(k.array, 1, 2),
                                        jnp.swapaxes(v.array, 1, 2)).pages[0]
     for got_x, want_x, old in zip(written, want_page, page):
         assert got_x.dtype == stored and np.array_equal(got_x.array, want_x.array)
         assert int(jnp.sum(jnp.any(got_x.array != old.array, axis=-1))) == 8  # 4 rows x 2 heads, one position each
-    read = jnp.asarray([1, 6, 64, 1, 31], jnp.int32)
     query = q["position", 0].array
     o, l, _ = cpu_attention.page_residuals(query, want_page.k.array, want_page.v.array, read, 0.125)
     attention = got.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array[:, 0]
     assert np.array_equal(attention, o / l[..., None])
     alone, _ = attend_step_cpu(q["batch", 2:3], LayerKV(*(x["batch", 2:3] for x in page)), k["batch", 2:3], v["batch", 2:3],
-                               write_at[2:3], 0.125)
+                               write_at[2:3], read[2:3], 0.125)
     assert np.array_equal(alone.array[:, 0], attention[2:3])
 
 
