@@ -120,12 +120,14 @@ class EngineConfig:
     lanes: int | Literal["auto"] = "auto"
     """host_dp only: decode streams run side by side, each with batch_size / lanes rows, its own
     KV cache and its own calls. auto: 2 on a CPU host with two or more cores and a batch of 32 or
-    more (XLA's CPU runtime runs much of a decode step on one thread), else 1 (engine/memory.py)."""
+    more in float32, 64 or more in bfloat16 (XLA's CPU runtime runs much of a decode step on one
+    thread; a bfloat16 product costs about as much for 16 rows as for 32), else 1 (engine/memory.py)."""
     overlap_prefill: bool | Literal["auto"] = "auto"
     """host_dp only: prefill the next prompts in a thread of their own, into a small staging cache,
     while the lane decodes, and move each prefilled row into a slot as one frees. auto: on a CPU
-    host with two or more cores and one lane (XLA's CPU runtime leaves a core idle during much of
-    a decode step; two lanes already fill it), else off (engine/memory.py)."""
+    host with two or more cores and one lane, where a prefill call has as many rows as the lane
+    (XLA's CPU runtime leaves a core idle during much of a decode step; two lanes already fill
+    it), else off (engine/memory.py)."""
 
     decode_attention: Literal["auto", "xla", "pallas", "cpu"] = "auto"
     """How a decode step attends over the KV cache: xla, the engine's own operations over the

@@ -770,7 +770,8 @@ class Engine:
             (cache, state), staging = self._init(slots, self._staged)
             if self._staged != slots:
                 # The lane's cache has another shape than the staging cache: prefill calls over it
-                # would compile two more programs, so the thread prefills every row from the start.
+                # would compile two more programs, so the thread prefills every row from the start
+                # (only with engine.overlap_prefill: true; auto stages as many rows as the lane's).
                 stager, staging = _Stager(self, pending, *staging), None
             # Else the lane prefills its first rows itself and then starts the thread (below): a
             # job that fits the lane waits for no thread and no adopt.

@@ -44,12 +44,16 @@ keeps the device busy: TinyLlama's prefill on an H200 took 0.47 s at 512 tokens 
 PREFILL_SHARE = 16
 """`auto` gives one prefill call at most 1/16 of the allowed memory: the rest is for rows."""
 LANES_CPU = 2
-LANES_CPU_MIN_BATCH = 32
-"""`engine.lanes: auto` on a CPU host with two or more cores: two lanes from a batch of 32 up.
-XLA's CPU runtime runs the attention's dots over the cache on one thread while the other core
-waits (docs/performance-notes.md); a second decode stream fills it. Whole steady-state runs took
-10-17 % less time at batch 64 and 32 (cpu-tiny, cpu-125m); the mixed workload at batch 16, in
-two lanes of 8, took as long or longer."""
+LANES_CPU_MIN_ROWS = {4: 16, 2: 32}
+"""`engine.lanes: auto` on a CPU host with two or more cores: two lanes where each keeps at least
+this many rows, by the model's bytes per value (float32: a batch of 32 up; bfloat16: 64 up).
+XLA's CPU runtime runs many of a step's small kernels one at a time while the other core waits
+(docs/performance-notes.md); a second decode stream fills it. Whole steady-state runs took
+10-17 % less time at batch 64 and 32 (cpu-tiny, cpu-125m) with the XLA attention; the mixed
+workload at batch 16, in two lanes of 8, took as long or longer. A bfloat16 product costs
+about as much for 16 rows as for 32 on the AMD EPYC (XLA's YNNPACK products: 200 against
+301 µs for 2,048 x 768), so two lanes of 16 did each layer's products nearly twice: the 125M
+model at batch 32 took 8.0-8.4 s in one lane against 8.7-9.4 s in two."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +192,7 @@ def plan_batch(
             raise ValueError(f"engine.lanes={lanes} needs {sized_for * n} rows, but {where} fits {fit}: lower engine.lanes or use auto")
         reason = f"auto: memory fits {fit} rows, capped at {cap}" if fit > cap else f"auto: largest that fits {where}"
         plan = dataclasses.replace(plan, batch_size=chosen, reason=reason,
-                                   lanes=auto_lanes(devices[0].platform, chosen, n) if lanes == "auto" else lanes)
+                                   lanes=auto_lanes(devices[0].platform, chosen, n, dtype) if lanes == "auto" else lanes)
         if lanes == "auto" and plan.need_bytes(chosen, n) > limit:  # two lanes' prefill working memory, where one fitted
             plan = dataclasses.replace(plan, lanes=1)
         return plan
@@ -198,7 +202,7 @@ def plan_batch(
         raise ValueError(f"engine.batch_size={batch_size} must be a multiple of the {n} data-parallel devices"
                          f" ({'engine.mesh.data' if batch_shards else 'local devices'})")
     if lanes == "auto":
-        lanes = auto_lanes(devices[0].platform, batch_size, n)
+        lanes = auto_lanes(devices[0].platform, batch_size, n, dtype)
     elif batch_size % (lanes * n):
         raise ValueError(f"engine.batch_size={batch_size} must be a multiple of engine.lanes={lanes} times the {n}"
                          f" data-parallel devices ({lanes * n}): each lane takes an equal share of the rows")
@@ -221,13 +225,19 @@ def plan_staging(plan: BatchPlan, overlap_prefill: bool | str, *, platform: str,
     """`plan` with a staging cache per lane (`engine.overlap_prefill`; auto: `auto_overlap`) of as
     many rows as a prefill call has, or a prompt has samples (`sampling.n`) if more, so that they
     share their prompt's prefill; a multiple of batch_shards, at most a lane's rows. auto leaves
-    it out where the rows do not fit; an explicit true raises."""
+    it out where the rows do not fit, and where they are fewer than a lane's: the lane then
+    waits for the thread even for its first rows and starts decoding a part of its batch, which
+    was slower than prefilling between decode calls (the 125M model at batch 32 in bfloat16:
+    9.5 s against 8.0 s; cpu-mixed at batch 64: 5.7 against 5.0 s). An explicit true raises
+    where the rows do not fit."""
     explicit = overlap_prefill is True
     if not (explicit or overlap_prefill == "auto" and auto_overlap(platform, plan.lanes)):
         return plan
-    n = batch_shards
+    n, lane = batch_shards, plan.batch_size // plan.lanes
     rows = max(1, plan.prefill_tokens // prefill_chunk_tokens, samples)
-    staged = dataclasses.replace(plan, staged=min(-(-rows // n) * n, plan.batch_size // plan.lanes))
+    staged = dataclasses.replace(plan, staged=min(-(-rows // n) * n, lane))
+    if not explicit and staged.staged < lane:
+        return plan
     if staged.need_bytes(plan.batch_size, n) <= plan.limit_bytes:
         return staged
     if explicit:
@@ -236,10 +246,13 @@ def plan_staging(plan: BatchPlan, overlap_prefill: bool | str, *, platform: str,
     return plan  # auto: the batch filled the memory, no room to stage
 
 
-def auto_lanes(platform: str, batch_size: int, num_devices: int) -> int:
-    """`engine.lanes: auto`: LANES_CPU on a CPU host with as many cores, from a batch of
-    LANES_CPU_MIN_BATCH rows that splits evenly; else 1 (an accelerator keeps itself busy)."""
-    if platform != "cpu" or _cores() < LANES_CPU or batch_size < LANES_CPU_MIN_BATCH or batch_size % (LANES_CPU * num_devices):
+def auto_lanes(platform: str, batch_size: int, num_devices: int, dtype=jnp.float32) -> int:
+    """`engine.lanes: auto`: LANES_CPU on a CPU host with as many cores, where each lane keeps
+    LANES_CPU_MIN_ROWS rows for the model's dtype and the batch splits evenly; else 1 (an
+    accelerator keeps itself busy)."""
+    min_rows = LANES_CPU_MIN_ROWS.get(jnp.dtype(dtype).itemsize, LANES_CPU_MIN_ROWS[4])
+    if (platform != "cpu" or _cores() < LANES_CPU or batch_size < LANES_CPU * min_rows
+            or batch_size % (LANES_CPU * num_devices)):
         return 1
     return LANES_CPU
 

@@ -66,6 +66,8 @@ def test_auto_prefill_budget_on_the_8b_seed_leaves_its_batch_room():
 
 
 def test_auto_lanes_split_big_cpu_batches_only(monkeypatch):
+    import jax.numpy as jnp
+
     from engine import memory
 
     monkeypatch.setattr(memory.os, "sched_getaffinity", lambda pid: {0, 1})
@@ -73,6 +75,9 @@ def test_auto_lanes_split_big_cpu_batches_only(monkeypatch):
     assert memory.auto_lanes("cpu", 32, 1) == 2
     assert memory.auto_lanes("cpu", 16, 1) == 1  # lanes of 8 rows were no faster (cpu-mixed)
     assert memory.auto_lanes("cpu", 34, 2) == 1  # does not split evenly over 2 lanes x 2 devices
+    # bfloat16: lanes of 32 rows at least (a product of 16 rows cost about as much as of 32)
+    assert memory.auto_lanes("cpu", 32, 1, jnp.bfloat16) == 1 and memory.auto_lanes("cpu", 64, 1, jnp.bfloat16) == 2
+    assert memory.auto_lanes("cpu", 32, 1, jnp.float32) == 2
     assert memory.auto_lanes("gpu", 256, 1) == 1
     monkeypatch.setattr(memory.os, "sched_getaffinity", lambda pid: {0})
     assert memory.auto_lanes("cpu", 64, 1) == 1
@@ -82,7 +87,7 @@ def test_a_staging_cache_is_planned_as_rows_and_left_out_where_it_does_not_fit(m
     """`engine.overlap_prefill`: auto stages on a CPU host with two cores and one lane; the
     staging cache has a prefill call's rows (or a prompt's samples if more, at most a lane's
     rows), each counted as a row of memory; auto drops it where the batch fills the memory,
-    an explicit true says so."""
+    an explicit true says so, and where those rows are fewer than the lane's."""
     import dataclasses
 
     import pytest
@@ -110,5 +115,8 @@ def test_a_staging_cache_is_planned_as_rows_and_left_out_where_it_does_not_fit(m
     assert staged("auto") == 0  # one core
     monkeypatch.setattr(memory.os, "sched_getaffinity", lambda pid: {0, 1})
     assert staged("auto", **tight) == 0 and staged("auto") == 16
+    # fewer rows than the lane's: auto prefills between decode calls instead; true stages them
+    assert staged("auto", batch_size=32) == 0 and staged(True, batch_size=32) == 16
+    assert staged(True, batch_size=32, lanes=2) == 16  # lanes of 16 rows
     with pytest.raises(ValueError, match="engine.overlap_prefill needs 16 more rows of KV cache per lane"):
         staged(True, **tight)
