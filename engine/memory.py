@@ -51,9 +51,10 @@ XLA's CPU runtime runs many of a step's small kernels one at a time while the ot
 (docs/performance-notes.md); a second decode stream fills it. Whole steady-state runs took
 10-17 % less time at batch 64 and 32 (cpu-tiny, cpu-125m) with the XLA attention; the mixed
 workload at batch 16, in two lanes of 8, took as long or longer. A bfloat16 product costs
-about as much for 16 rows as for 32 on the AMD EPYC (XLA's YNNPACK products: 200 against
-301 µs for 2,048 x 768), so two lanes of 16 did each layer's products nearly twice: the 125M
-model at batch 32 took 8.0-8.4 s in one lane against 8.7-9.4 s in two."""
+about as much for 16 rows as for 32 on the AMD EPYC (XLA's YNNPACK products, `python
+scripts/bench_dots.py --rows`: 205 against 337 µs for a 2,048 x 768 weight, 366 against 403 for
+768 x 2,048), so two lanes of 16 did each layer's products nearly twice: the 125M model at
+batch 32 took 8.0-8.4 s in one lane against 8.7-9.4 s in two."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,10 @@ With `--peak`, it times large square products (2,048 cubed) and the decode LM he
 and bfloat16 (float32 result), and prints GFLOP/s for XLA and torch: the ceiling that decode's
 compute-bound products are read against (docs/performance-notes.md, Limits).
 
+With `--rows`, it times one weight-first projection of each of the 125M and cpu-mixed models'
+layer shapes for 8, 16, 32 and 64 rows, in float32 and bfloat16: what two lanes of half the
+batch cost each layer's products (engine/memory.py, `LANES_CPU_MIN_ROWS`).
+
 With `--stream`, it times matrix-vector products over 45 MB and 360 MB of float32 weights, torch
 on one thread and on all and XLA, and prints the GB/s they read at: how fast this machine's memory
 can feed a decode step.
@@ -39,6 +43,7 @@ Run it on a quiet machine (nothing else running; figures taken under load are of
     python scripts/bench_dots.py --stack
     python scripts/bench_dots.py --peak
     python scripts/bench_dots.py --stream
+    python scripts/bench_dots.py --rows
 """
 
 from __future__ import annotations
@@ -192,13 +197,41 @@ def stream(args) -> None:
         print(json.dumps(row), flush=True)
 
 
+ROWS = (8, 16, 32, 64)
+ROWS_WEIGHTS = ((2048, 768), (768, 2048), (768, 768), (688, 256))
+"""(out, in) weights of the 125M and cpu-mixed models' layers."""
+
+
+def rows(args) -> None:
+    """Microseconds of one weight-first projection (as the engine's `linear` computes it: the
+    weight times activations held (in, rows), float32 result) for 8 to 64 rows: what splitting a
+    batch into two lanes costs each layer's products (`engine.lanes`, engine/memory.py)."""
+    import jax
+    import jax.numpy as jnp
+
+    product = jax.jit(lambda w, x: jnp.dot(w, x, preferred_element_type=jnp.float32))
+    rng = np.random.default_rng(0)
+    for dtype in ("float32", "bfloat16"):
+        for out, inp in ROWS_WEIGHTS:
+            w = jnp.asarray(rng.standard_normal((out, inp), np.float32), dtype)
+            row = {"weight": [out, inp], "dtype": dtype}
+            for n in ROWS:
+                x = jnp.asarray(rng.standard_normal((inp, n), np.float32), dtype)
+                row[f"rows_{n}_us"] = round(_time(product, w, x, reps=args.reps) * 1e3)
+            print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--stack", action="store_true", help="time whole models' projections per decode step (see above)")
     parser.add_argument("--peak", action="store_true", help="GFLOP/s of large products and the LM heads (see above)")
     parser.add_argument("--stream", action="store_true", help="GB/s of matrix-vector products over large weights (see above)")
+    parser.add_argument("--rows", action="store_true", help="one layer's projections for 8 to 64 rows (see above)")
     args = parser.parse_args()
+    if args.rows:
+        rows(args)
+        return
     if args.stream:
         stream(args)
         return
