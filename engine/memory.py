@@ -156,7 +156,7 @@ def plan_batch(
     """devices: this host's devices (their memory is planned); batch_shards: ways rows are split
     (default: one per device); weight_shards / row_shards: devices sharing each weight / each row;
     prefill_tokens: a budget, or auto (`prefill_budget`); lanes: decode streams, or auto
-    (`auto_lanes`, decided with the batch size). A staging cache is added by `plan_staging`."""
+    (`auto_lanes`, decided with the batch size and dtype). A staging cache is added by `plan_staging`."""
     n = batch_shards or len(devices)
     seq_len = max_prompt_tokens + max_new_tokens
 
