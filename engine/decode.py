@@ -61,7 +61,7 @@ from engine.kernels import KernelTuning, reads_in_place
 from engine.llama import (
     DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, by_pages, cache_pages, page_spans, set_rows,
 )
-from engine.sampler import row_keys, sample, step_keys
+from engine.sampler import empty_keys, row_keys, sample, step_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +169,7 @@ def new_state(slots: int) -> DecodeState:
     def zeros():
         return jnp.zeros(slots, jnp.int32)
 
-    return DecodeState(zeros(), zeros(), zeros(), jnp.ones(slots, bool), row_keys(0, zeros(), zeros()))
+    return DecodeState(zeros(), zeros(), zeros(), jnp.ones(slots, bool), empty_keys(slots))
 
 
 def _constrain(tree, sharding):

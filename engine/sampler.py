@@ -23,6 +23,14 @@ def row_keys(seed: int | jax.Array, prompt_index: jax.Array, sample_index: jax.A
     return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(root, p), s))(prompt_index, sample_index)
 
 
+def empty_keys(rows: int) -> jax.Array:
+    """Keys for empty slots, all zero bits: never drawn from (a row's prefill sets its key before
+    its first draw), so none is hashed. The init program, first on every run's path, compiled in
+    0.09-0.12 s instead of 0.24-0.25 with `row_keys` here (cpu-mixed-prefill, bfloat16, cold)."""
+    data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    return jax.random.wrap_key_data(jnp.zeros((rows, *data.shape), data.dtype))
+
+
 def step_keys(keys: jax.Array, steps: jax.Array) -> jax.Array:
     """The key for each row's token number `steps` (0 = the token sampled from the prefill)."""
     return jax.vmap(jax.random.fold_in)(keys, steps)
