@@ -147,9 +147,12 @@ void attend(const float* q, const T* k, const T* v, Reach reach, int64_t group, 
 // every inner loop runs across MANY of them, one vector. Scores take KEYS keys at a time, each
 // its own chain of fused multiply-adds over head_dim, and the weighted values accumulate
 // transposed, VALUE_DIMS dimensions at a time: independent chains, no sum across vector lanes.
-// Each query's result is the same chain of operations whatever the batch or the other rows, and
-// a key's score the same whether it was taken among KEYS or alone. Causally, a query's scores past
-// its reach are -inf before the softmax: exact zeros in its sum and weighted values.
+// Each block of MANY queries reads only the keys its last (furthest-reaching) query reaches:
+// causally, the first block of a chunk of 32 positions at its prompt's start needs 16 keys, not
+// 32. Each query's result is the same chain of operations whatever the batch or the other rows,
+// and a key's score the same whether it was taken among KEYS or alone. Causally, a query's scores
+// past its reach are -inf before the softmax: exact zeros in its sum and weighted values, so
+// stopping at its block's reach or at the row's gives the same bits.
 constexpr int64_t MANY = 16;
 constexpr int64_t KEYS = 4;
 constexpr int64_t VALUE_DIMS = 8;
@@ -168,17 +171,21 @@ void attend_many(const float* q, const T* k, const T* v, Reach reach, int64_t gr
                  float* o, float* l, float* m, std::vector<float>& work) {
   const int64_t n = reach.n;
   const int64_t width = (group + MANY - 1) / MANY * MANY;
-  work.assign((2 * dim + n + 2) * width, 0.0f);
+  // Not zero-filled: every entry is written before it is read, but the padding queries' (below).
+  work.resize((2 * dim + n + 2) * width);
   float* qt = work.data();       // [dim][width]: the queries, transposed, zero-padded
   float* ot = qt + dim * width;  // [dim][width]: the weighted values, transposed
   float* s = ot + dim * width;   // [n][width]: scores, then their exponentials
   float* top = s + n * width;    // [width]
   float* sum = top + width;      // [width]
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < dim; ++d) qt[d * width + g] = q[g * dim + d];
+  for (int64_t d = 0; d < dim; ++d) {
+    for (int64_t g = 0; g < group; ++g) qt[d * width + g] = q[g * dim + d];
+    for (int64_t g = group; g < width; ++g) qt[d * width + g] = 0.0f;
+  }
   for (int64_t b = 0; b < width; b += MANY) {
+    const int64_t keys = reach(std::min(b + MANY, group) - 1);  // reach grows with the query
     int64_t t = 0;
-    for (; t + KEYS <= n; t += KEYS) {
+    for (; t + KEYS <= keys; t += KEYS) {
       Queries acc[KEYS] = {};
       for (int64_t d = 0; d < dim; ++d) {
         const Queries qd = load(qt + d * width + b);
@@ -186,30 +193,32 @@ void attend_many(const float* q, const T* k, const T* v, Reach reach, int64_t gr
       }
       for (int64_t i = 0; i < KEYS; ++i) store(s + (t + i) * width + b, acc[i] * scale);
     }
-    for (; t < n; ++t) {
+    for (; t < keys; ++t) {
       Queries acc = {};
       for (int64_t d = 0; d < dim; ++d) acc += load(qt + d * width + b) * widen(k[t * dim + d]);
       store(s + t * width + b, acc * scale);
     }
     for (int64_t g = b; g < std::min(b + MANY, group); ++g)
-      for (t = reach(g); t < n; ++t) s[t * width + g] = -INFINITY;
+      for (t = reach(g); t < keys; ++t) s[t * width + g] = -INFINITY;
     Queries best = load(s + b);
-    for (t = 1; t < n; ++t) {
+    for (t = 1; t < keys; ++t) {
       const Queries st = load(s + t * width + b);
       best = st > best ? st : best;
     }
     store(top + b, best);
-  }
-  for (int64_t t = 0; t < n; ++t)  // a plain loop: the compiler calls glibc's vector expf
-    for (int64_t g = 0; g < width; ++g) {
-      s[t * width + g] = expf(s[t * width + g] - top[g]);
-      sum[g] += s[t * width + g];
-    }
-  for (int64_t b = 0; b < width; b += MANY)
+    // A plain loop: the compiler calls glibc's vector expf. Its end is not a constant, so it is
+    // compiled as when this loop ran over every query at once: the same exponentials, bit for bit.
+    const int64_t end = std::min(b + MANY, width);
+    for (int64_t g = b; g < end; ++g) sum[g] = 0.0f;
+    for (t = 0; t < keys; ++t)
+      for (int64_t g = b; g < end; ++g) {
+        s[t * width + g] = expf(s[t * width + g] - top[g]);
+        sum[g] += s[t * width + g];
+      }
     for (int64_t d0 = 0; d0 < dim; d0 += VALUE_DIMS) {
       const int64_t dims = std::min(VALUE_DIMS, dim - d0);
       Queries acc[VALUE_DIMS] = {};
-      for (int64_t t = 0; t < n; ++t) {
+      for (t = 0; t < keys; ++t) {
         const Queries e = load(s + t * width + b);
         const T* vt = v + t * dim + d0;
         for (int64_t i = 0; i < VALUE_DIMS; ++i)
@@ -217,6 +226,7 @@ void attend_many(const float* q, const T* k, const T* v, Reach reach, int64_t gr
       }
       for (int64_t i = 0; i < dims; ++i) store(ot + (d0 + i) * width + b, acc[i]);
     }
+  }
   for (int64_t g = 0; g < group; ++g) {
     l[g] = sum[g];
     m[g] = top[g];

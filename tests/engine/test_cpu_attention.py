@@ -70,6 +70,21 @@ def test_a_rows_result_does_not_depend_on_the_batch():
     assert float(m[3].max()) == float(jnp.finfo(jnp.float32).min)
 
 
+def test_a_causal_querys_result_does_not_depend_on_the_queries_after_it():
+    """A prefill chunk's queries go through the kernel in blocks of 16, each block reading only the
+    keys its last query reaches: the first 16 queries of a causal chunk of 40 (three blocks) give
+    the very bits they give as a chunk of their own, at each start in the cache row."""
+    q, pages, *_ = ragged_attention_case(batch=3, kv_heads=2, group=40, head_dim=64, page_lens=(96,), steps=4,
+                                         lengths=[0, 0, 0], seed=3)
+    keys, values, query = pages[0].k.array, pages[0].v.array, q["position", 0].array
+    starts = jnp.asarray([0, 7, 50], jnp.int32)
+    whole = cpu_attention.page_residuals(query, keys, values, starts, 0.125, causal=1, normalize=True)
+    alone = cpu_attention.page_residuals(query[:, :, :16], keys, values, starts, 0.125, causal=1, normalize=True)
+    for w, a in zip(whole, alone):
+        assert np.array_equal(w[:, :, :16], a)
+    assert float(jnp.max(jnp.abs(alone[0]))) > 0 and float(jnp.min(alone[1])) > 0  # every query read something
+
+
 @pytest.mark.parametrize("group", [2, 16])
 def test_a_bfloat16_cache_gives_the_bits_of_the_same_values_in_float32(group):
     """A bfloat16 model's cache holds bfloat16 values; the kernel reads them as they are (half
@@ -129,8 +144,9 @@ def test_a_decode_step_writes_its_keys_and_attends_in_one_call(stored):
     assert np.array_equal(alone.array[:, 0], attention[2:3])
 
 
-# The loop for many queries (8 positions x 2 query heads: 16 a KV head) and the general one (4 x 2).
-@pytest.mark.parametrize("chunk, head_dim", [(8, 16), (4, 16), (8, 64)])
+# The loop for many queries (8 positions x 2 query heads: 16 a KV head; 16 x 2 and 12 x 2: two
+# blocks of 16, each reading the keys its own queries reach) and the general one (4 x 2).
+@pytest.mark.parametrize("chunk, head_dim", [(8, 16), (4, 16), (8, 64), (16, 64), (12, 16)])
 def test_a_prefill_chunk_attends_the_same_through_the_kernel(chunk, head_dim):
     """Prefill chunks of 4 prompts (two query heads per KV head) at positions 20, 37 and 0 of
     their cache rows, the last a padding row with no cache row: written into the cache, they
