@@ -61,7 +61,7 @@ from engine.kernels import KernelTuning, reads_in_place
 from engine.llama import (
     DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, by_pages, cache_pages, page_spans, set_rows,
 )
-from engine.sampler import empty_keys, row_keys, sample, step_keys
+from engine.sampler import empty_keys, greedy, row_keys, sample, step_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +233,13 @@ def prefill_chunk(
     is_new = source >= 0
     j = jnp.maximum(source, 0)
     keys = row_keys(spec.sampling.seed, jnp.repeat(prompt_index, n)[j], sample_index.reshape(-1)[j])
-    first = sample(jnp.repeat(logits, n, axis=1)[:, j], step_keys(keys, jnp.zeros(num_slots, jnp.int32)), spec.sampling)
+    if spec.sampling.temperature == 0.0:
+        # Greedy: a prompt's samples all take its best token, chosen once per row of the call (R
+        # columns of logits) and then given to the slots, instead of over a gathered copy of the
+        # logits for every slot: the same tokens.
+        first = greedy(logits)[j // n]
+    else:
+        first = sample(jnp.repeat(logits, n, axis=1)[:, j], step_keys(keys, jnp.zeros(num_slots, jnp.int32)), spec.sampling)
     done = _is_stop(first, spec.stop_ids) | (spec.sampling.max_new_tokens <= 1)
     state = DecodeState(
         last_token=jnp.where(is_new, first, state.last_token),

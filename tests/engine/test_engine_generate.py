@@ -45,6 +45,23 @@ def test_sampling_is_independent_of_batch_and_order(llama):
     assert any(other_seed[(0, s)].token_ids != everything[(0, s)].token_ids for s in range(3))
 
 
+def test_greedy_samples_of_a_prompt_take_its_tokens(llama):
+    """Greedy, n = 2: both samples of each prompt get the tokens its one sample gets with n = 1
+    (the first token is chosen once per prompt in its prefill call and given to each sample's
+    slot), resumed samples included."""
+    path, _ = llama
+    greedy = SamplingParams(max_new_tokens=6)
+    one = Engine.load(path, dtype="float32", sampling=greedy, engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
+    want = _run(one, [GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS)])
+    two = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=6, n=2),
+                      engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
+    got = _run(two, [GenerationRequest(i, p, [0, 1] if i != 2 else [1]) for i, p in enumerate(PROMPTS)])
+    assert len(got) == 2 * len(PROMPTS) - 1
+    for (prompt, sample), completion in got.items():
+        assert completion.token_ids == want[(prompt, 0)].token_ids, (prompt, sample)
+        assert completion.token_ids  # the tokens compared are not none
+
+
 def test_later_chunks_of_a_lone_prompt_share_prefill_calls(llama):
     """When fewer prompts are being prefilled than a call has rows, one prompt's later chunks
     take several rows of one call, each attending to what the rows before it wrote in that call:
