@@ -45,21 +45,28 @@ def test_sampling_is_independent_of_batch_and_order(llama):
     assert any(other_seed[(0, s)].token_ids != everything[(0, s)].token_ids for s in range(3))
 
 
-def test_greedy_samples_of_a_prompt_take_its_tokens(llama):
-    """Greedy, n = 2: both samples of each prompt get the tokens its one sample gets with n = 1
-    (the first token is chosen once per prompt in its prefill call and given to each sample's
-    slot), resumed samples included."""
+def test_first_tokens_are_the_same_drawn_per_pair_or_per_slot(llama):
+    """A prefill call draws each (prompt, sample) pair's first token over its row's logits: per
+    pair where the lane has a slot for each of the call's pairs (2 rows x 2 samples in 8 slots),
+    else per slot (in 2 slots). Sampled and greedy, n = 2, both ways give every sample the same
+    tokens, a resumed sample included; greedy, a prompt's samples all get the tokens of n = 1."""
     path, _ = llama
-    greedy = SamplingParams(max_new_tokens=6)
-    one = Engine.load(path, dtype="float32", sampling=greedy, engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
-    want = _run(one, [GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS)])
-    two = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=6, n=2),
-                      engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
-    got = _run(two, [GenerationRequest(i, p, [0, 1] if i != 2 else [1]) for i, p in enumerate(PROMPTS)])
-    assert len(got) == 2 * len(PROMPTS) - 1
-    for (prompt, sample), completion in got.items():
-        assert completion.token_ids == want[(prompt, 0)].token_ids, (prompt, sample)
-        assert completion.token_ids  # the tokens compared are not none
+    requests = [GenerationRequest(i, p, [0, 1] if i != 2 else [1]) for i, p in enumerate(PROMPTS)]
+
+    def run(sampling, **engine):
+        loaded = Engine.load(path, dtype="float32", sampling=sampling, max_prompt_tokens=16,
+                             engine=EngineConfig(prefill_chunk_tokens=8, **engine))
+        return loaded, {key: c.token_ids for key, c in _run(loaded, requests).items()}
+
+    for sampling in (SamplingParams(max_new_tokens=6, n=2), SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.9, n=2, seed=4)):
+        per_pair, got = run(sampling, batch_size=8, prefill_tokens=16)
+        per_slot, want = run(sampling, batch_size=2)
+        assert per_pair._prefill_rows * 2 <= per_pair._lane_slots and per_slot._prefill_rows * 2 > per_slot._lane_slots
+        assert len(got) == 2 * len(PROMPTS) - 1 and all(got.values())
+        assert got == want, sampling
+    _, one = run(SamplingParams(max_new_tokens=6), batch_size=8)
+    _, two = run(SamplingParams(max_new_tokens=6, n=2), batch_size=8)
+    assert two == one and all(tokens == two[(prompt, 1)] for (prompt, _), tokens in two.items())
 
 
 def test_later_chunks_of_a_lone_prompt_share_prefill_calls(llama):
