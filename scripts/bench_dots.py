@@ -77,6 +77,14 @@ def _f32_result(order, contract):
     return lambda x, w: jax.lax.dot_general(*order(x, w), (contract, ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def _product():
+    """jnp.dot(a, b) with a float32 result, jitted: the one product --peak, --stream and --rows time."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+
+
 STACKS = [(32, 768, 2048, 12), (64, 256, 688, 4), (16, 256, 688, 4)]
 """(rows, hidden, intermediate, layers): cpu-125m's decode, cpu-tiny's, and cpu-mixed's at batch 16."""
 
@@ -147,10 +155,9 @@ PEAK_SHAPES = [(2048, 2048, 2048), (32000, 256, 64), (32000, 768, 32)]
 def peak(args) -> None:
     import torch  # before JAX starts, as bench_engine.py does
 
-    import jax
     import jax.numpy as jnp
 
-    product = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    product = _product()
     rng = np.random.default_rng(0)
     for m, k, n in PEAK_SHAPES:
         a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
@@ -177,10 +184,9 @@ def stream(args) -> None:
     to read the step's bytes against (docs/performance-notes.md, "What bounds the decode step")."""
     import torch  # before JAX starts, as bench_engine.py does
 
-    import jax
     import jax.numpy as jnp
 
-    product = jax.jit(lambda w, x: jnp.dot(w, x, preferred_element_type=jnp.float32))
+    product = _product()
     threads = torch.get_num_threads()
     for mb in STREAM_MB:
         side = int((mb * 1e6 / 4) ** 0.5)
@@ -206,10 +212,9 @@ def rows(args) -> None:
     """Microseconds of one weight-first projection (as the engine's `linear` computes it: the
     weight times activations held (in, rows), float32 result) for 8 to 64 rows: what splitting a
     batch into two lanes costs each layer's products (`engine.lanes`, engine/memory.py)."""
-    import jax
     import jax.numpy as jnp
 
-    product = jax.jit(lambda w, x: jnp.dot(w, x, preferred_element_type=jnp.float32))
+    product = _product()
     rng = np.random.default_rng(0)
     for dtype in ("float32", "bfloat16"):
         for out, inp in ROWS_WEIGHTS:
