@@ -111,12 +111,15 @@ class EngineConfig:
     parallel over gcd(devices, KV heads), the rest data parallel (checked against the model at load)."""
     prefill_chunk_tokens: int = 32
     """Prompt tokens per row of one prefill call; a longer prompt takes several rows (chunks), in
-    one call when rows are free."""
+    one call when rows are free. With the CPU attention kernel a call is packed instead: its rows
+    hold the prompts end to end, and this sets only their shape."""
     prefill_tokens: int | Literal["auto"] = "auto"
     """Token budget of one prefill call: prefill_tokens // prefill_chunk_tokens rows (at most
     batch_size), each one chunk of a prompt: the first chunks of that many prompts, or the later
-    chunks of the prompts started, several of one prompt when fewer prompts are left. auto: 512
-    on the CPU; on an accelerator up to 4,096, as much as fits beside the batch (engine/memory.py)."""
+    chunks of the prompts started, several of one prompt when fewer prompts are left. With the
+    CPU kernel the call's tokens are filled with the next prompts in order, up to that many
+    prompts a call, no row padded at a prompt's end. auto: 512 on the CPU; on an accelerator up
+    to 4,096, as much as fits beside the batch (engine/memory.py)."""
     lanes: int | Literal["auto"] = "auto"
     """host_dp only: decode streams run side by side, each with batch_size / lanes rows, its own
     KV cache and its own calls. auto: 2 on a CPU host with two or more cores and a batch of 32 or

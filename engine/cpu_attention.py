@@ -11,6 +11,7 @@ by index, causally).
     o, l, m = cpu_attention.page_residuals(q, keys, values, lengths, scale)
     o, l, m = cpu_attention.page_residuals(q, keys, values, lengths, scale, rows=cache_rows)  # rows read in place
     o, l, m = cpu_attention.page_residuals(q, keys, values, starts, scale, rows=cache_rows, causal=q_per_kv)  # a prefill chunk
+    o = cpu_attention.prefill_attention(q, keys, values, segments, scale, causal=q_per_kv)  # a packed prefill call
     python -m engine.cpu_attention    # builds it now (scripts/setup.sh does; else the first use)
 
 What the kernel computes is `engine.kernels.page_residuals`' contract, for one page: each row
@@ -45,6 +46,7 @@ SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_attention.cc")
 DEFAULT_DIR = "~/.cache/jax-batch-pipeline/kernels"
 TARGET = "pipeline_decode_attention"
 STEP_TARGET = "pipeline_decode_step"
+PREFILL_TARGET = "pipeline_prefill_attention"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC")
 """Compile flags. -ffast-math lets the compiler sum a dot product in vector lanes; the order is
 fixed by the build, so a row's result still does not depend on the batch. Infinities stay
@@ -162,6 +164,8 @@ def unavailable() -> str | None:
                 library = ctypes.cdll.LoadLibrary(build())
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PipelineDecodeAttention), platform="cpu")
                 jax.ffi.register_ffi_target(STEP_TARGET, jax.ffi.pycapsule(library.PipelineDecodeStep), platform="cpu")
+                jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(library.PipelinePrefillAttention),
+                                            platform="cpu")
                 _registered = True
             except (KernelUnavailable, OSError, AttributeError) as e:
                 _failure = str(e)
@@ -217,6 +221,25 @@ def decode_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.
     call = jax.ffi.ffi_call(STEP_TARGET, shapes, input_output_aliases={1: 1, 2: 2})
     return call(q.astype(jnp.float32), keys, values, as_stored(new_keys, keys.dtype), as_stored(new_values, keys.dtype),
                 write_at.astype(jnp.int32), lengths.astype(jnp.int32), scale=np.float32(scale))
+
+
+def prefill_attention(q: jax.Array, keys: jax.Array, values: jax.Array, segments, scale: float, *, causal: int):
+    """A packed prefill call's attention, normalized: q [kv_heads, positions x causal, head_dim]
+    holds the queries of one row of tokens (each position's `causal` query heads of a KV head
+    together), segments (rows, starts, offsets, counts) [segments] int32 pieces of prompts there:
+    segment s is the counts[s] positions from offsets[s], written into cache row rows[s] of
+    keys/values [cache_rows, kv_heads, positions, head_dim] from its prompt's position starts[s]
+    on, and each of its queries reads that row causally, in place (as `page_residuals` with rows
+    and causal; the same bits). A segment whose row is out of range, and a position in no
+    segment, gives zeros. Returns [kv_heads, positions x causal, head_dim] float32."""
+    _require()
+    rows, starts, offsets, counts = (jnp.asarray(x, jnp.int32) for x in segments)
+    if value_dtype(keys.dtype) != jnp.bfloat16:
+        keys, values = keys.astype(jnp.float32), values.astype(jnp.float32)
+    call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct((1, *q.shape), jnp.float32))
+    out = call(q[None].astype(jnp.float32), keys, values.astype(keys.dtype), rows, starts, offsets, counts,
+               scale=np.float32(scale), causal=np.int64(causal))
+    return out[0]
 
 
 def _require() -> None:

@@ -9,20 +9,21 @@ scheduling.
 
     cache = new_cache(config, slots, spec.cache_ends(seq_len), cache_dtype)  # compiled with spec.cache_sharding
     state = new_state(slots)
-    cache, state, (first, done) = prefill_chunk(model, cache, state, tokens, slots, starts, lengths, is_last,
-                                                prompt_index, sample_index, spec=spec, fresh=True)
+    cache, state, (first, done) = prefill_chunk(model, cache, state, tokens, slots, starts, offsets, lengths,
+                                                is_last, prompt_index, sample_index, spec=spec, fresh=True)
     cache, state, (out, done) = decode_chunk(model, cache, state, kill, spec=spec, steps=16)
 
 Every program's shapes come from the engine's config alone (slots, cache length, the prefill
 chunk's rows x tokens, decode steps), never from the prompts: a run compiles the same few
 programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed prompts before).
 
-- A prefill chunk runs `R` rows of `C` tokens, each the next chunk of a prompt (a longer prompt
+- A prefill call runs `R` rows of `C` tokens, each the next chunk of a prompt (a longer prompt
   takes several chunks, each attending to what the previous ones wrote, gathered from the start
   of its cache row; later chunks of one prompt may share a call, as every layer writes all rows'
   keys/values before any row attends; a first chunk attends to itself only), writing their
   keys/values straight into the cache rows of the prompt's samples, and samples the first token
-  of every prompt whose chunk ends it.
+  of every prompt whose chunk ends it. With the CPU kernel the call is packed instead: its R x C
+  tokens hold pieces of up to R prompts end to end, no row padded at a prompt's end.
 - A decode chunk runs up to `steps` tokens in one `lax.while_loop` (no Python per token), stopping
   early when every slot is done. It attends over the cache where it lives, masked by each row's
   position: only over the first of its four pages (`cache_pages`: quarters) that hold every live
@@ -59,7 +60,8 @@ from engine.config import SamplingParams
 from engine.jax_compat import hax
 from engine.kernels import KernelTuning, reads_in_place
 from engine.llama import (
-    DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, by_pages, cache_pages, page_spans, set_rows,
+    DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, PrefillSegments, by_pages, cache_pages, page_spans,
+    set_rows,
 )
 from engine.sampler import empty_keys, row_keys, sample, step_keys
 
@@ -189,6 +191,7 @@ def prefill_chunk(
     tokens: jax.Array,
     slots: jax.Array,
     starts: jax.Array,
+    offsets: jax.Array,
     lengths: jax.Array,
     is_last: jax.Array,
     prompt_index: jax.Array,
@@ -197,39 +200,45 @@ def prefill_chunk(
     spec: DecodeSpec,
     fresh: bool,
 ):
-    """One chunk of prefill for R prompts.
-
-    tokens [R, C]: each prompt's next tokens, right-padded (lengths [R] valid, >= 1), starting at
-    prompt position starts [R]; slots [R, n]: the cache rows of the prompt's samples (out of
-    range = none; a padding row has none); is_last [R]: this chunk ends the prompt, so its first
-    token is sampled into each of its slots, with the randomness of (prompt_index [R],
-    sample_index [R, n]). fresh: every row's start is 0 (the chunk attends to itself only, no
-    cache row is read; the host never mixes first and later chunks in one call, so a prompt's
-    numerics do not depend on its neighbours); else the chunk attends to the first pages of its
-    cache row covering every row's chunk and to itself. With `spec.prefill_in_place` any chunk
-    attends to each row's cache row in place, each token up to itself, the chunk written there
-    first (one kernel call a layer; the engine runs first chunks so too, one program fewer to
-    compile). Returns (cache,
-    state, (first token per slot, -1 where none; done per slot)), the last two laid out for the
-    host."""
+    """One prefill call: tokens [R, C], read row-major as one row of R x C, hold up to S pieces of
+    prompts (segments): piece s is the lengths [S] tokens from offsets [S], its prompt's tokens
+    from position starts [S] on (length 0: no piece); slots [S, n]: the cache rows of the prompt's
+    samples (out of range = none); is_last [S]: the piece ends the prompt, so its first token is
+    sampled into each of its slots, with the randomness of (prompt_index [S], sample_index
+    [S, n]). With `spec.prefill_in_place` (the CPU kernel) pieces go anywhere, several prompts in a
+    row, one row's end running on into the next: each piece attends to its cache row in place,
+    each token up to itself, the piece written there first (one kernel call a layer; first and
+    later pieces in one program). Otherwise piece r is row r (offsets r x C, S = R): fresh, every
+    piece starts its prompt (the call attends to itself only, no cache row is read; the host
+    never mixes first and later chunks in one call, so a prompt's numerics do not depend on its
+    neighbours); else the call attends to the first pages of its cache rows covering every
+    piece and to itself. Returns (cache, state, (first token per slot, -1 where none; done per
+    slot)), the last two laid out for the host."""
     R, C = tokens.shape
-    n = slots.shape[1]
+    S, n = slots.shape
     num_slots, seq_len = cache.slots, cache.seq_len
     Batch, Pos = Axis("batch", R), Axis("position", C)
-    positions = starts[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
-    valid = jnp.arange(C)[None, :] < lengths[:, None]
-    write_positions = jnp.where(valid, positions, seq_len)  # out of range: dropped
+    # Each token's piece: `inside` [R x C, S] is True at most once per token.
+    flat = jnp.arange(R * C, dtype=jnp.int32)
+    inside = (flat[:, None] >= offsets[None, :]) & (flat[:, None] < (offsets + lengths)[None, :])
+    piece, valid = jnp.argmax(inside, axis=1), jnp.any(inside, axis=1)
+    positions = jnp.where(valid, starts[piece] + flat - offsets[piece], 0).reshape(R, C)
+    write_positions = jnp.where(valid.reshape(R, C), positions, seq_len)  # out of range: dropped
+    write_rows = jnp.where(valid[:, None], slots[piece], num_slots).reshape(R, C, n)
+    segments = PrefillSegments(slots[:, 0], starts, offsets, lengths)
     reach = jnp.max(starts + lengths)
     attention = "cpu" if spec.prefill_in_place else "xla"
-    contexts = tuple(PrefillChunk(kv, slots, positions, write_positions, reach, fresh, attention) for kv in cache.layers)
+    contexts = tuple(PrefillChunk(kv, write_rows, positions, write_positions, segments, reach, fresh, attention)
+                     for kv in cache.layers)
     hidden, layers = model.forward(hax.named(tokens, (Batch, Pos)), hax.named(positions, (Batch, Pos)), contexts)
 
-    last = hidden.rearrange(("embed", "batch", "position")).array[:, jnp.arange(R), lengths - 1]
-    logits = model.logits(hax.named(last, (model.config.Embed, Batch))).rearrange(("vocab", "batch")).array
+    ends = jnp.maximum(offsets + lengths - 1, 0)  # each piece's last token, row-major
+    last = hidden.rearrange(("embed", "batch", "position")).array.reshape(-1, R * C)[:, ends]
+    logits = model.logits(hax.named(last, (model.config.Embed, Axis("batch", S)))).rearrange(("vocab", "batch")).array
 
-    # Each (row, sample) pair j = r * n + i that starts decoding now, and which slot it fills.
+    # Each (piece, sample) pair j = s * n + i that starts decoding now, and which slot it fills.
     flat_slots = jnp.where(jnp.repeat(is_last, n), slots.reshape(-1), num_slots)
-    source = jnp.full(num_slots, -1, jnp.int32).at[flat_slots].set(jnp.arange(R * n, dtype=jnp.int32), mode="drop")
+    source = jnp.full(num_slots, -1, jnp.int32).at[flat_slots].set(jnp.arange(S * n, dtype=jnp.int32), mode="drop")
     is_new = source >= 0
     j = jnp.maximum(source, 0)
     # Each pair draws its first token over its row's logits with its own key. Drawn per pair and
@@ -239,8 +248,8 @@ def prefill_chunk(
     # (the prefill-heavy run's prefill 2-4 % less).
     pair_keys = row_keys(spec.sampling.seed, jnp.repeat(prompt_index, n), sample_index.reshape(-1))
     pair_logits = jnp.repeat(logits, n, axis=1)
-    if R * n <= num_slots:
-        first = sample(pair_logits, step_keys(pair_keys, jnp.zeros(R * n, jnp.int32)), spec.sampling)[j]
+    if S * n <= num_slots:
+        first = sample(pair_logits, step_keys(pair_keys, jnp.zeros(S * n, jnp.int32)), spec.sampling)[j]
     else:
         first = sample(pair_logits[:, j], step_keys(pair_keys[j], jnp.zeros(num_slots, jnp.int32)), spec.sampling)
     keys = pair_keys[j]

@@ -451,7 +451,8 @@ class Engine:
         self._lane_slots = plan.batch_size // plan.lanes
         """Slots of each lane: its programs' batch."""
         self._prefill_rows = min(-(-rows // n_dev) * n_dev, self._lane_slots)
-        """Rows of a prefill call, each one chunk of a prompt (a multiple of the data-parallel devices)."""
+        """Rows of a prefill call, of C tokens each (a multiple of the data-parallel devices), and the
+        most prompts' pieces it holds (`_pieces`)."""
         self._staged = plan.staged
         """Slots of each lane's staging cache (`engine.overlap_prefill`; 0: prompts are prefilled
         into the lane's own cache, between its decode calls)."""
@@ -889,55 +890,76 @@ class Engine:
                 live[s] = row
 
     def _prefill(self, cache, state, prefilling: collections.deque):
-        """One prefill call: the first chunk of up to `_prefill_rows` prompts not started yet, or
-        else the started ones' next chunks, earliest positions first across the prompts, as many
-        rows as the call has, several rows for one prompt when fewer prompts than rows are left (a
-        chunk attends to what the rows before it in the same call wrote: each layer writes every
-        row's keys/values before it attends). A call of later chunks reads the first cache pages
-        covering its rows, so taking one prompt's chunks to its end first made more calls read the
-        whole cache (cpu-mixed: 138 pages a run instead of 100). First and later chunks never
-        share a call: a call of first chunks attends to the chunk alone (prefill_fresh, no cache
-        read: about a quarter of a cpu-mixed prefill's work was attention over the mostly empty
-        cache row). Where the CPU kernel reads the cache rows in place (`prefill_in_place`), it
-        reads of a first chunk's rows only what the chunk wrote, so first chunks run the later
-        chunks' program:
-        one program fewer to compile (a cold cpu-mixed-prefill run: 6.3-6.7 s instead of
-        7.7-8.9), with the same prefill time. A chunk's keys and values are the same bits
-        whichever chunks share its call (`compiler_options`), so the packing changes no token."""
+        """One prefill call of `_prefill_rows` rows of C tokens (`_pieces`), each piece's keys and
+        values written into its prompt's cache rows, and the first tokens of the prompts it ends.
+        A piece's keys and values are the same bits whichever pieces share its call
+        (`compiler_options`), and the CPU kernel's queries whichever piece they came in, so the
+        packing changes no token."""
         R, C, n, slots = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group, cache.slots
-        tokens = np.zeros((R, C), np.int32)
+        packed = self._spec.prefill_in_place
+        pieces = self._pieces(prefilling, R, C, packed)
+        fresh = not packed and all(start == 0 for _, start, _ in pieces)
+        tokens = np.zeros(R * C, np.int32)
         slot_ids = np.full((R, n), slots, np.int32)  # out of range: none
-        starts = np.zeros(R, np.int32)
-        lengths = np.ones(R, np.int32)
+        starts, offsets, lengths = (np.zeros(R, np.int32) for _ in range(3))
         is_last = np.zeros(R, bool)
         prompt_index = np.zeros(R, np.int32)
         sample_index = np.zeros((R, n), np.int32)
-        pieces = [(job, 0) for job in itertools.islice((job for job in prefilling if job.written == 0), R)]
-        fresh = bool(pieces)
-        if not fresh:
-            # Earliest chunks first, across the prompts: the call reads the fewest cache pages.
-            nexts = sorted((start, i) for i, job in enumerate(prefilling) for start in range(job.written, len(job.ids), C))
-            pieces = [(prefilling[i], start) for start, i in nexts[:R]]
-        for r, (job, start) in enumerate(pieces):
-            piece = job.ids[start : start + C]
-            tokens[r, : len(piece)] = piece
-            starts[r], lengths[r] = start, len(piece)
-            job.written = start + len(piece)
-            is_last[r] = job.written == len(job.ids)
-            slot_ids[r, : len(job.slots)] = job.slots
-            prompt_index[r] = job.index
-            sample_index[r, : len(job.rows)] = [row.sample_index for row in job.rows]
+        offset = 0
+        for s, (job, start, length) in enumerate(pieces):
+            offset = offset if packed else s * C  # packed: end to end; else a row each
+            tokens[offset : offset + length] = job.ids[start : start + length]
+            starts[s], offsets[s], lengths[s] = start, offset, length
+            offset += length
+            job.written = start + length
+            is_last[s] = job.written == len(job.ids)
+            slot_ids[s, : len(job.slots)] = job.slots
+            prompt_index[s] = job.index
+            sample_index[s, : len(job.rows)] = [row.sample_index for row in job.rows]
         for job in [job for job in prefilling if job.written == len(job.ids)]:
             prefilling.remove(job)
-        fresh = fresh and not self._spec.prefill_in_place  # first chunks in the later ones' program (above)
         pages = 0 if fresh else pages_covering(int(np.max(starts + lengths)), cache.ends)
         self._count(padded_prompt_tokens=R * C, prefill_calls=1, prefill_pages_read=pages)
         rows = functools.partial(jax.device_put, device=self._batch_sharding)
         return self._run(
             "prefill_fresh" if fresh else "prefill", functools.partial(prefill_chunk, spec=self._spec, fresh=fresh), (fresh,),
-            self.model, cache, state, rows(tokens), rows(slot_ids), rows(starts), rows(lengths), rows(is_last),
-            rows(prompt_index), rows(sample_index),
+            self.model, cache, state, rows(tokens.reshape(R, C)), rows(slot_ids), rows(starts), rows(offsets), rows(lengths),
+            rows(is_last), rows(prompt_index), rows(sample_index),
         )
+
+    @staticmethod
+    def _pieces(prefilling: collections.deque, R: int, C: int, packed: bool) -> list[tuple["_Prompt", int, int]]:
+        """What the next prefill call takes of the prompts being prefilled: (prompt, start,
+        length) pieces, at most R.
+
+        packed (the CPU kernel reads every piece's cache row in place, each query up to itself):
+        the prompts in order, each as much of its rest as the call's R x C tokens have room for,
+        end to end. A short prompt no longer takes a row of C to itself, nor a prompt's last
+        chunk a padded row: cpu-mixed-prefill's 300 prompts had 22 % padding in 76 calls.
+
+        Else a row of at most C tokens a piece: the first chunk of up to R prompts not started
+        yet, or else the started ones' next chunks, earliest positions first across the prompts,
+        several for one prompt when fewer prompts than rows are left (a chunk attends to what the
+        rows before it in the same call wrote: each layer writes every row's keys/values before
+        it attends). A call of later chunks reads the first cache pages covering its rows, so
+        taking one prompt's chunks to its end first made more calls read the whole cache
+        (cpu-mixed: 138 pages a run instead of 100). First and later chunks never share a call:
+        a call of first chunks attends to the chunk alone (prefill_fresh, no cache read: about a
+        quarter of a cpu-mixed prefill's work was attention over the mostly empty cache row)."""
+        if packed:
+            pieces, room = [], R * C
+            for job in itertools.islice(prefilling, R):
+                if room == 0:
+                    break
+                length = min(len(job.ids) - job.written, room)
+                pieces.append((job, job.written, length))
+                room -= length
+            return pieces
+        first = [(job, 0, min(C, len(job.ids))) for job in itertools.islice((j for j in prefilling if j.written == 0), R)]
+        if first:
+            return first
+        nexts = sorted((start, i) for i, job in enumerate(prefilling) for start in range(job.written, len(job.ids), C))
+        return [(prefilling[i], start, min(C, len(prefilling[i].ids) - start)) for start, i in nexts[:R]]
 
     # ------------------------------------------------------------------------- finishing
 

@@ -315,22 +315,21 @@ def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, att
     return page_residuals(q, keys, values, written, scale, blocks=blocks, tuning=tuning)
 
 
-def attend_prefill_cpu(q: NamedArray, pages, rows: jax.Array, starts: jax.Array, scale: float) -> NamedArray:
-    """A prefill chunk's attention with `engine.decode_attention: cpu`, once its keys/values are
-    written: q (batch, position, kv_heads, q_per_kv, head_dim) over its prompt's cache row rows
-    [batch] (out of range: none; its queries come out zero), read in place by the CPU kernel,
-    causally: the query at the chunk's position p reads the first starts [batch] + p + 1 positions
-    (what earlier chunks wrote and the chunk up to itself). One call, one page: the kernel's cache
-    (`engine.decode.cache_ends`) on one device (the kernel's call is not split over devices). The
-    same result as `engine.llama._attend_pages` over the cache row up to each query's position,
-    float32."""
+def attend_prefill_cpu(q: NamedArray, pages, segments, scale: float) -> NamedArray:
+    """A prefill call's attention with `engine.decode_attention: cpu`, once its keys/values are
+    written: q (batch, position, kv_heads, q_per_kv, head_dim), its tokens read row-major as one
+    row holding pieces of prompts, `segments` (`engine.llama.PrefillSegments`): each piece's
+    queries over its prompt's cache row, read in place by the CPU kernel, causally: the query at
+    the piece's position p reads the first starts[s] + p + 1 positions (what earlier calls wrote
+    and the piece up to itself). A token in no piece, or in one with no cache row, comes out
+    zero. One call, one page: the kernel's cache (`engine.decode.cache_ends`) on one device (the
+    kernel's call is not split over devices). The same result as `engine.llama._attend_pages`
+    over the cache row up to each query's position, float32."""
     if len(pages) != 1:
         raise ValueError(f"the CPU kernel's prefill reads one page of the cache, not {len(pages)}")
-    axes = ("batch", "kv_heads", "position", "q_per_kv", "head_dim")
+    axes = ("kv_heads", "batch", "position", "q_per_kv", "head_dim")
     q = q.rearrange(axes)
-    batch, heads, chunk, per_kv, dim = q.array.shape
-    flat = q.array.reshape(batch, heads, chunk * per_kv, dim)  # the query group: (position, q_per_kv)
-    out, _, _ = cpu_attention.page_residuals(flat, pages[0].k.array, pages[0].v.array, starts, scale, rows=rows,
-                                             causal=per_kv, normalize=True)
-    out = out.reshape(batch, heads, chunk, per_kv, dim)
-    return hax.named(out, tuple(q.resolve_axis(a) for a in axes))
+    heads, batch, chunk, per_kv, dim = q.array.shape
+    flat = q.array.reshape(heads, batch * chunk * per_kv, dim)  # per KV head: (token, q_per_kv)
+    out = cpu_attention.prefill_attention(flat, pages[0].k.array, pages[0].v.array, segments, scale, causal=per_kv)
+    return hax.named(out.reshape(q.array.shape), tuple(q.resolve_axis(a) for a in axes))

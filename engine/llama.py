@@ -363,21 +363,36 @@ def _attend_pages(q: NamedArray, parts, scale: float) -> NamedArray:
     return attn / total
 
 
+class PrefillSegments(NamedTuple):
+    """Where a prefill call's prompts are in its tokens (batch, position), read row-major as one
+    row: segment s is the lengths[s] tokens from offsets[s], the piece of a prompt from its
+    position starts[s] on, whose keys/values go to cache row rows[s] (out of range: none; the
+    samples of one prompt share its prefill, the first sample's row read). Unused entries have
+    length 0. The XLA way, segment r is batch row r: offsets r x position."""
+
+    rows: jax.Array
+    starts: jax.Array
+    offsets: jax.Array
+    lengths: jax.Array
+
+
 class PrefillChunk(NamedTuple):
-    """How a prefill chunk attends: rows (`batch`) of C tokens whose keys/values are written
-    straight into the cache rows `slots` at `write_positions`, then attend over the start of
-    cache row `slots[:, 0]`. Prompts longer than C take several chunks, each attending to what
-    the previous ones wrote."""
+    """How a prefill call attends: each token's key/value is written straight into the cache
+    rows `write_rows` at `write_positions`, then its query attends over its prompt's cache row
+    up to itself. Prompts longer than a call take several, each attending to what the earlier
+    ones wrote."""
 
     cache: PagedKV
     """The whole cache (slots rows); written in place, returned updated."""
-    slots: jax.Array
-    """[rows, n] int32: cache rows receiving this row's keys/values (the samples of one prompt
-    share its prefill); out of range (= slots) for none."""
+    write_rows: jax.Array
+    """[rows, C, n] int32: cache rows receiving each token's keys/values (the samples of one
+    prompt share its prefill); out of range (= slots) for none."""
     positions: jax.Array
     """[rows, C] int32: each token's position in its prompt; a token attends to keys at or before it."""
     write_positions: jax.Array
     """[rows, C] int32: cache position of each token; out of range for padding (not written)."""
+    segments: PrefillSegments
+    """The call's prompts' pieces: which cache row each reads, from where."""
     reach: jax.Array
     """int32 scalar: cache positions the call's rows use once this chunk is written (the longest
     start + length); a later chunk reads the first pages covering it (`by_pages`)."""
@@ -385,10 +400,11 @@ class PrefillChunk(NamedTuple):
     """Every row starts its prompt here, so nothing before the chunk is read: it attends to its
     own keys only instead of gathering its cache row (static: one program each way)."""
     attention: str = "xla"
-    """How the chunk attends (static): xla, a later chunk its cache row's first pages gathered,
-    one branch per page count (`by_pages`), and its own keys; cpu, the engine's C++ kernel, any
-    chunk its cache row read in place once the chunk is written there, each query up to itself
-    (`engine.kernels.attend_prefill_cpu`; one device's cache)."""
+    """How the chunk attends (static): xla, each batch row one segment, a later chunk its cache
+    row's first pages gathered, one branch per page count (`by_pages`), and its own keys; cpu,
+    the engine's C++ kernel, any segments anywhere in the call (a call packed with prompts),
+    each read in place once written, each query up to itself (`engine.kernels.attend_prefill_cpu`;
+    one device's cache)."""
 
 
 class DecodeStep(NamedTuple):
@@ -501,13 +517,13 @@ class Attention(eqx.Module):
         kernel, any chunk attends to its cache row in place, the chunk written there (causal)."""
         Batch, Pos = q.resolve_axis("batch"), q.resolve_axis("position")
         if context.attention == "cpu":
-            return kernels.attend_prefill_cpu(q, cache.pages, context.slots[:, 0], context.positions[:, 0], scale)
+            return kernels.attend_prefill_cpu(q, cache.pages, context.segments, scale)
         if context.fresh:
             C = Pos.size
             mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (Batch.size, C, C)),
                              (Batch, Pos, Axis("key_position", C)))
             return _attend(q, k.rename({"position": "key_position"}), v.rename({"position": "key_position"}), mask, scale)
-        read = jnp.minimum(context.slots[:, 0], cache.pages[0].k.array.shape[0] - 1)
+        read = jnp.minimum(context.segments.rows[: Batch.size], cache.pages[0].k.array.shape[0] - 1)  # a row a segment
 
         def attend(count: int):
             parts = []
@@ -561,13 +577,17 @@ def _attend(q: NamedArray, keys: NamedArray, values: NamedArray, mask: NamedArra
 
 def _write_chunk(context: PrefillChunk, k: NamedArray, v: NamedArray) -> PagedKV:
     """Scatters the chunk's keys/values (batch, kv_heads, position, head_dim) into the cache at
-    (slots[r, i], write_positions[r, j]) in place; out-of-range indices are dropped."""
-    n = context.slots.shape[1]
-    rows = context.slots.reshape(-1)[:, None]
-    positions = jnp.repeat(context.write_positions, n, axis=0)
-    # [rows*n, C, kv_heads, head_dim]
-    keys, values = (jnp.swapaxes(jnp.repeat(x.array, n, axis=0), 1, 2) for x in (k, v))
-    return context.cache.write(rows, positions, keys, values)
+    (write_rows[r, j, i], write_positions[r, j]) in place; out-of-range indices are dropped."""
+    n = context.write_rows.shape[-1]
+    rows = context.write_rows.reshape(-1)
+    positions = jnp.repeat(context.write_positions.reshape(-1), n)
+
+
+    def per_write(x: NamedArray) -> jax.Array:  # [rows x C x n, kv_heads, head_dim]
+        x = x.rearrange(("batch", "position", "kv_heads", "head_dim")).array
+        return jnp.repeat(x.reshape(-1, *x.shape[2:]), n, axis=0)
+
+    return context.cache.write(rows, positions, per_write(k), per_write(v))
 
 
 class Mlp(eqx.Module):

@@ -97,7 +97,8 @@ def main() -> None:
             return jax.ShapeDtypeStruct(shape, kind, sharding=sharding)
 
         programs["prefill"] = (functools.partial(prefill_chunk, spec=spec, fresh=False),
-                               (model, cache, state, i32(R, C), i32(R, 1), i32(R), i32(R), i32(R, kind=jnp.bool_), i32(R), i32(R, 1)))
+                               (model, cache, state, i32(R, C), i32(R, 1), i32(R), i32(R), i32(R), i32(R, kind=jnp.bool_), i32(R),
+                                i32(R, 1)))
     for name, (fn, inputs) in programs.items():
         start = time.perf_counter()
         compiled = jax.jit(fn, donate_argnums=(1, 2)).lower(*inputs).compile()

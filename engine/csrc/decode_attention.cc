@@ -1,10 +1,12 @@
 // Decode attention over a KV cache page (float32 or bfloat16) on the CPU, as an XLA FFI custom call
-// (engine/cpu_attention.py builds, loads and calls it; `engine.decode_attention: cpu`). Two
-// targets: `PipelineDecodeAttention`, the attention over a page, which prefill chunks call over
-// their prompts' cache rows once the chunk is written, with many queries per KV head, causally;
-// and `PipelineDecodeStep`, a decode step's whole attention in one call: the step's key and
-// value written into the page (aliased to the call's result: in place), then the attention over
-// it, normalized. Each saves XLA kernels a layer that cost a decode step more than their work.
+// (engine/cpu_attention.py builds, loads and calls it; `engine.decode_attention: cpu`). Three
+// targets: `PipelineDecodeAttention`, the attention over a page, with many queries per KV head,
+// causally, for a prefill chunk over its prompts' cache rows once the chunk is written;
+// `PipelinePrefillAttention`, the same for a packed prefill call, whose one row of tokens holds
+// segments of several prompts; and `PipelineDecodeStep`, a decode step's whole attention in one
+// call: the step's key and value written into the page (aliased to the call's result: in place),
+// then the attention over it, normalized. Each saves XLA kernels a layer that cost a decode step
+// more than their work.
 //
 // For each (row, KV head) of a page, the row's first `lengths[row]` positions only (none where
 // its cache row is out of range); with `causal` = c > 0, query g reads `lengths[row] + g / c + 1`
@@ -74,6 +76,11 @@ struct Job {
   bool bfloat16;
   const int32_t* rows = nullptr;  // row b reads cache row rows[b]; none: row b
   const int32_t* lengths;
+  // A packed prefill call (PrefillAttention): its rows are segments of one query row, segment s
+  // the counts[s] positions from offsets[s] (its queries causal times as many). None: rows of
+  // their own, `group` queries each.
+  const int32_t* offsets = nullptr;
+  const int32_t* counts = nullptr;
   float* o;
   float* l;
   float* m;
@@ -86,7 +93,7 @@ struct Job {
   int64_t kv_heads, group, positions, head_dim, cache_rows;
   int64_t causal;  // queries per position of a causal prefill chunk; 0: every query reads lengths[row]
   float scale;
-  int64_t pairs;  // batch x kv_heads
+  int64_t pairs;  // rows (or segments) x kv_heads
   int64_t parts;  // contiguous runs of pairs, one per thread at most
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
@@ -234,23 +241,36 @@ void attend_many(const float* q, const T* k, const T* v, Reach reach, int64_t gr
   }
 }
 
+// Where a (row, KV head) pair's queries are in q, o, l and m (counted in queries), and how many.
+struct Span {
+  int64_t first, count;
+};
+
+Span span(const Job& job, int64_t pair) {
+  if (!job.counts) return {pair * job.group, job.group};
+  const int64_t segment = pair / job.kv_heads, head = pair % job.kv_heads;
+  return {head * job.group + job.offsets[segment] * job.causal, job.counts[segment] * job.causal};
+}
+
 // (o, l, m) of one (row, KV head).
 template <typename T>
 void residuals(const Job& job, int64_t pair, std::vector<float>& scores) {
-  const int64_t G = job.group, D = job.head_dim, P = job.positions;
+  const Span queries = span(job, pair);
+  const int64_t G = queries.count, D = job.head_dim, P = job.positions;
+  if (G == 0) return;
   const int64_t row = pair / job.kv_heads, head = pair % job.kv_heads;
   const int64_t cache_row = job.rows ? job.rows[row] : row;
   const int64_t first = std::max<int64_t>(0, job.lengths[row]);
   int64_t n = job.causal > 0 ? first + (G - 1) / job.causal + 1 : first;
   n = cache_row < 0 || cache_row >= job.cache_rows ? 0 : std::min(n, P);
   const Reach reach{n, first, job.causal};
-  const float* q = job.q + pair * G * D;
+  const float* q = job.q + queries.first * D;
   const int64_t at = n > 0 ? (cache_row * job.kv_heads + head) * P * D : 0;
   const T* k = static_cast<const T*>(job.keys) + at;
   const T* v = static_cast<const T*>(job.values) + at;
-  float* o = job.o + pair * G * D;
-  float* l = job.l + pair * G;
-  float* m = job.m + pair * G;
+  float* o = job.o + queries.first * D;
+  float* l = job.l + queries.first;
+  float* m = job.m + queries.first;
   if (n == 0) {
     for (int64_t i = 0; i < G * D; ++i) o[i] = 0.0f;
     for (int64_t g = 0; g < G; ++g) {
@@ -259,7 +279,9 @@ void residuals(const Job& job, int64_t pair, std::vector<float>& scores) {
     }
     return;
   }
-  if (G >= MANY) return attend_many(q, k, v, reach, G, D, job.scale, o, l, m, scores);
+  // A causal call's queries all go this way, however few a segment has: a query's bits are then
+  // the same whichever segment or chunk it came in.
+  if (G >= MANY || job.causal > 0) return attend_many(q, k, v, reach, G, D, job.scale, o, l, m, scores);
   scores.resize(G * n);
   switch (D) {
     case 64: return attend<64>(q, k, v, reach, G, D, job.scale, o, l, m, scores.data());
@@ -297,7 +319,8 @@ template <typename T>
 void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
   if (job.write_at) write_step<T>(job, pair);
   residuals<T>(job, pair, scores);
-  if (job.normalize) normalize(job.o + pair * job.group * job.head_dim, job.l + pair * job.group, job.group, job.head_dim);
+  const Span queries = span(job, pair);
+  if (job.normalize) normalize(job.o + queries.first * job.head_dim, job.l + queries.first, queries.count, job.head_dim);
 }
 
 // Takes parts until none is left. The calling thread runs this too and then waits only for
@@ -321,13 +344,15 @@ void work(Job& job) {
 
 bool bfloat16_bits(ffi::DataType type) { return type == ffi::DataType::BF16 || type == ffi::DataType::U16; }
 
-// Checks the shapes and dtypes both calls share and fills in the job but for its outputs.
+// Checks the shapes and dtypes the calls share and fills in the job but for its outputs. rows:
+// how many rows (or segments) the call has, each a length in lengths; q's batch, but for a
+// packed prefill call.
 ffi::Error describe(Job& job, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
-                    ffi::Buffer<ffi::S32> lengths, float scale, int64_t causal, int64_t normalize) {
+                    ffi::Buffer<ffi::S32> lengths, float scale, int64_t causal, int64_t normalize, int64_t rows) {
   auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[1] != qd[1] || kd[3] != qd[3] ||
       vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3] ||
-      lengths.element_count() != static_cast<size_t>(qd[0]))
+      lengths.element_count() != static_cast<size_t>(rows))
     return ffi::Error::InvalidArgument(
         "decode attention: expected q [batch, kv_heads, group, head_dim], keys and values [cache_rows, kv_heads, "
         "positions, head_dim], lengths [batch]");
@@ -348,15 +373,16 @@ ffi::Error describe(Job& job, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi:
   job.causal = causal;
   job.normalize = normalize != 0;
   job.scale = scale;
-  job.pairs = qd[0] * qd[1];
+  job.pairs = rows * qd[1];
   return ffi::Error::Success();
 }
 
 // Runs the job's (row, KV head) pairs over the pool and this thread, and returns when all are done.
 void run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  job->parts = std::min(job->pairs, threads);
-  for (int64_t i = 1; i < job->parts; ++i) pool.Schedule([job] { work(*job); });
+  // A packed prefill call's segments differ in size: each pair a part, taken as threads free up.
+  job->parts = job->counts ? job->pairs : std::min(job->pairs, threads);
+  for (int64_t i = 1; i < std::min(job->parts, threads); ++i) pool.Schedule([job] { work(*job); });
   work(*job);
   while (job->finished.load(std::memory_order_acquire) < job->parts) std::this_thread::yield();
 }
@@ -366,7 +392,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
                            int64_t normalize, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> l,
                            ffi::ResultBuffer<ffi::F32> m) {
   auto job = std::make_shared<Job>();
-  if (auto error = describe(*job, q, keys, values, lengths, scale, causal, normalize); error.failure()) return error;
+  if (auto error = describe(*job, q, keys, values, lengths, scale, causal, normalize, q.dimensions()[0]); error.failure())
+    return error;
   if (rows.element_count() != static_cast<size_t>(q.dimensions()[0]))
     return ffi::Error::InvalidArgument("decode attention: expected rows [batch]");
   job->rows = rows.typed_data();
@@ -385,7 +412,7 @@ ffi::Error DecodeStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
                       ffi::Buffer<ffi::S32> lengths, float scale, ffi::ResultBuffer<ffi::F32> o,
                       ffi::Result<ffi::AnyBuffer> keys_out, ffi::Result<ffi::AnyBuffer> values_out) {
   auto job = std::make_shared<Job>();
-  if (auto error = describe(*job, q, keys, values, lengths, scale, 0, 1); error.failure()) return error;
+  if (auto error = describe(*job, q, keys, values, lengths, scale, 0, 1, q.dimensions()[0]); error.failure()) return error;
   auto qd = q.dimensions(), nd = new_keys.dimensions();
   const ffi::DataType type = keys.element_type(), given = new_keys.element_type();
   auto vd = new_values.dimensions();
@@ -405,6 +432,39 @@ ffi::Error DecodeStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   std::vector<float> sums_and_maxima(2 * job->pairs * job->group);  // l and m: used here, not returned
   job->l = sums_and_maxima.data();
   job->m = sums_and_maxima.data() + job->pairs * job->group;
+  run(pool, job);
+  return ffi::Error::Success();
+}
+
+// A packed prefill call's attention, normalized: q [1, kv_heads, positions x causal, head_dim] is
+// one row of tokens holding segments of several prompts, segment s the counts[s] positions from
+// offsets[s], written into cache row rows[s] from position starts[s] on (none out of range: its
+// queries come out zero, as do those of no segment). Each query reads its row causally, as
+// DecodeAttention's causal rows do, and gets the same bits.
+ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
+                            ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> offsets,
+                            ffi::Buffer<ffi::S32> counts, float scale, int64_t causal, ffi::ResultBuffer<ffi::F32> o) {
+  auto job = std::make_shared<Job>();
+  const int64_t segments = static_cast<int64_t>(rows.element_count());
+  if (auto error = describe(*job, q, keys, values, starts, scale, causal, 1, segments); error.failure()) return error;
+  const int64_t positions = causal > 0 ? job->group / causal : 0;
+  if (q.dimensions()[0] != 1 || causal <= 0 || job->group != positions * causal ||
+      offsets.element_count() != static_cast<size_t>(segments) || counts.element_count() != static_cast<size_t>(segments))
+    return ffi::Error::InvalidArgument(
+        "prefill attention: expected q [1, kv_heads, positions x causal, head_dim], causal > 0, rows, starts, offsets "
+        "and counts [segments]");
+  for (int64_t s = 0; s < segments; ++s)
+    if (offsets.typed_data()[s] < 0 || counts.typed_data()[s] < 0 ||
+        offsets.typed_data()[s] + counts.typed_data()[s] > positions)
+      return ffi::Error::InvalidArgument("prefill attention: a segment reaches past the call's positions");
+  job->rows = rows.typed_data();
+  job->offsets = offsets.typed_data();
+  job->counts = counts.typed_data();
+  job->o = o->typed_data();
+  std::memset(job->o, 0, job->kv_heads * job->group * job->head_dim * sizeof(float));  // queries in no segment: zero
+  std::vector<float> sums_and_maxima(2 * job->kv_heads * job->group);  // l and m: used here, not returned
+  job->l = sums_and_maxima.data();
+  job->m = sums_and_maxima.data() + job->kv_heads * job->group;
   run(pool, job);
   return ffi::Error::Success();
 }
@@ -440,3 +500,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeStep, DecodeStep,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o, normalized
                                   .Ret<ffi::AnyBuffer>()  // keys, aliased to the argument
                                   .Ret<ffi::AnyBuffer>());  // values
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelinePrefillAttention, PrefillAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // keys: float32, bfloat16 or its bits
+                                  .Arg<ffi::AnyBuffer>()  // values: the same
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // starts
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offsets
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("causal")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // o, normalized

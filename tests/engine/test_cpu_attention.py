@@ -156,7 +156,7 @@ def test_a_prefill_chunk_attends_the_same_through_the_kernel(chunk, head_dim):
     from haliax import Axis
 
     from engine.jax_compat import hax
-    from engine.llama import Attention, LayerKV, PagedKV, PrefillChunk, _write_chunk
+    from engine.llama import Attention, LayerKV, PagedKV, PrefillChunk, PrefillSegments, _write_chunk
 
     keys = iter(jax.random.split(jax.random.key(head_dim + chunk), 5))
     Batch, Pos, KVHeads, HeadDim = Axis("batch", 4), Axis("position", chunk), Axis("kv_heads", 2), Axis("head_dim", head_dim)
@@ -175,8 +175,10 @@ def test_a_prefill_chunk_attends_the_same_through_the_kernel(chunk, head_dim):
     def attend(q, k, v, rows, attention: str, fresh: bool = False):
         q, k, v = (hax.named(x.array[rows], (Axis("batch", len(rows)),) + x.axes[1:]) for x in (q, k, v))
         cache = PagedKV((page,) if attention == "cpu" else pages)
-        context = PrefillChunk(cache, slots[rows], positions[rows], write_positions[rows], jnp.max(starts[rows]) + chunk,
-                               fresh, attention)
+        segments = PrefillSegments(slots[rows, 0], starts[rows], jnp.arange(len(rows)) * chunk, jnp.full(len(rows), chunk))
+        write_rows = jnp.broadcast_to(slots[rows][:, None, :], (len(rows), chunk, 1))
+        context = PrefillChunk(cache, write_rows, positions[rows], write_positions[rows], segments,
+                               jnp.max(starts[rows]) + chunk, fresh, attention)
         return Attention._prefill(q, k, v, _write_chunk(context, k, v), context, 0.25).rearrange(
             ("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array
 
@@ -186,6 +188,38 @@ def test_a_prefill_chunk_attends_the_same_through_the_kernel(chunk, head_dim):
     np.testing.assert_allclose(got[2:3], attend(q, k, v, first, "xla", fresh=True), rtol=3e-6, atol=3e-6)
     assert float(jnp.max(jnp.abs(got[3]))) == 0
     assert str(jax.make_jaxpr(attend, static_argnums=(4, 5))(q, k, v, everything, "cpu")).count("ffi_call[") == 1
+
+
+@pytest.mark.parametrize("stored", [jnp.float32, cpu_attention.BFLOAT16_BITS])
+def test_a_packed_prefill_call_gives_each_query_the_bits_of_its_own_row(stored):
+    """A packed prefill call's one row of tokens holds pieces of prompts (5, 32, 1, 17 and 40
+    positions; the last with no cache row, then 7 positions in no piece): each piece's queries
+    (3 query heads a KV head) get the very bits they get as a causal row of their own, and a
+    prompt's 40 queries the same bits cut into two pieces anywhere. No row, no piece: zeros."""
+    kv_heads, per_kv, dim, positions = 2, 3, 64, 96
+    k1, k2, k3 = jax.random.split(jax.random.key(11), 3)
+    keys, values = (jax.random.normal(k, (5, kv_heads, positions, dim)) for k in (k1, k2))
+    if stored == cpu_attention.BFLOAT16_BITS:
+        keys, values = (jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16) for x in (keys, values))
+    counts, starts, rows = [5, 32, 1, 17, 40], [0, 10, 3, 50, 0], [0, 1, 2, 3, 9]
+    offsets = np.cumsum([0] + counts[:-1])
+    q = jax.random.normal(k3, (kv_heads, (sum(counts) + 7) * per_kv, dim))
+    packed = cpu_attention.prefill_attention(q, keys, values, (rows, starts, offsets, counts), 0.125, causal=per_kv)
+    for row, start, offset, count in zip(rows, starts, offsets, counts):
+        span = slice(offset * per_kv, (offset + count) * per_kv)
+        alone, _, _ = cpu_attention.page_residuals(q[None, :, span], keys, values, jnp.asarray([start]), 0.125,
+                                                   rows=jnp.asarray([row]), causal=per_kv, normalize=True)
+        assert np.array_equal(packed[:, span], alone[0]), (row, count)
+    assert float(jnp.max(jnp.abs(packed[:, 55 * per_kv:]))) == 0  # the piece with no row, and no piece
+    assert float(jnp.min(jnp.abs(packed[:, : 55 * per_kv]).max(axis=-1))) > 0
+
+    whole = cpu_attention.prefill_attention(q[:, : 40 * per_kv], keys, values, ([1], [0], [0], [40]), 0.125, causal=per_kv)
+    for cut in (1, 5, 16, 32, 39):
+        pieces = ([1, 1], [0, cut], [0, cut], [cut, 40 - cut])
+        assert np.array_equal(cpu_attention.prefill_attention(q[:, : 40 * per_kv], keys, values, pieces, 0.125,
+                                                              causal=per_kv), whole), cut
+    with pytest.raises(Exception, match="a segment reaches past the call's positions"):
+        cpu_attention.prefill_attention(q[:, : 40 * per_kv], keys, values, ([1], [0], [30], [11]), 0.125, causal=per_kv)
 
 
 def test_the_kernel_is_built_once_per_source_and_machine(tmp_path, monkeypatch):

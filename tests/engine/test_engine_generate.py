@@ -72,8 +72,9 @@ def test_first_tokens_are_the_same_drawn_per_pair_or_per_slot(llama):
 def test_later_chunks_of_a_lone_prompt_share_prefill_calls(llama):
     """When fewer prompts are being prefilled than a call has rows, one prompt's later chunks
     take several rows of one call, each attending to what the rows before it wrote in that call:
-    a 40-token prompt in 8-token chunks takes 2 calls (first chunk, then the other four) instead
-    of 5, and its samples get the tokens of one chunk per call."""
+    a 40-token prompt in calls of 4 rows of 8 tokens takes 2 calls (first chunk, then the other
+    four; with the CPU kernel, packed, its first 32 tokens, then 8) instead of 5, and its samples
+    get the tokens of one chunk per call."""
     path, _ = llama
     prompt = np.random.RandomState(3).randint(0, VOCAB, 40).tolist()
 

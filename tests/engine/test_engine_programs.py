@@ -152,6 +152,27 @@ def test_later_prefill_chunks_go_earliest_first_and_read_the_fewest_pages(llama)
         assert out[r.prompt_index] == hf_greedy(hf, r.input_ids, 5), r.prompt_index
 
 
+def test_a_cpu_prefill_call_packs_its_prompts_end_to_end(llama):
+    """With the CPU kernel a prefill call's 4 rows of 8 tokens hold pieces of up to 4 prompts end
+    to end, one running on across rows: prompts of 3, 5, 21 and 3 tokens take one call, no token
+    padded, where the XLA way (a row a chunk, first and later chunks apart) takes two calls of 32.
+    Both give transformers' tokens."""
+    path, hf = llama
+    requests = _requests([3, 5, 21, 3])
+    runs = {}
+    for attention in ("cpu", "xla"):
+        engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=5), max_prompt_tokens=40,
+                             engine=EngineConfig(batch_size=4, prefill_chunk_tokens=8, prefill_tokens=32,
+                                                 overlap_prefill=False, decode_attention=attention))
+        assert engine.attention == attention
+        runs[attention] = {c.prompt_index: c.token_ids for c in engine.generate(requests)}, engine.stats
+    (packed, stats), (rows, xla_stats) = runs["cpu"], runs["xla"]
+    assert (stats.prefill_calls, stats.padded_prompt_tokens, stats.prompt_tokens) == (1, 32, 32), stats
+    assert (xla_stats.prefill_calls, xla_stats.padded_prompt_tokens) == (2, 64), xla_stats
+    for r in requests:
+        assert packed[r.prompt_index] == rows[r.prompt_index] == hf_greedy(hf, r.input_ids, 5), r.prompt_index
+
+
 def test_bfloat16_programs_neither_copy_nor_convert_a_weight(tmp_path):
     """Given bfloat16 weights, XLA's CPU backend copied every (out, in) projection to (in, out)
     and turned the whole embedding table to float32 at the start of each call, hoisted out of the
