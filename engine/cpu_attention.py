@@ -3,9 +3,9 @@
 Owns: building engine/csrc/decode_attention.cc with the machine's C++ compiler against jaxlib's
 own FFI headers (`jax.ffi.include_dir()`), for this CPU (`-march=native`), into a shared library
 in `$PIPELINE_KERNEL_DIR` (default `~/.cache/jax-batch-pipeline/kernels`); loading it and
-registering its target with XLA once per process; and calling it on a page of the cache (a
-decode step's rows, or a prefill chunk's prompts' rows once the chunk is written, read in place
-by index, causally).
+registering its targets with XLA once per process; and calling it on a page of the cache (a
+decode step's rows, or a prefill call's prompts' rows once the call is written, read in place
+by index, causally; a packed call's pieces of prompts from one row of tokens).
 
     cpu_attention.unavailable()       # None, or why the kernel cannot run here (no compiler, ...)
     o, l, m = cpu_attention.page_residuals(q, keys, values, lengths, scale)

@@ -24,7 +24,8 @@ the config (slots = batch_size, cache length, prefill rows x chunk, decode steps
 compiles at most four programs whatever its prompts (init, decode, prefill of first chunks and of
 later ones, a call reading only the cache's first quarter in the same program as one reading all
 of it, see decode.py; three when every prompt fits one chunk, or where the CPU kernel prefills
-in place and first chunks run the later ones' program; one more with a staging cache, below),
+in place, packing each call's rows with the prompts end to end, and first chunks run the later
+ones' program; one more with a staging cache, below),
 and JAX's persistent compilation cache (engine/compile_cache.py, on by default) lets a rerun or
 resume load them instead. The decode program, the largest, is compiled in a thread of its own
 from the start of `generate`, while the prefill programs are compiled and run.
@@ -179,7 +180,7 @@ class EngineStats:
     prompt_tokens: int = 0
     """Prompt tokens prefilled (each prompt once, however many samples share it)."""
     padded_prompt_tokens: int = 0
-    """Prompt positions computed, padding of the prefill chunks included; / prompt_tokens = overhead."""
+    """Prompt positions computed, the prefill calls' padding included (R x C a call); / prompt_tokens = overhead."""
     prefill_calls: int = 0
     prefill_pages_read: int = 0
     """Cache pages read by the prefill calls of later chunks, summed over the calls: each reads

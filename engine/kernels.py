@@ -13,8 +13,9 @@ the engine's own C++ CPU kernel (engine/cpu_attention.py), which returns the sam
 Each decode step writes its keys/values into that page and attends over it, to each row's
 length and the new position, in one kernel call a layer (`attend_step_cpu`; the page written in
 place, `engine.decode.DecodeSpec.decode_in_place`): no chunk buffer, no scatter, no combine.
-A prefill chunk on one device attends through it too (`attend_prefill_cpu`): once the chunk is
-written, its queries over its prompts' cache rows, read in place, causally, in one call a layer.
+A prefill call on one device attends through it too (`attend_prefill_cpu`): once the call's
+tokens are written, the queries of each prompt's piece over its cache row, read in place,
+causally, in one call a layer; the call's rows hold the pieces end to end (packed).
 
 The Pallas kernel is JAX's, not ours: this module only tunes its blocks and combines its results. It
 runs on GPUs, over several devices under `jax.shard_map` (each device its own rows and KV
