@@ -53,7 +53,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from engine import kernels
+    from engine import cpu_attention, kernels
     from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state, prefill_chunk
     from engine.llama import LlamaConfig, LlamaLM
     from engine.memory import GiB, footprint
@@ -77,7 +77,9 @@ def main() -> None:
     # The decode attention the engine would run here (engine.decode_attention: auto), and its cache's pages.
     spec = DecodeSpec(SamplingParams(max_new_tokens=new), (), sharding, sharding, sharding,
                       kernels.resolve("auto", platform=device.platform, head_dim=config.head_dim, dtype=args.dtype))
-    cache = abstract(jax.eval_shape(functools.partial(new_cache, config, batch, spec.cache_ends(seq_len), cache_dtype)))
+    # With the CPU kernel a bfloat16 cache is stored as its bits, as the engine stores it (the same bytes).
+    stored = cpu_attention.BFLOAT16_BITS if spec.attention == "cpu" and cache_dtype == jnp.bfloat16 else cache_dtype
+    cache = abstract(jax.eval_shape(functools.partial(new_cache, config, batch, spec.cache_ends(seq_len), stored)))
     state = abstract(jax.eval_shape(functools.partial(new_state, batch)))
     weights, row, working = footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=prompt + new,
                                       decode_chunk_steps=args.decode_steps, prefill_tokens=args.prefill_tokens,

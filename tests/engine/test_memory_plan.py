@@ -10,6 +10,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from engine import cpu_attention
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "memory_analysis.py")
 
 
@@ -25,6 +29,23 @@ def test_8b_decode_program_reads_the_cache_in_place_and_matches_the_plan():
     assert decode["alias_gib"] == decode["output_gib"] > 60  # the whole cache is donated and updated in place
     assert decode["temp_gib"] < 1.0, decode  # no copy of the cache or of a window of it
     assert 1.0 <= decode["plan_over_peak"] <= 1.1, decode  # the plan never under-counts, by at most 10 %
+
+
+@pytest.mark.skipif(cpu_attention.unavailable() is not None, reason="the CPU kernel cannot be built here")
+def test_a_bfloat16_model_on_the_cpu_is_analysed_with_both_programs():
+    """The script's own example on a CPU: a bfloat16 cache there is the CPU kernel's (stored as
+    its bits, as the engine stores it; the script had built it in bfloat16, which the kernel
+    refuses), and both the decode and the packed prefill program compile, each within the plan."""
+    done = subprocess.run(
+        [sys.executable, SCRIPT, "--preset", "cpu-tiny", "--batch", "64", "--prompt", "64", "--new", "128"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan, *programs = (json.loads(line) for line in done.stdout.strip().splitlines()[-3:])
+    assert plan["cache_dtype"] == "bfloat16" and [p["program"] for p in programs] == ["decode", "prefill"]
+    for program in programs:
+        assert program["decode_attention"] == "cpu" and program["alias_gib"] == program["output_gib"] > 0, program
+        assert program["plan_over_peak"] >= 1.0, program  # the plan never under-counts
 
 
 def test_auto_prefill_budget_is_the_cpu_one_or_the_biggest_that_fits_on_an_accelerator():
