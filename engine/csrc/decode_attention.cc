@@ -469,14 +469,19 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   return ffi::Error::Success();
 }
 
+// The arguments every target starts with: XLA's thread pool, q, and the page's keys and values.
+auto bind_page() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()  // q
+      .Arg<ffi::AnyBuffer>()         // keys: float32, bfloat16 or its bits
+      .Arg<ffi::AnyBuffer>();        // values: the same
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeAttention, DecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // keys: float32, bfloat16 or its bits
-                                  .Arg<ffi::AnyBuffer>()  // values: the same
+                              bind_page()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
                                   .Attr<float>("scale")
@@ -487,11 +492,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeAttention, DecodeAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>());  // m
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeStep, DecodeStep,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // keys: float32, bfloat16 or its bits
-                                  .Arg<ffi::AnyBuffer>()  // values: the same
+                              bind_page()
                                   .Arg<ffi::AnyBuffer>()  // new keys, stored as the page is
                                   .Arg<ffi::AnyBuffer>()  // new values
                                   .Arg<ffi::Buffer<ffi::S32>>()  // write_at
@@ -502,11 +503,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeStep, DecodeStep,
                                   .Ret<ffi::AnyBuffer>());  // values
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelinePrefillAttention, PrefillAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // keys: float32, bfloat16 or its bits
-                                  .Arg<ffi::AnyBuffer>()  // values: the same
+                              bind_page()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows
                                   .Arg<ffi::Buffer<ffi::S32>>()  // starts
                                   .Arg<ffi::Buffer<ffi::S32>>()  // offsets
