@@ -582,7 +582,6 @@ def _write_chunk(context: PrefillChunk, k: NamedArray, v: NamedArray) -> PagedKV
     rows = context.write_rows.reshape(-1)
     positions = jnp.repeat(context.write_positions.reshape(-1), n)
 
-
     def per_write(x: NamedArray) -> jax.Array:  # [rows x C x n, kv_heads, head_dim]
         x = x.rearrange(("batch", "position", "kv_heads", "head_dim")).array
         return jnp.repeat(x.reshape(-1, *x.shape[2:]), n, axis=0)
