@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import itertools
 import secrets
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -344,10 +345,14 @@ def _load_engine(cfg: Config, todo: list[_ShardTodo]):
                 f"has a vocabulary of {engine.vocab_size}: the checkpoint does not match the tokenizer used in tokenize")
     if hosts.is_leader() or hosts.process_count() == 1:
         print(f"generate: {engine.describe()}", flush=True)
-        programs = itertools.count(1)
-        engine.on_compile = lambda kind: print(
-            f"generate: program {next(programs)} of at most {engine.max_programs} ({kind}): compiling, or loading "
-            f"it from the compile cache", flush=True)
+        programs, printing = itertools.count(1), threading.Lock()
+
+        def announce(kind: str) -> None:  # from the lanes' and the early decode compile's threads: a line each
+            with printing:
+                print(f"generate: program {next(programs)} of at most {engine.max_programs} ({kind}): compiling, "
+                      f"or loading it from the compile cache", flush=True)
+
+        engine.on_compile = announce
     return engine
 
 
