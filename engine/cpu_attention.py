@@ -197,9 +197,8 @@ def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: ja
     call = jax.ffi.ffi_call(TARGET, shapes)
     if rows is None:
         rows = jnp.arange(batch, dtype=jnp.int32)
-    if value_dtype(keys.dtype) != jnp.bfloat16:  # the kernel reads a bfloat16 cache as it is, widened exactly
-        keys, values = keys.astype(jnp.float32), values.astype(jnp.float32)
-    return call(q.astype(jnp.float32), keys, values.astype(keys.dtype), rows.astype(jnp.int32), lengths.astype(jnp.int32),
+    keys, values = _as_read(keys, values)
+    return call(q.astype(jnp.float32), keys, values, rows.astype(jnp.int32), lengths.astype(jnp.int32),
                 scale=np.float32(scale), causal=np.int64(causal), normalize=np.int64(normalize))
 
 
@@ -234,12 +233,19 @@ def prefill_attention(q: jax.Array, keys: jax.Array, values: jax.Array, segments
     segment, gives zeros. Returns [kv_heads, positions x causal, head_dim] float32."""
     _require()
     rows, starts, offsets, counts = (jnp.asarray(x, jnp.int32) for x in segments)
-    if value_dtype(keys.dtype) != jnp.bfloat16:
-        keys, values = keys.astype(jnp.float32), values.astype(jnp.float32)
+    keys, values = _as_read(keys, values)
     call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct((1, *q.shape), jnp.float32))
-    out = call(q[None].astype(jnp.float32), keys, values.astype(keys.dtype), rows, starts, offsets, counts,
+    out = call(q[None].astype(jnp.float32), keys, values, rows, starts, offsets, counts,
                scale=np.float32(scale), causal=np.int64(causal))
     return out[0]
+
+
+def _as_read(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A page's keys and values as the kernel reads them: a bfloat16 cache (or its bits) as it is,
+    widened exactly in the kernel; any other in float32."""
+    if value_dtype(keys.dtype) != jnp.bfloat16:
+        keys, values = keys.astype(jnp.float32), values.astype(jnp.float32)
+    return keys, values.astype(keys.dtype)
 
 
 def _require() -> None:

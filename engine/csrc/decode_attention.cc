@@ -252,10 +252,9 @@ Span span(const Job& job, int64_t pair) {
   return {head * job.group + job.offsets[segment] * job.causal, job.counts[segment] * job.causal};
 }
 
-// (o, l, m) of one (row, KV head).
+// (o, l, m) of one (row, KV head), whose queries are `queries`.
 template <typename T>
-void residuals(const Job& job, int64_t pair, std::vector<float>& scores) {
-  const Span queries = span(job, pair);
+void residuals(const Job& job, int64_t pair, Span queries, std::vector<float>& scores) {
   const int64_t G = queries.count, D = job.head_dim, P = job.positions;
   if (G == 0) return;
   const int64_t row = pair / job.kv_heads, head = pair % job.kv_heads;
@@ -318,8 +317,8 @@ void write_step(const Job& job, int64_t pair) {
 template <typename T>
 void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
   if (job.write_at) write_step<T>(job, pair);
-  residuals<T>(job, pair, scores);
   const Span queries = span(job, pair);
+  residuals<T>(job, pair, queries, scores);
   if (job.normalize) normalize(job.o + queries.first * job.head_dim, job.l + queries.first, queries.count, job.head_dim);
 }
 
