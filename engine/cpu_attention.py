@@ -4,14 +4,14 @@ Owns: building engine/csrc/decode_attention.cc with the machine's C++ compiler a
 own FFI headers (`jax.ffi.include_dir()`), for this CPU (`-march=native`), into a shared library
 in `$PIPELINE_KERNEL_DIR` (default `~/.cache/jax-batch-pipeline/kernels`); loading it and
 registering its targets with XLA once per process; and calling it on a page of the cache (a
-decode step's rows, or a prefill call's prompts' rows once the call is written, read in place
-by index, causally; a packed call's pieces of prompts from one row of tokens).
+decode step's rows, or a prefill call's prompts' rows read in place by index, causally: a
+packed call's pieces of prompts from one row of tokens, written into the page by the same call).
 
     cpu_attention.unavailable()       # None, or why the kernel cannot run here (no compiler, ...)
     o, l, m = cpu_attention.page_residuals(q, keys, values, lengths, scale)
     o, l, m = cpu_attention.page_residuals(q, keys, values, lengths, scale, rows=cache_rows)  # rows read in place
     o, l, m = cpu_attention.page_residuals(q, keys, values, starts, scale, rows=cache_rows, causal=q_per_kv)  # a prefill chunk
-    o = cpu_attention.prefill_attention(q, keys, values, segments, scale, causal=q_per_kv)  # a packed prefill call
+    o, keys, values = cpu_attention.prefill_step(q, keys, values, new_keys, new_values, segments, scale)  # a packed prefill call
     python -m engine.cpu_attention    # builds it now (scripts/setup.sh does; else the first use)
 
 What the kernel computes is `engine.kernels.page_residuals`' contract, for one page: each row
@@ -222,22 +222,29 @@ def decode_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.
                 write_at.astype(jnp.int32), lengths.astype(jnp.int32), scale=np.float32(scale))
 
 
-def prefill_attention(q: jax.Array, keys: jax.Array, values: jax.Array, segments, scale: float, *, causal: int):
-    """A packed prefill call's attention, normalized: q [kv_heads, positions x causal, head_dim]
-    holds the queries of one row of tokens (each position's `causal` query heads of a KV head
-    together), segments (rows, starts, offsets, counts) [segments] int32 pieces of prompts there:
-    segment s is the counts[s] positions from offsets[s], written into cache row rows[s] of
-    keys/values [cache_rows, kv_heads, positions, head_dim] from its prompt's position starts[s]
-    on, and each of its queries reads that row causally, in place (as `page_residuals` with rows
-    and causal; the same bits). A segment whose row is out of range, and a position in no
-    segment, gives zeros. Returns [kv_heads, positions x causal, head_dim] float32."""
+def prefill_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
+                 segments, scale: float):
+    """A packed prefill call's keys/values written into the page and its attention, normalized, in
+    one call. Its tokens are one row of positions holding pieces of prompts, feature first (as the
+    engine's activations): q [kv_heads, q_per_kv, head_dim, positions], new_keys/new_values
+    [kv_heads, head_dim, positions]. segments (rows [segments, samples], starts, offsets, counts
+    [segments]) int32: segment s is the counts[s] positions from offsets[s], its prompt's from
+    position starts[s] on; its keys/values go to each of the page's rows rows[s, :] (its prompt's
+    samples; none out of range) there, and each of its queries then reads the first of them
+    causally, in place (as `page_residuals` with rows and causal; the same bits). A segment whose
+    first row is out of range, and a position in no segment, gives zeros. The segments' rows must
+    differ (each segment is written and read beside the others, in threads): the pieces of one
+    prompt go in separate calls. Returns (attention, q's shape, float32; keys; values): the page
+    written in place, as `decode_step`'s."""
     _require()
+    if keys.dtype not in (jnp.float32, BFLOAT16_BITS) or values.dtype != keys.dtype:
+        raise ValueError(f"a prefill call's page is float32 or bfloat16's bits (uint16), not {keys.dtype}/{values.dtype}")
     rows, starts, offsets, counts = (jnp.asarray(x, jnp.int32) for x in segments)
-    keys, values = _as_read(keys, values)
-    call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct((1, *q.shape), jnp.float32))
-    out = call(q[None].astype(jnp.float32), keys, values, rows, starts, offsets, counts,
-               scale=np.float32(scale), causal=np.int64(causal))
-    return out[0]
+    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(keys.shape, keys.dtype),
+              jax.ShapeDtypeStruct(values.shape, values.dtype))
+    call = jax.ffi.ffi_call(PREFILL_TARGET, shapes, input_output_aliases={1: 1, 2: 2})
+    return call(q.astype(jnp.float32), keys, values, as_stored(new_keys, keys.dtype), as_stored(new_values, keys.dtype),
+                rows.reshape(len(starts), -1), starts, offsets, counts, scale=np.float32(scale))
 
 
 def _as_read(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -13,9 +13,9 @@ the engine's own C++ CPU kernel (engine/cpu_attention.py), which returns the sam
 Each decode step writes its keys/values into that page and attends over it, to each row's
 length and the new position, in one kernel call a layer (`attend_step_cpu`; the page written in
 place, `engine.decode.DecodeSpec.decode_in_place`): no chunk buffer, no scatter, no combine.
-A prefill call on one device attends through it too (`attend_prefill_cpu`): once the call's
-tokens are written, the queries of each prompt's piece over its cache row, read in place,
-causally, in one call a layer; the call's rows hold the pieces end to end (packed).
+A prefill call on one device goes through it too (`prefill_step_cpu`): the call's keys and
+values written into the cache, then the queries of each prompt's piece over its cache row, read
+in place, causally, in one call a layer; the call's rows hold the pieces end to end (packed).
 
 The Pallas kernel is JAX's, not ours: this module only tunes its blocks and combines its results. It
 runs on GPUs, over several devices under `jax.shard_map` (each device its own rows and KV
@@ -316,21 +316,27 @@ def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, att
     return page_residuals(q, keys, values, written, scale, blocks=blocks, tuning=tuning)
 
 
-def attend_prefill_cpu(q: NamedArray, pages, segments, scale: float) -> NamedArray:
-    """A prefill call's attention with `engine.decode_attention: cpu`, once its keys/values are
-    written: q (batch, position, kv_heads, q_per_kv, head_dim), its tokens read row-major as one
-    row holding pieces of prompts, `segments` (`engine.llama.PrefillSegments`): each piece's
-    queries over its prompt's cache row, read in place by the CPU kernel, causally: the query at
-    the piece's position p reads the first starts[s] + p + 1 positions (what earlier calls wrote
-    and the piece up to itself). A token in no piece, or in one with no cache row, comes out
-    zero. One call, one page: the kernel's cache (`engine.decode.cache_ends`) on one device (the
-    kernel's call is not split over devices). The same result as `engine.llama._attend_pages`
-    over the cache row up to each query's position, float32."""
-    if len(pages) != 1:
-        raise ValueError(f"the CPU kernel's prefill reads one page of the cache, not {len(pages)}")
-    axes = ("kv_heads", "batch", "position", "q_per_kv", "head_dim")
+def prefill_step_cpu(q: NamedArray, k: NamedArray, v: NamedArray, page, segments, scale: float):
+    """A prefill call with `engine.decode_attention: cpu` in one kernel call a layer: its keys and
+    values k, v (batch, kv_heads, position, head_dim) written into the one-page cache `page`
+    (LayerKV: slots, kv_heads, key_position, head_dim), then its queries q (batch, position,
+    kv_heads, q_per_kv, head_dim) over their prompts' cache rows, read in place, causally. Its
+    tokens are read row-major as one row holding pieces of prompts, `segments`
+    (`engine.llama.PrefillSegments`): piece s is written into its prompt's rows (`samples[s]`)
+    from its start on, and the query at its position p reads the first starts[s] + p + 1
+    positions of the first of them (what earlier calls wrote and the piece up to itself). A token
+    in no piece, or in one with no cache row, comes out zero. On one device (the kernel's call is
+    not split over devices). Returns (attention, float32: the same as `engine.llama._attend_pages`
+    over the cache row up to each query's position; the page, written in place)."""
+    # Feature first, as the projections leave q, k and v and the output projection takes the
+    # result: the kernel reads and writes each (head, dimension)'s row of the call's positions.
+    axes = ("kv_heads", "q_per_kv", "head_dim", "batch", "position")
     q = q.rearrange(axes)
-    heads, batch, chunk, per_kv, dim = q.array.shape
-    flat = q.array.reshape(heads, batch * chunk * per_kv, dim)  # per KV head: (token, q_per_kv)
-    out = cpu_attention.prefill_attention(flat, pages[0].k.array, pages[0].v.array, segments, scale, causal=per_kv)
-    return hax.named(out.reshape(q.array.shape), tuple(q.resolve_axis(a) for a in axes))
+    heads, per_kv, dim, batch, chunk = q.array.shape
+    k, v = (x.rearrange(("kv_heads", "head_dim", "batch", "position")).array.reshape(heads, dim, batch * chunk)
+            for x in (k, v))
+    rows = (segments.samples, segments.starts, segments.offsets, segments.lengths)
+    out, keys, values = cpu_attention.prefill_step(q.array.reshape(heads, per_kv, dim, batch * chunk), page.k.array,
+                                                   page.v.array, k, v, rows, scale)
+    return (hax.named(out.reshape(q.array.shape), tuple(q.resolve_axis(a) for a in axes)),
+            type(page)(hax.named(keys, page.k.axes), hax.named(values, page.v.axes)))

@@ -374,6 +374,9 @@ class PrefillSegments(NamedTuple):
     starts: jax.Array
     offsets: jax.Array
     lengths: jax.Array
+    samples: jax.Array | None = None
+    """[segments, n]: the cache rows of each segment's prompt's samples, rows = samples[:, 0]; the
+    CPU kernel writes the segment's keys/values into each (the XLA way: `PrefillChunk.write_rows`)."""
 
 
 class PrefillChunk(NamedTuple):
@@ -403,7 +406,7 @@ class PrefillChunk(NamedTuple):
     """How the chunk attends (static): xla, each batch row one segment, a later chunk its cache
     row's first pages gathered, one branch per page count (`by_pages`), and its own keys; cpu,
     the engine's C++ kernel, any segments anywhere in the call (a call packed with prompts),
-    each read in place once written, each query up to itself (`engine.kernels.attend_prefill_cpu`;
+    each read in place once written, each query up to itself (`engine.kernels.prefill_step_cpu`;
     one device's cache)."""
 
 
@@ -499,8 +502,7 @@ class Attention(eqx.Module):
             attn, new_kv = self._decode(q, k, v, context, scale)
         else:
             if isinstance(context, PrefillChunk):
-                new_kv = _write_chunk(context, k, v)
-                attn = self._prefill(q, k, v, new_kv, context, scale)
+                attn, new_kv = self._prefill(q, k, v, context, scale)
             else:
                 keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
                 new_kv, attn = LayerKV(keys, values), _attend(q, keys, values, context, scale)
@@ -511,13 +513,24 @@ class Attention(eqx.Module):
         return out, new_kv
 
     @staticmethod
-    def _prefill(q, k, v, cache: PagedKV, context: PrefillChunk, scale: float):
-        """A fresh chunk attends to its own keys (causal); a later one to its cache row's first
-        pages covering the call's rows (each page's rows gathered) and its own keys. With the CPU
-        kernel, any chunk attends to its cache row in place, the chunk written there (causal)."""
-        Batch, Pos = q.resolve_axis("batch"), q.resolve_axis("position")
+    def _prefill(q, k, v, context: PrefillChunk, scale: float) -> tuple[NamedArray, PagedKV]:
+        """The call's keys/values written into the cache, and its attention; returns both. A fresh
+        chunk attends to its own keys (causal); a later one to its cache row's first pages
+        covering the call's rows (each page's rows gathered) and its own keys. With the CPU
+        kernel, the write and the attention are one kernel call: any piece attends to its cache
+        row in place, the piece written there (causal)."""
         if context.attention == "cpu":
-            return kernels.attend_prefill_cpu(q, cache.pages, context.segments, scale)
+            if len(context.cache.pages) != 1:
+                raise ValueError(f"the CPU kernel's prefill reads one page of the cache, not {len(context.cache.pages)}")
+            attn, page = kernels.prefill_step_cpu(q, k, v, context.cache.pages[0], context.segments, scale)
+            return attn, PagedKV((page,))
+        cache = _write_chunk(context, k, v)
+        return Attention._attend_written(q, k, v, cache, context, scale), cache
+
+    @staticmethod
+    def _attend_written(q, k, v, cache: PagedKV, context: PrefillChunk, scale: float) -> NamedArray:
+        """The XLA way's attention of a prefill chunk once `cache` holds its keys/values."""
+        Batch, Pos = q.resolve_axis("batch"), q.resolve_axis("position")
         if context.fresh:
             C = Pos.size
             mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (Batch.size, C, C)),

@@ -71,21 +71,28 @@ inline float widen(BFloat16 x) {
 
 struct Job {
   const float* q;
-  void* keys;  // float or BFloat16, as `bfloat16` says; written only by a decode step (its page, aliased)
+  void* keys;  // float or BFloat16, as `bfloat16` says; written only by a decode step or a packed prefill
+               // call (the page, aliased)
   void* values;
   bool bfloat16;
   const int32_t* rows = nullptr;  // row b reads cache row rows[b]; none: row b
   const int32_t* lengths;
-  // A packed prefill call (PrefillAttention): its rows are segments of one query row, segment s
-  // the counts[s] positions from offsets[s] (its queries causal times as many). None: rows of
-  // their own, `group` queries each.
+  // A packed prefill call (PrefillAttention): its rows are segments of one row of `stride`
+  // positions, segment s the counts[s] positions from offsets[s], written into the `samples`
+  // cache rows rows[s * samples + i] and read from the first; q, o and the new keys and values
+  // feature first, a row of the call's positions per (KV head, query head, dimension), `group`
+  // query heads a KV head. None: rows of their own, `group` queries each, q and o
+  // [row][kv_head][query][dimension].
   const int32_t* offsets = nullptr;
   const int32_t* counts = nullptr;
+  int64_t stride = 0;
+  int64_t samples = 1;
   float* o;
   float* l;
   float* m;
   // A decode step's write, before any read (DecodeStep): row b's new key/value [batch, kv_heads,
-  // head_dim], stored as the cache is, go to position write_at[b] of cache row b (none out of range).
+  // head_dim], stored as the cache is, go to position write_at[b] of cache row b (none out of
+  // range). A packed prefill call's: [kv_heads, head_dim, positions], each segment's into its rows.
   const void* new_keys = nullptr;
   const void* new_values = nullptr;
   const int32_t* write_at = nullptr;
@@ -173,22 +180,15 @@ inline Queries load(const float* p) {
 
 inline void store(float* p, const Queries& x) { std::memcpy(p, &x, sizeof(x)); }
 
+// The blocks of MANY queries of one KV head over its keys, the queries transposed and zero-padded
+// (qt [dim][width]): the weighted values, transposed and unnormalized (ot [dim][width]), their sums
+// and the scores' maxima (sum, top [width]); s [n][width] is scratch. Never inlined: -ffast-math
+// lets the compiler order a sum's terms differently where it inlines, and both callers
+// (attend_many, prefill_pair) must give a query the same bits.
 template <typename T>
-void attend_many(const float* q, const T* k, const T* v, Reach reach, int64_t group, int64_t dim, float scale,
-                 float* o, float* l, float* m, std::vector<float>& work) {
-  const int64_t n = reach.n;
-  const int64_t width = (group + MANY - 1) / MANY * MANY;
-  // Not zero-filled: every entry is written before it is read, but the padding queries' (below).
-  work.resize((2 * dim + n + 2) * width);
-  float* qt = work.data();       // [dim][width]: the queries, transposed, zero-padded
-  float* ot = qt + dim * width;  // [dim][width]: the weighted values, transposed
-  float* s = ot + dim * width;   // [n][width]: scores, then their exponentials
-  float* top = s + n * width;    // [width]
-  float* sum = top + width;      // [width]
-  for (int64_t d = 0; d < dim; ++d) {
-    for (int64_t g = 0; g < group; ++g) qt[d * width + g] = q[g * dim + d];
-    for (int64_t g = group; g < width; ++g) qt[d * width + g] = 0.0f;
-  }
+__attribute__((noinline)) void attend_blocks(const float* qt, const T* k, const T* v, Reach reach, int64_t group,
+                                             int64_t dim, int64_t width, float scale, float* ot, float* s, float* top,
+                                             float* sum) {
   for (int64_t b = 0; b < width; b += MANY) {
     const int64_t keys = reach(std::min(b + MANY, group) - 1);  // reach grows with the query
     int64_t t = 0;
@@ -234,10 +234,36 @@ void attend_many(const float* q, const T* k, const T* v, Reach reach, int64_t gr
       for (int64_t i = 0; i < dims; ++i) store(ot + (d0 + i) * width + b, acc[i]);
     }
   }
+}
+
+// attend_blocks' buffers in `work`, for `group` queries over up to n keys.
+struct Blocks {
+  int64_t width;
+  float *qt, *ot, *s, *top, *sum;
+  Blocks(std::vector<float>& work, int64_t group, int64_t dim, int64_t n) : width((group + MANY - 1) / MANY * MANY) {
+    // Not zero-filled: every entry is written before it is read, but the padding queries'.
+    work.resize((2 * dim + n + 2) * width);
+    qt = work.data();
+    ot = qt + dim * width;
+    s = ot + dim * width;
+    top = s + n * width;
+    sum = top + width;
+  }
+};
+
+template <typename T>
+void attend_many(const float* q, const T* k, const T* v, Reach reach, int64_t group, int64_t dim, float scale,
+                 float* o, float* l, float* m, std::vector<float>& work) {
+  const Blocks w(work, group, dim, reach.n);
+  for (int64_t d = 0; d < dim; ++d) {
+    for (int64_t g = 0; g < group; ++g) w.qt[d * w.width + g] = q[g * dim + d];
+    for (int64_t g = group; g < w.width; ++g) w.qt[d * w.width + g] = 0.0f;
+  }
+  attend_blocks(w.qt, k, v, reach, group, dim, w.width, scale, w.ot, w.s, w.top, w.sum);
   for (int64_t g = 0; g < group; ++g) {
-    l[g] = sum[g];
-    m[g] = top[g];
-    for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = ot[d * width + g];
+    l[g] = w.sum[g];
+    m[g] = w.top[g];
+    for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = w.ot[d * w.width + g];
   }
 }
 
@@ -247,9 +273,7 @@ struct Span {
 };
 
 Span span(const Job& job, int64_t pair) {
-  if (!job.counts) return {pair * job.group, job.group};
-  const int64_t segment = pair / job.kv_heads, head = pair % job.kv_heads;
-  return {head * job.group + job.offsets[segment] * job.causal, job.counts[segment] * job.causal};
+  return {pair * job.group, job.group};
 }
 
 // (o, l, m) of one (row, KV head), whose queries are `queries`.
@@ -303,6 +327,25 @@ __attribute__((optimize("no-reciprocal-math"))) void normalize(float* o, const f
   }
 }
 
+// The same, for attend_blocks' transposed results (ot [dim][width], l [width], divided in place)
+// into o's rows of `stride` positions, one a dimension (a packed prefill call's columns): the
+// queries of a block of MANY divided at once (vdivps: the same bits as one at a time).
+#if defined(__clang__)
+void normalize_columns(float* o, int64_t stride, float* ot, const float* l, int64_t group, int64_t dim, int64_t width) {
+#pragma float_control(precise, on)
+#else
+__attribute__((optimize("no-reciprocal-math"))) void normalize_columns(float* o, int64_t stride, float* ot,
+                                                                        const float* l, int64_t group, int64_t dim,
+                                                                        int64_t width) {
+#endif
+  const Queries one = Queries{} + 1.0f;
+  for (int64_t b = 0; b < width; b += MANY) {
+    const Queries sum = load(l + b), by = sum > 0.0f ? sum : one;
+    for (int64_t d = 0; d < dim; ++d) store(ot + d * width + b, load(ot + d * width + b) / by);
+  }
+  for (int64_t d = 0; d < dim; ++d) std::memcpy(o + d * stride, ot + d * width, group * sizeof(float));
+}
+
 // A decode step's new key and value of one (row, KV head), into the page before it is read.
 template <typename T>
 void write_step(const Job& job, int64_t pair) {
@@ -319,7 +362,58 @@ void attend_pair(const Job& job, int64_t pair, std::vector<float>& scores) {
   if (job.write_at) write_step<T>(job, pair);
   const Span queries = span(job, pair);
   residuals<T>(job, pair, queries, scores);
-  if (job.normalize) normalize(job.o + queries.first * job.head_dim, job.l + queries.first, queries.count, job.head_dim);
+  if (job.normalize)
+    normalize(job.o + queries.first * job.head_dim, job.l + queries.first, queries.count, job.head_dim);
+}
+
+// A packed prefill call's new keys and values of one KV head, the count positions from `offset`
+// (feature first), into cache row `row` from position `first` on (none out of range).
+template <typename T>
+void write_columns(const Job& job, int64_t row, int64_t head, int64_t first, int64_t offset, int64_t count) {
+  if (row < 0 || row >= job.cache_rows) return;
+  const int64_t D = job.head_dim, P = job.positions, stride = job.stride, end = std::min(count, P - first);
+  const int64_t at = (row * job.kv_heads + head) * P * D + first * D, from = head * D * stride + offset;
+  for (const auto& [cache, given] : {std::pair{job.keys, job.new_keys}, std::pair{job.values, job.new_values}}) {
+    T* to = static_cast<T*>(cache) + at;
+    const T* column = static_cast<const T*>(given) + from;
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t i = 0; i < end; ++i) to[i * D + d] = column[d * stride + i];
+  }
+}
+
+// One (segment, KV head) pair of a packed prefill call: the segment's keys and values written
+// into its cache rows, then each query head's queries of the segment over the first of those
+// rows, causally, in place, normalized. They are read from and written to their
+// columns of q and o (feature first, as the engine's activations: no transpose either side);
+// in blocks of MANY positions of one query head, each query the same chain of operations as in
+// attend_many's blocks, so the same bits as DecodeAttention's causal rows.
+template <typename T>
+void prefill_pair(const Job& job, int64_t pair, std::vector<float>& work) {
+  const int64_t segment = pair / job.kv_heads, head = pair % job.kv_heads;
+  const int64_t count = job.counts[segment], D = job.head_dim, stride = job.stride;
+  const int32_t* rows = job.rows + segment * job.samples;
+  const int64_t cache_row = job.samples > 0 ? rows[0] : -1, first = std::max<int64_t>(0, job.lengths[segment]);
+  for (int64_t i = 0; i < job.samples; ++i) write_columns<T>(job, rows[i], head, first, job.offsets[segment], count);
+  const int64_t n = cache_row < 0 || cache_row >= job.cache_rows ? 0 : std::min(first + count, job.positions);
+  const Reach reach{n, first, 1};
+  const int64_t at = n > 0 ? (cache_row * job.kv_heads + head) * job.positions * D : 0;
+  const T* k = static_cast<const T*>(job.keys) + at;
+  const T* v = static_cast<const T*>(job.values) + at;
+  for (int64_t j = 0; j < job.group && count > 0; ++j) {
+    const int64_t column = (head * job.group + j) * D * stride + job.offsets[segment];
+    float* o = job.o + column;
+    if (n == 0) {
+      for (int64_t d = 0; d < D; ++d) std::fill(o + d * stride, o + d * stride + count, 0.0f);
+      continue;
+    }
+    const Blocks w(work, count, D, n);
+    for (int64_t d = 0; d < D; ++d) {
+      std::memcpy(w.qt + d * w.width, job.q + column + d * stride, count * sizeof(float));
+      std::fill(w.qt + d * w.width + count, w.qt + (d + 1) * w.width, 0.0f);
+    }
+    attend_blocks(w.qt, k, v, reach, count, D, w.width, job.scale, w.ot, w.s, w.top, w.sum);
+    normalize_columns(o, stride, w.ot, w.sum, count, D, w.width);
+  }
 }
 
 // Takes parts until none is left. The calling thread runs this too and then waits only for
@@ -332,10 +426,10 @@ void work(Job& job) {
     if (part >= job.parts) return;
     const int64_t begin = part * job.pairs / job.parts, end = (part + 1) * job.pairs / job.parts;
     for (int64_t pair = begin; pair < end; ++pair) {
-      if (job.bfloat16)
-        attend_pair<BFloat16>(job, pair, scores);
+      if (job.counts)
+        job.bfloat16 ? prefill_pair<BFloat16>(job, pair, scores) : prefill_pair<float>(job, pair, scores);
       else
-        attend_pair<float>(job, pair, scores);
+        job.bfloat16 ? attend_pair<BFloat16>(job, pair, scores) : attend_pair<float>(job, pair, scores);
     }
     job.finished.fetch_add(1, std::memory_order_release);
   }
@@ -343,18 +437,18 @@ void work(Job& job) {
 
 bool bfloat16_bits(ffi::DataType type) { return type == ffi::DataType::BF16 || type == ffi::DataType::U16; }
 
-// Checks the shapes and dtypes the calls share and fills in the job but for its outputs. rows:
-// how many rows (or segments) the call has, each a length in lengths; q's batch, but for a
-// packed prefill call.
-ffi::Error describe(Job& job, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
-                    ffi::Buffer<ffi::S32> lengths, float scale, int64_t causal, int64_t normalize, int64_t rows) {
-  auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[1] != qd[1] || kd[3] != qd[3] ||
+// Checks the shapes and dtypes the calls share and fills in the job but for its outputs: q's
+// kv_heads, group (query heads a KV head, or queries) and head_dim, as its caller read them from
+// q's shape (`expected` says how, for the message). rows: how many rows (or segments) the call
+// has, each a length in lengths.
+ffi::Error describe(Job& job, ffi::Buffer<ffi::F32> q, int64_t kv_heads, int64_t group, int64_t head_dim,
+                    const char* expected, ffi::AnyBuffer keys, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> lengths,
+                    float scale, int64_t causal, int64_t normalize, int64_t rows) {
+  auto kd = keys.dimensions(), vd = values.dimensions();
+  if (q.dimensions().size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[1] != kv_heads || kd[3] != head_dim ||
       vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3] ||
       lengths.element_count() != static_cast<size_t>(rows))
-    return ffi::Error::InvalidArgument(
-        "decode attention: expected q [batch, kv_heads, group, head_dim], keys and values [cache_rows, kv_heads, "
-        "positions, head_dim], lengths [batch]");
+    return ffi::Error::InvalidArgument(expected);
   const ffi::DataType type = keys.element_type();
   if ((type != ffi::DataType::F32 && !bfloat16_bits(type)) || values.element_type() != type)
     return ffi::Error::InvalidArgument(
@@ -364,15 +458,15 @@ ffi::Error describe(Job& job, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi:
   job.values = values.untyped_data();
   job.bfloat16 = type != ffi::DataType::F32;
   job.lengths = lengths.typed_data();
-  job.kv_heads = qd[1];
-  job.group = qd[2];
-  job.head_dim = qd[3];
+  job.kv_heads = kv_heads;
+  job.group = group;
+  job.head_dim = head_dim;
   job.positions = kd[2];
   job.cache_rows = kd[0];
   job.causal = causal;
   job.normalize = normalize != 0;
   job.scale = scale;
-  job.pairs = rows * qd[1];
+  job.pairs = rows * kv_heads;
   return ffi::Error::Success();
 }
 
@@ -386,13 +480,23 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job) {
   while (job->finished.load(std::memory_order_acquire) < job->parts) std::this_thread::yield();
 }
 
+// describe() for the calls whose q is [batch, kv_heads, group, head_dim]: a row a batch entry.
+ffi::Error describe_rows(Job& job, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
+                         ffi::Buffer<ffi::S32> lengths, float scale, int64_t causal, int64_t normalize) {
+  static constexpr char expected[] =
+      "decode attention: expected q [batch, kv_heads, group, head_dim], keys and values [cache_rows, kv_heads, "
+      "positions, head_dim], lengths [batch]";
+  auto qd = q.dimensions();
+  if (qd.size() != 4) return ffi::Error::InvalidArgument(expected);
+  return describe(job, q, qd[1], qd[2], qd[3], expected, keys, values, lengths, scale, causal, normalize, qd[0]);
+}
+
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
                            ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> lengths, float scale, int64_t causal,
                            int64_t normalize, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> l,
                            ffi::ResultBuffer<ffi::F32> m) {
   auto job = std::make_shared<Job>();
-  if (auto error = describe(*job, q, keys, values, lengths, scale, causal, normalize, q.dimensions()[0]); error.failure())
-    return error;
+  if (auto error = describe_rows(*job, q, keys, values, lengths, scale, causal, normalize); error.failure()) return error;
   if (rows.element_count() != static_cast<size_t>(q.dimensions()[0]))
     return ffi::Error::InvalidArgument("decode attention: expected rows [batch]");
   job->rows = rows.typed_data();
@@ -411,7 +515,7 @@ ffi::Error DecodeStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
                       ffi::Buffer<ffi::S32> lengths, float scale, ffi::ResultBuffer<ffi::F32> o,
                       ffi::Result<ffi::AnyBuffer> keys_out, ffi::Result<ffi::AnyBuffer> values_out) {
   auto job = std::make_shared<Job>();
-  if (auto error = describe(*job, q, keys, values, lengths, scale, 0, 1, q.dimensions()[0]); error.failure()) return error;
+  if (auto error = describe_rows(*job, q, keys, values, lengths, scale, 0, 1); error.failure()) return error;
   auto qd = q.dimensions(), nd = new_keys.dimensions();
   const ffi::DataType type = keys.element_type(), given = new_keys.element_type();
   auto vd = new_values.dimensions();
@@ -435,35 +539,63 @@ ffi::Error DecodeStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-// A packed prefill call's attention, normalized: q [1, kv_heads, positions x causal, head_dim] is
-// one row of tokens holding segments of several prompts, segment s the counts[s] positions from
-// offsets[s], written into cache row rows[s] from position starts[s] on (none out of range: its
-// queries come out zero, as do those of no segment). Each query reads its row causally, as
-// DecodeAttention's causal rows do, and gets the same bits.
+// A packed prefill call's keys and values written and its attention, normalized: q [kv_heads,
+// group, head_dim, positions] (group query heads a KV head; feature first, as the engine's
+// activations) is one row of tokens holding segments of several prompts, segment s the counts[s]
+// positions from offsets[s]. Their new keys and values [kv_heads, head_dim, positions], stored as
+// the page is, go to each of the cache rows rows[s, :] (a prompt's samples) from position starts[s]
+// on (none out of range, nor past the page); then each query reads the first of those rows
+// causally, as DecodeAttention's causal rows do, and gets the same bits. A segment whose first
+// row is out of range, and a position in no segment, give zeros. o is q's shape; the page's keys
+// and values are returned, aliased to the arguments: written in place. The segments' rows must
+// differ (the engine's are distinct prompts'): each (segment, KV head) writes and then reads its
+// own, beside the others in other threads.
 ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
-                            ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> offsets,
-                            ffi::Buffer<ffi::S32> counts, float scale, int64_t causal, ffi::ResultBuffer<ffi::F32> o) {
+                            ffi::AnyBuffer new_keys, ffi::AnyBuffer new_values, ffi::Buffer<ffi::S32> rows,
+                            ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> counts,
+                            float scale, ffi::ResultBuffer<ffi::F32> o, ffi::Result<ffi::AnyBuffer> keys_out,
+                            ffi::Result<ffi::AnyBuffer> values_out) {
+  static constexpr char expected[] =
+      "prefill attention: expected q [kv_heads, query heads a KV head, head_dim, positions], keys and values "
+      "[cache_rows, kv_heads, cache positions, head_dim], new keys and values [kv_heads, head_dim, positions], rows "
+      "[segments, samples], starts, offsets and counts [segments]";
+  auto qd = q.dimensions(), rd = rows.dimensions(), nd = new_keys.dimensions(), vd = new_values.dimensions();
+  const size_t segments = starts.element_count();
+  if (qd.size() != 4 || rd.size() != 2 || static_cast<size_t>(rd[0]) != segments || nd.size() != 3 ||
+      nd[0] != qd[0] || nd[1] != qd[2] || nd[2] != qd[3] || !std::equal(nd.begin(), nd.end(), vd.begin(), vd.end()) ||
+      offsets.element_count() != segments || counts.element_count() != segments)
+    return ffi::Error::InvalidArgument(expected);
   auto job = std::make_shared<Job>();
-  const int64_t segments = static_cast<int64_t>(rows.element_count());
-  if (auto error = describe(*job, q, keys, values, starts, scale, causal, 1, segments); error.failure()) return error;
-  const int64_t positions = causal > 0 ? job->group / causal : 0;
-  if (q.dimensions()[0] != 1 || causal <= 0 || job->group != positions * causal ||
-      offsets.element_count() != static_cast<size_t>(segments) || counts.element_count() != static_cast<size_t>(segments))
-    return ffi::Error::InvalidArgument(
-        "prefill attention: expected q [1, kv_heads, positions x causal, head_dim], causal > 0, rows, starts, offsets "
-        "and counts [segments]");
-  for (int64_t s = 0; s < segments; ++s)
-    if (offsets.typed_data()[s] < 0 || counts.typed_data()[s] < 0 ||
-        offsets.typed_data()[s] + counts.typed_data()[s] > positions)
+  if (auto error = describe(*job, q, qd[0], qd[1], qd[2], expected, keys, values, starts, scale, 0, 1, segments);
+      error.failure())
+    return error;
+  const ffi::DataType type = keys.element_type(), given = new_keys.element_type();
+  if (new_values.element_type() != given || (type == ffi::DataType::F32 ? given != type : !bfloat16_bits(given)))
+    return ffi::Error::InvalidArgument("prefill attention: the new keys and values must be stored as the page is");
+  const int64_t positions = qd[3];
+  std::vector<bool> covered(positions, false);
+  for (size_t s = 0; s < segments; ++s) {
+    const int64_t offset = offsets.typed_data()[s], count = counts.typed_data()[s];
+    if (offset < 0 || count < 0 || offset + count > positions)
       return ffi::Error::InvalidArgument("prefill attention: a segment reaches past the call's positions");
+    std::fill(covered.begin() + offset, covered.begin() + offset + count, true);
+  }
+  job->keys = keys_out->untyped_data();  // the same buffer as keys, unless XLA copied it first
+  job->values = values_out->untyped_data();
+  job->new_keys = new_keys.untyped_data();
+  job->new_values = new_values.untyped_data();
   job->rows = rows.typed_data();
+  job->samples = rd[1];
   job->offsets = offsets.typed_data();
   job->counts = counts.typed_data();
+  job->stride = positions;
   job->o = o->typed_data();
-  std::memset(job->o, 0, job->kv_heads * job->group * job->head_dim * sizeof(float));  // queries in no segment: zero
-  std::vector<float> sums_and_maxima(2 * job->kv_heads * job->group);  // l and m: used here, not returned
-  job->l = sums_and_maxima.data();
-  job->m = sums_and_maxima.data() + job->kv_heads * job->group;
+  for (int64_t t = 0, end; t < positions; t = end) {  // the positions in no segment: zero
+    for (end = t + 1; end < positions && covered[end] == covered[t];) ++end;
+    if (covered[t]) continue;
+    for (int64_t line = 0; line < job->kv_heads * job->group * job->head_dim; ++line)
+      std::fill(job->o + line * positions + t, job->o + line * positions + end, 0.0f);
+  }
   run(pool, job);
   return ffi::Error::Success();
 }
@@ -503,10 +635,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeStep, DecodeStep,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelinePrefillAttention, PrefillAttention,
                               bind_page()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows
+                                  .Arg<ffi::AnyBuffer>()  // new keys, stored as the page is
+                                  .Arg<ffi::AnyBuffer>()  // new values
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [segments, samples]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // starts
                                   .Arg<ffi::Buffer<ffi::S32>>()  // offsets
                                   .Arg<ffi::Buffer<ffi::S32>>()  // counts
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("causal")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // o, normalized
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // o, normalized
+                                  .Ret<ffi::AnyBuffer>()  // keys, aliased to the argument
+                                  .Ret<ffi::AnyBuffer>());  // values

@@ -149,14 +149,15 @@ def test_a_decode_step_writes_its_keys_and_attends_in_one_call(stored):
 @pytest.mark.parametrize("chunk, head_dim", [(8, 16), (4, 16), (8, 64), (16, 64), (12, 16)])
 def test_a_prefill_chunk_attends_the_same_through_the_kernel(chunk, head_dim):
     """Prefill chunks of 4 prompts (two query heads per KV head) at positions 20, 37 and 0 of
-    their cache rows, the last a padding row with no cache row: written into the cache, they
-    attend through one kernel call, their prompts' rows read in place, causally, as through the
-    XLA operations (the later chunks their gathered rows over pages of 32, 16 and 16 and their own
-    keys, a first chunk its own keys alone), to float32 rounding; the padding row comes out zero."""
+    their cache rows, the last a padding row with no cache row: written into the cache and
+    attending in one kernel call, their prompts' rows read in place, causally, they write the
+    same cache bits as the XLA operations' scatter, and attend as those do (the later chunks
+    their gathered rows over pages of 32, 16 and 16 and their own keys, a first chunk its own
+    keys alone), to float32 rounding; the padding row comes out zero and writes nothing."""
     from haliax import Axis
 
     from engine.jax_compat import hax
-    from engine.llama import Attention, LayerKV, PagedKV, PrefillChunk, PrefillSegments, _write_chunk
+    from engine.llama import Attention, LayerKV, PagedKV, PrefillChunk, PrefillSegments
 
     keys = iter(jax.random.split(jax.random.key(head_dim + chunk), 5))
     Batch, Pos, KVHeads, HeadDim = Axis("batch", 4), Axis("position", chunk), Axis("kv_heads", 2), Axis("head_dim", head_dim)
@@ -175,51 +176,75 @@ def test_a_prefill_chunk_attends_the_same_through_the_kernel(chunk, head_dim):
     def attend(q, k, v, rows, attention: str, fresh: bool = False):
         q, k, v = (hax.named(x.array[rows], (Axis("batch", len(rows)),) + x.axes[1:]) for x in (q, k, v))
         cache = PagedKV((page,) if attention == "cpu" else pages)
-        segments = PrefillSegments(slots[rows, 0], starts[rows], jnp.arange(len(rows)) * chunk, jnp.full(len(rows), chunk))
+        segments = PrefillSegments(slots[rows, 0], starts[rows], jnp.arange(len(rows)) * chunk, jnp.full(len(rows), chunk),
+                                   slots[rows])
         write_rows = jnp.broadcast_to(slots[rows][:, None, :], (len(rows), chunk, 1))
         context = PrefillChunk(cache, write_rows, positions[rows], write_positions[rows], segments,
                                jnp.max(starts[rows]) + chunk, fresh, attention)
-        return Attention._prefill(q, k, v, _write_chunk(context, k, v), context, 0.25).rearrange(
-            ("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array
+        attn, written = Attention._prefill(q, k, v, context, 0.25)
+        keys = jnp.concatenate([p.k.array for p in written.pages], axis=2)  # the pages' positions, end to end
+        return attn.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array, keys
 
     everything, later, first = jnp.arange(4), jnp.asarray([0, 1]), jnp.asarray([2])
-    got = attend(q, k, v, everything, "cpu")
-    np.testing.assert_allclose(got[:2], attend(q, k, v, later, "xla"), rtol=3e-6, atol=3e-6)
-    np.testing.assert_allclose(got[2:3], attend(q, k, v, first, "xla", fresh=True), rtol=3e-6, atol=3e-6)
+    got, keys = attend(q, k, v, everything, "cpu")
+    assert np.array_equal(keys, attend(q, k, v, everything, "xla")[1])
+    assert not np.array_equal(keys, page.k.array)
+    np.testing.assert_allclose(got[:2], attend(q, k, v, later, "xla")[0], rtol=3e-6, atol=3e-6)
+    np.testing.assert_allclose(got[2:3], attend(q, k, v, first, "xla", fresh=True)[0], rtol=3e-6, atol=3e-6)
     assert float(jnp.max(jnp.abs(got[3]))) == 0
     assert str(jax.make_jaxpr(attend, static_argnums=(4, 5))(q, k, v, everything, "cpu")).count("ffi_call[") == 1
 
 
 @pytest.mark.parametrize("stored", [jnp.float32, cpu_attention.BFLOAT16_BITS])
-def test_a_packed_prefill_call_gives_each_query_the_bits_of_its_own_row(stored):
+def test_a_packed_prefill_call_writes_its_pieces_and_gives_each_query_the_bits_of_its_own_row(stored):
     """A packed prefill call's one row of tokens holds pieces of prompts (5, 32, 1, 17 and 40
-    positions; the last with no cache row, then 7 positions in no piece): each piece's queries
-    (3 query heads a KV head) get the very bits they get as a causal row of their own, and a
-    prompt's 40 queries the same bits cut into two pieces anywhere. No row, no piece: zeros."""
+    positions; the last with no cache row, then 7 positions in no piece), feature first. Each
+    piece's keys and values land in its prompt's rows (two samples for the first, from where the
+    piece starts; rounded as the cache stores them) and nothing else changes; then each piece's
+    queries (3 query heads a KV head) get the very bits they get as a causal row of their own over
+    that page, and a prompt's 40 queries the same bits, and its page, cut into two calls anywhere.
+    No row, no piece: zeros."""
     kv_heads, per_kv, dim, positions = 2, 3, 64, 96
-    k1, k2, k3 = jax.random.split(jax.random.key(11), 3)
-    keys, values = (jax.random.normal(k, (5, kv_heads, positions, dim)) for k in (k1, k2))
-    if stored == cpu_attention.BFLOAT16_BITS:
-        keys, values = (jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16) for x in (keys, values))
-    counts, starts, rows = [5, 32, 1, 17, 40], [0, 10, 3, 50, 0], [0, 1, 2, 3, 9]
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(11), 4)
+    page = [cpu_attention.as_stored(jax.random.normal(k, (6, kv_heads, positions, dim)), stored) for k in (k1, k2)]
+    counts, starts, rows = [5, 32, 1, 17, 40], [0, 10, 3, 50, 0], [[0, 5], [1, 9], [2, 9], [3, 9], [9, 9]]
     offsets = np.cumsum([0] + counts[:-1])
-    q = jax.random.normal(k3, (kv_heads, (sum(counts) + 7) * per_kv, dim))
-    packed = cpu_attention.prefill_attention(q, keys, values, (rows, starts, offsets, counts), 0.125, causal=per_kv)
-    for row, start, offset, count in zip(rows, starts, offsets, counts):
-        span = slice(offset * per_kv, (offset + count) * per_kv)
-        alone, _, _ = cpu_attention.page_residuals(q[None, :, span], keys, values, jnp.asarray([start]), 0.125,
-                                                   rows=jnp.asarray([row]), causal=per_kv, normalize=True)
-        assert np.array_equal(packed[:, span], alone[0]), (row, count)
-    assert float(jnp.max(jnp.abs(packed[:, 55 * per_kv:]))) == 0  # the piece with no row, and no piece
-    assert float(jnp.min(jnp.abs(packed[:, : 55 * per_kv]).max(axis=-1))) > 0
+    q = jax.random.normal(k3, (kv_heads, per_kv, dim, sum(counts) + 7))  # feature first, as the engine's activations
+    new = jax.random.normal(k4, (2, kv_heads, dim, sum(counts) + 7))
+    packed, *written = cpu_attention.prefill_step(q, *page, *new, (rows, starts, offsets, counts), 0.125)
 
-    whole = cpu_attention.prefill_attention(q[:, : 40 * per_kv], keys, values, ([1], [0], [0], [40]), 0.125, causal=per_kv)
-    for cut in (1, 5, 16, 32, 39):
-        pieces = ([1, 1], [0, cut], [0, cut], [cut, 40 - cut])
-        assert np.array_equal(cpu_attention.prefill_attention(q[:, : 40 * per_kv], keys, values, pieces, 0.125,
-                                                              causal=per_kv), whole), cut
+    want = [np.array(x) for x in page]
+    for (row, *more), start, offset, count in zip(rows, starts, offsets, counts):
+        for cache, given in zip(want, new):
+            for r in [row, *more]:
+                if r < 6:
+                    cache[r, :, start : start + count] = np.transpose(cpu_attention.as_stored(given[..., offset : offset + count], stored), (0, 2, 1))
+    for got, expected in zip(written, want):
+        assert got.dtype == stored and np.array_equal(got, expected)
+    assert int(np.sum(np.any(want[0] != np.asarray(page[0]), axis=-1))) == kv_heads * (2 * 5 + 32 + 1 + 17)
+
+    for (row, _), start, offset, count in zip(rows, starts, offsets, counts):
+        span = slice(offset, offset + count)
+        rows_first = jnp.transpose(q[..., span], (0, 3, 1, 2)).reshape(1, kv_heads, count * per_kv, dim)
+        alone, _, _ = cpu_attention.page_residuals(rows_first, *written, jnp.asarray([start]), 0.125,
+                                                   rows=jnp.asarray([row]), causal=per_kv, normalize=True)
+        feature_first = jnp.transpose(alone[0].reshape(kv_heads, count, per_kv, dim), (0, 2, 3, 1))
+        assert np.array_equal(packed[..., span], feature_first), (row, count)
+    assert float(jnp.max(jnp.abs(packed[..., 55:]))) == 0  # the piece with no row, and no piece
+    assert float(jnp.min(jnp.abs(packed[..., :55]).max(axis=2))) > 0
+
+    def one_prompt(start: int, end: int, cache, offset: int = 0):  # its positions start..end-1 in one call
+        pieces = ([[1]], [start], [offset], [end - start])
+        return cpu_attention.prefill_step(q[..., start:end], *cache, *new[..., start:end], pieces, 0.125)
+
+    whole, *whole_page = one_prompt(0, 40, page)
+    for cut in (1, 5, 16, 32, 39):  # as the engine cuts a prompt: the calls before wrote its start
+        first, *cache = one_prompt(0, cut, page)
+        rest, *cache = one_prompt(cut, 40, cache)
+        assert np.array_equal(jnp.concatenate([first, rest], axis=-1), whole), cut
+        assert all(np.array_equal(a, b) for a, b in zip(cache, whole_page)), cut
     with pytest.raises(Exception, match="a segment reaches past the call's positions"):
-        cpu_attention.prefill_attention(q[:, : 40 * per_kv], keys, values, ([1], [0], [30], [11]), 0.125, causal=per_kv)
+        one_prompt(0, 10, page, offset=1)
 
 
 def test_the_kernel_is_built_once_per_source_and_machine(tmp_path, monkeypatch):
