@@ -383,10 +383,10 @@ void write_columns(const Job& job, int64_t row, int64_t head, int64_t first, int
 
 // One (segment, KV head) pair of a packed prefill call: the segment's keys and values written
 // into its cache rows, then each query head's queries of the segment over the first of those
-// rows, causally, in place, normalized. They are read from and written to their
-// columns of q and o (feature first, as the engine's activations: no transpose either side);
+// rows, causally, in place, normalized. The queries and results are read from and written to
+// their columns of q and o (feature first, as the engine's activations: no transpose outside),
 // in blocks of MANY positions of one query head, each query the same chain of operations as in
-// attend_many's blocks, so the same bits as DecodeAttention's causal rows.
+// attend_many's blocks: the same bits as DecodeAttention's causal rows.
 template <typename T>
 void prefill_pair(const Job& job, int64_t pair, std::vector<float>& work) {
   const int64_t segment = pair / job.kv_heads, head = pair % job.kv_heads;
