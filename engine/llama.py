@@ -376,7 +376,8 @@ class PrefillSegments(NamedTuple):
     lengths: jax.Array
     samples: jax.Array | None = None
     """[segments, n]: the cache rows of each segment's prompt's samples, rows = samples[:, 0]; the
-    CPU kernel writes the segment's keys/values into each (the XLA way: `PrefillChunk.write_rows`)."""
+    CPU kernel writes the segment's keys/values into each (None: rows alone; the XLA way writes
+    `PrefillChunk.write_rows`)."""
 
 
 class PrefillChunk(NamedTuple):
