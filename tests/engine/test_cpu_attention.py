@@ -213,11 +213,12 @@ def test_a_packed_prefill_call_writes_its_pieces_and_gives_each_query_the_bits_o
     packed, *written = cpu_attention.prefill_step(q, *page, *new, (rows, starts, offsets, counts), 0.125)
 
     want = [np.array(x) for x in page]
-    for (row, *more), start, offset, count in zip(rows, starts, offsets, counts):
+    for samples, start, offset, count in zip(rows, starts, offsets, counts):
         for cache, given in zip(want, new):
-            for r in [row, *more]:
-                if r < 6:
-                    cache[r, :, start : start + count] = np.transpose(cpu_attention.as_stored(given[..., offset : offset + count], stored), (0, 2, 1))
+            piece = np.transpose(cpu_attention.as_stored(given[..., offset : offset + count], stored), (0, 2, 1))
+            for r in samples:
+                if r < 6:  # 9: out of range, no row
+                    cache[r, :, start : start + count] = piece
     for got, expected in zip(written, want):
         assert got.dtype == stored and np.array_equal(got, expected)
     assert int(np.sum(np.any(want[0] != np.asarray(page[0]), axis=-1))) == kv_heads * (2 * 5 + 32 + 1 + 17)
