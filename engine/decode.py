@@ -225,7 +225,7 @@ def prefill_chunk(
     positions = jnp.where(valid, starts[piece] + flat - offsets[piece], 0).reshape(R, C)
     write_positions = jnp.where(valid.reshape(R, C), positions, seq_len)  # out of range: dropped
     write_rows = jnp.where(valid[:, None], slots[piece], num_slots).reshape(R, C, n)
-    segments = PrefillSegments(slots[:, 0], starts, offsets, lengths, slots)
+    segments = PrefillSegments(slots, starts, offsets, lengths)
     reach = jnp.max(starts + lengths)
     attention = "cpu" if spec.prefill_in_place else "xla"
     contexts = tuple(PrefillChunk(kv, write_rows, positions, write_positions, segments, reach, fresh, attention)

@@ -335,8 +335,7 @@ def prefill_step_cpu(q: NamedArray, k: NamedArray, v: NamedArray, page, segments
     heads, per_kv, dim, batch, chunk = q.array.shape
     k, v = (x.rearrange(("kv_heads", "head_dim", "batch", "position")).array.reshape(heads, dim, batch * chunk)
             for x in (k, v))
-    samples = segments.rows[:, None] if segments.samples is None else segments.samples  # one sample a prompt
-    rows = (samples, segments.starts, segments.offsets, segments.lengths)
+    rows = (segments.samples, segments.starts, segments.offsets, segments.lengths)
     out, keys, values = cpu_attention.prefill_step(q.array.reshape(heads, per_kv, dim, batch * chunk), page.k.array,
                                                    page.v.array, k, v, rows, scale)
     return (hax.named(out.reshape(q.array.shape), tuple(q.resolve_axis(a) for a in axes)),

@@ -366,18 +366,20 @@ def _attend_pages(q: NamedArray, parts, scale: float) -> NamedArray:
 class PrefillSegments(NamedTuple):
     """Where a prefill call's prompts are in its tokens (batch, position), read row-major as one
     row: segment s is the lengths[s] tokens from offsets[s], the piece of a prompt from its
-    position starts[s] on, whose keys/values go to cache row rows[s] (out of range: none; the
-    samples of one prompt share its prefill, the first sample's row read). Unused entries have
-    length 0. The XLA way, segment r is batch row r: offsets r x position."""
+    position starts[s] on, whose keys/values go to the cache rows samples[s] [segments, n] (out
+    of range: none; the samples of one prompt share its prefill, the first sample's row read:
+    `rows`). Unused entries have length 0. The XLA way, segment r is batch row r: offsets r x
+    position, and the keys/values go where `PrefillChunk.write_rows` says."""
 
-    rows: jax.Array
+    samples: jax.Array
     starts: jax.Array
     offsets: jax.Array
     lengths: jax.Array
-    samples: jax.Array | None = None
-    """[segments, n]: the cache rows of each segment's prompt's samples, rows = samples[:, 0]; the
-    CPU kernel writes the segment's keys/values into each (None: rows alone; the XLA way writes
-    `PrefillChunk.write_rows`)."""
+
+    @property
+    def rows(self) -> jax.Array:
+        """[segments]: the cache row each segment reads, its prompt's first sample's."""
+        return self.samples[:, 0]
 
 
 class PrefillChunk(NamedTuple):

@@ -176,7 +176,7 @@ def test_a_prefill_chunk_attends_the_same_through_the_kernel(chunk, head_dim):
     def attend(q, k, v, rows, attention: str, fresh: bool = False):
         q, k, v = (hax.named(x.array[rows], (Axis("batch", len(rows)),) + x.axes[1:]) for x in (q, k, v))
         cache = PagedKV((page,) if attention == "cpu" else pages)
-        segments = PrefillSegments(slots[rows, 0], starts[rows], jnp.arange(len(rows)) * chunk, jnp.full(len(rows), chunk))
+        segments = PrefillSegments(slots[rows], starts[rows], jnp.arange(len(rows)) * chunk, jnp.full(len(rows), chunk))
         write_rows = jnp.broadcast_to(slots[rows][:, None, :], (len(rows), chunk, 1))
         context = PrefillChunk(cache, write_rows, positions[rows], write_positions[rows], segments,
                                jnp.max(starts[rows]) + chunk, fresh, attention)
