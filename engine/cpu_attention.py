@@ -212,14 +212,8 @@ def decode_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.
     the page written in place (XLA aliases it to the call's result; a page still read elsewhere
     is copied first). keys/values are float32 or `BFLOAT16_BITS`, as the engine stores them; the
     new ones are rounded to that (`as_stored`)."""
-    _require()
-    if keys.dtype not in (jnp.float32, BFLOAT16_BITS) or values.dtype != keys.dtype:
-        raise ValueError(f"a decode step's page is float32 or bfloat16's bits (uint16), not {keys.dtype}/{values.dtype}")
-    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(keys.shape, keys.dtype),
-              jax.ShapeDtypeStruct(values.shape, values.dtype))
-    call = jax.ffi.ffi_call(STEP_TARGET, shapes, input_output_aliases={1: 1, 2: 2})
-    return call(q.astype(jnp.float32), keys, values, as_stored(new_keys, keys.dtype), as_stored(new_values, keys.dtype),
-                write_at.astype(jnp.int32), lengths.astype(jnp.int32), scale=np.float32(scale))
+    return _write_and_attend(STEP_TARGET, "a decode step", q, keys, values, new_keys, new_values,
+                             write_at.astype(jnp.int32), lengths.astype(jnp.int32), scale=np.float32(scale))
 
 
 def prefill_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
@@ -236,15 +230,26 @@ def prefill_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax
     differ (each segment is written and read beside the others, in threads): the pieces of one
     prompt go in separate calls. Returns (attention, q's shape, float32; keys; values): the page
     written in place, as `decode_step`'s."""
+    rows, starts, offsets, counts = (jnp.asarray(x, jnp.int32) for x in segments)
+    return _write_and_attend(PREFILL_TARGET, "a prefill call", q, keys, values, new_keys, new_values,
+                             rows.reshape(len(starts), -1), starts, offsets, counts, scale=np.float32(scale))
+
+
+def _write_and_attend(target: str, what: str, q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array,
+                      new_values: jax.Array, *rest: jax.Array, **attributes):
+    """Calls a target that writes new keys/values into the page and attends over it (`decode_step`,
+    `prefill_step`): q in float32, the page as the engine stores it (float32 or `BFLOAT16_BITS`;
+    `what` names the call in the error otherwise), the new keys/values rounded to that, then the
+    target's own arguments. Returns (attention, q's shape; keys; values), the page aliased to
+    the arguments: written in place."""
     _require()
     if keys.dtype not in (jnp.float32, BFLOAT16_BITS) or values.dtype != keys.dtype:
-        raise ValueError(f"a prefill call's page is float32 or bfloat16's bits (uint16), not {keys.dtype}/{values.dtype}")
-    rows, starts, offsets, counts = (jnp.asarray(x, jnp.int32) for x in segments)
+        raise ValueError(f"{what}'s page is float32 or bfloat16's bits (uint16), not {keys.dtype}/{values.dtype}")
     shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(keys.shape, keys.dtype),
               jax.ShapeDtypeStruct(values.shape, values.dtype))
-    call = jax.ffi.ffi_call(PREFILL_TARGET, shapes, input_output_aliases={1: 1, 2: 2})
+    call = jax.ffi.ffi_call(target, shapes, input_output_aliases={1: 1, 2: 2})
     return call(q.astype(jnp.float32), keys, values, as_stored(new_keys, keys.dtype), as_stored(new_values, keys.dtype),
-                rows.reshape(len(starts), -1), starts, offsets, counts, scale=np.float32(scale))
+                *rest, **attributes)
 
 
 def _as_read(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -480,6 +480,22 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job) {
   while (job->finished.load(std::memory_order_acquire) < job->parts) std::this_thread::yield();
 }
 
+// For the targets that write into the page before reading it (DecodeStep, PrefillAttention): the
+// new keys and values, which must be stored as the page is (`mismatch` otherwise), and the page
+// the job writes, the call's results, aliased to its arguments.
+ffi::Error describe_writes(Job& job, ffi::AnyBuffer keys, ffi::AnyBuffer new_keys, ffi::AnyBuffer new_values,
+                           ffi::Result<ffi::AnyBuffer>& keys_out, ffi::Result<ffi::AnyBuffer>& values_out,
+                           const char* mismatch) {
+  const ffi::DataType type = keys.element_type(), given = new_keys.element_type();
+  if (new_values.element_type() != given || (type == ffi::DataType::F32 ? given != type : !bfloat16_bits(given)))
+    return ffi::Error::InvalidArgument(mismatch);
+  job.keys = keys_out->untyped_data();  // the same buffer as keys, unless XLA copied it first
+  job.values = values_out->untyped_data();
+  job.new_keys = new_keys.untyped_data();
+  job.new_values = new_values.untyped_data();
+  return ffi::Error::Success();
+}
+
 // describe() for the calls whose q is [batch, kv_heads, group, head_dim]: a row a batch entry.
 ffi::Error describe_rows(Job& job, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
                          ffi::Buffer<ffi::S32> lengths, float scale, int64_t causal, int64_t normalize) {
@@ -517,19 +533,16 @@ ffi::Error DecodeStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   auto job = std::make_shared<Job>();
   if (auto error = describe_rows(*job, q, keys, values, lengths, scale, 0, 1); error.failure()) return error;
   auto qd = q.dimensions(), nd = new_keys.dimensions();
-  const ffi::DataType type = keys.element_type(), given = new_keys.element_type();
   auto vd = new_values.dimensions();
   if (keys.dimensions()[0] != qd[0] || nd.size() != 3 || nd[0] != qd[0] || nd[1] != qd[1] || nd[2] != qd[3] ||
       !std::equal(nd.begin(), nd.end(), vd.begin(), vd.end()) || write_at.element_count() != static_cast<size_t>(qd[0]))
     return ffi::Error::InvalidArgument(
         "decode step: expected keys and values [batch, kv_heads, positions, head_dim], new keys and values [batch, "
         "kv_heads, head_dim], write_at [batch]");
-  if (new_values.element_type() != given || (type == ffi::DataType::F32 ? given != type : !bfloat16_bits(given)))
-    return ffi::Error::InvalidArgument("decode step: the new keys and values must be stored as the page is");
-  job->keys = keys_out->untyped_data();  // the same buffer as keys, unless XLA copied it first
-  job->values = values_out->untyped_data();
-  job->new_keys = new_keys.untyped_data();
-  job->new_values = new_values.untyped_data();
+  if (auto error = describe_writes(*job, keys, new_keys, new_values, keys_out, values_out,
+                                   "decode step: the new keys and values must be stored as the page is");
+      error.failure())
+    return error;
   job->write_at = write_at.typed_data();
   job->o = o->typed_data();
   std::vector<float> sums_and_maxima(2 * job->pairs * job->group);  // l and m: used here, not returned
@@ -569,9 +582,10 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   if (auto error = describe(*job, q, qd[0], qd[1], qd[2], expected, keys, values, starts, scale, 0, 1, segments);
       error.failure())
     return error;
-  const ffi::DataType type = keys.element_type(), given = new_keys.element_type();
-  if (new_values.element_type() != given || (type == ffi::DataType::F32 ? given != type : !bfloat16_bits(given)))
-    return ffi::Error::InvalidArgument("prefill attention: the new keys and values must be stored as the page is");
+  if (auto error = describe_writes(*job, keys, new_keys, new_values, keys_out, values_out,
+                                   "prefill attention: the new keys and values must be stored as the page is");
+      error.failure())
+    return error;
   const int64_t positions = qd[3];
   std::vector<bool> covered(positions, false);
   for (size_t s = 0; s < segments; ++s) {
@@ -580,10 +594,6 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       return ffi::Error::InvalidArgument("prefill attention: a segment reaches past the call's positions");
     std::fill(covered.begin() + offset, covered.begin() + offset + count, true);
   }
-  job->keys = keys_out->untyped_data();  // the same buffer as keys, unless XLA copied it first
-  job->values = values_out->untyped_data();
-  job->new_keys = new_keys.untyped_data();
-  job->new_values = new_values.untyped_data();
   job->rows = rows.typed_data();
   job->samples = rd[1];
   job->offsets = offsets.typed_data();
