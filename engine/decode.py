@@ -63,7 +63,7 @@ from engine.llama import (
     DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, PrefillSegments, by_pages, cache_pages, page_spans,
     set_rows,
 )
-from engine.sampler import empty_keys, row_keys, sample, step_keys
+from engine.sampler import draws, empty_keys, row_keys, sample_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,12 +246,15 @@ def prefill_chunk(
     # same tokens either way (each column is drawn alone), over the fewer columns. A greedy call
     # of 16 rows in a lane of 32 took its best tokens over 16 columns instead of a gathered 32
     # (the prefill-heavy run's prefill 2-4 % less).
-    pair_keys = row_keys(spec.sampling.seed, jnp.repeat(prompt_index, n), sample_index.reshape(-1))
+    if draws(spec.sampling):
+        pair_keys = row_keys(spec.sampling.seed, jnp.repeat(prompt_index, n), sample_index.reshape(-1))
+    else:
+        pair_keys = empty_keys(S * n)
     pair_logits = jnp.repeat(logits, n, axis=1)
     if S * n <= num_slots:
-        first = sample(pair_logits, step_keys(pair_keys, jnp.zeros(S * n, jnp.int32)), spec.sampling)[j]
+        first = sample_at(pair_logits, pair_keys, jnp.zeros(S * n, jnp.int32), spec.sampling)[j]
     else:
-        first = sample(pair_logits[:, j], step_keys(pair_keys[j], jnp.zeros(num_slots, jnp.int32)), spec.sampling)
+        first = sample_at(pair_logits[:, j], pair_keys[j], jnp.zeros(num_slots, jnp.int32), spec.sampling)
     keys = pair_keys[j]
     done = _is_stop(first, spec.stop_ids) | (spec.sampling.max_new_tokens <= 1)
     state = DecodeState(
@@ -377,7 +380,7 @@ def _step(model: LlamaLM, st: DecodeState, out: jax.Array, i: jax.Array, context
         hax.named(st.last_token[:, None], (Batch, Pos)), hax.named(st.position[:, None], (Batch, Pos)), contexts,
     )
     logits = model.logits(hidden["position", 0]).rearrange(("vocab", "batch")).array
-    token = sample(logits, step_keys(st.keys, st.generated), spec.sampling)
+    token = sample_at(logits, st.keys, st.generated, spec.sampling)
     live = ~st.done
     generated = st.generated + live
     done = st.done | (live & (_is_stop(token, spec.stop_ids) | (generated >= spec.sampling.max_new_tokens)))

@@ -6,7 +6,9 @@ slot or host it ran in. It does not own stop strings (the host checks those, see
 
     params = SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9)
     keys = row_keys(params.seed, prompt_index, sample_index)       # [rows]
-    tokens = sample(logits, step_keys(keys, steps), params)         # logits [vocab, rows] -> [rows]
+    tokens = sample_at(logits, keys, steps, params)                 # logits [vocab, rows] -> [rows]
+
+A greedy choice draws nothing, so a greedy program hashes no key (`draws`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,22 @@ def empty_keys(rows: int) -> jax.Array:
 def step_keys(keys: jax.Array, steps: jax.Array) -> jax.Array:
     """The key for each row's token number `steps` (0 = the token sampled from the prefill)."""
     return jax.vmap(jax.random.fold_in)(keys, steps)
+
+
+def draws(params: SamplingParams) -> bool:
+    """Whether the choice draws random numbers: a greedy one does not, so its programs need no
+    keys. Each fold_in lowers to a threefry hash traced anew for its shape: leaving the three of a
+    greedy prefill program out took 0.1-0.2 s off a warm process's program time
+    (cpu-mixed-prefill, docs/performance-notes.md)."""
+    return params.temperature != 0.0
+
+
+def sample_at(logits: jax.Array, keys: jax.Array, steps: jax.Array, params: SamplingParams) -> jax.Array:
+    """`sample` of each row's token number `steps`, given the rows' keys (`row_keys`): the step
+    keys are derived only when the choice draws."""
+    if not draws(params):
+        return greedy(logits)
+    return sample(logits, step_keys(keys, steps), params)
 
 
 ARGMAX_BLOCK = 128

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine import SamplingParams
-from engine.sampler import greedy, inverse_cdf, row_keys, sample, step_keys, top_k
+from engine.sampler import greedy, inverse_cdf, row_keys, sample, sample_at, step_keys, top_k
 
 
 def _keys(rows: int, seed: int = 0):
@@ -62,6 +62,23 @@ def test_a_rows_token_depends_on_its_own_logits_and_key_only():
     shuffled = np.asarray(sample(jnp.asarray(logits[:, order]), keys[order], params))
     assert shuffled.tolist() == tokens[order].tolist()
     assert len(set(tokens.tolist())) > 8  # not a constant
+
+
+def test_sample_at_hashes_keys_only_when_it_draws():
+    """A row's token number t draws with fold_in(its row key, t); a greedy program hashes no key
+    at all (each fold_in is a threefry hash to trace and lower: program time on every run)."""
+    rng = np.random.default_rng(4)
+    logits = jnp.asarray(rng.standard_normal((500, 8)).astype(np.float32))
+    keys = row_keys(3, jnp.arange(8), jnp.zeros(8, jnp.int32))
+    steps = jnp.arange(8, dtype=jnp.int32) * 5
+    sampled = SamplingParams(temperature=0.9, top_p=0.95)
+    assert (np.asarray(sample_at(logits, keys, steps, sampled)).tolist()
+            == np.asarray(sample(logits, step_keys(keys, steps), sampled)).tolist())
+    greedy_params = SamplingParams()
+    assert np.asarray(sample_at(logits, keys, steps, greedy_params)).tolist() == np.argmax(np.asarray(logits), axis=0).tolist()
+    lowered = {name: jax.jit(lambda x, k, t, p=p: sample_at(x, k, t, p)).lower(logits, keys, steps).as_text()
+               for name, p in (("greedy", greedy_params), ("sampled", sampled))}
+    assert "threefry" in lowered["sampled"] and "threefry" not in lowered["greedy"]
 
 
 def _drawn(logits: np.ndarray, params: SamplingParams, seed: int = 0) -> np.ndarray:
