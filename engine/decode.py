@@ -248,7 +248,7 @@ def prefill_chunk(
     # (the prefill-heavy run's prefill 2-4 % less).
     if draws(spec.sampling):
         pair_keys = row_keys(spec.sampling.seed, jnp.repeat(prompt_index, n), sample_index.reshape(-1))
-    else:
+    else:  # a greedy choice draws nothing: no key is hashed (sampler.draws)
         pair_keys = empty_keys(S * n)
     pair_logits = jnp.repeat(logits, n, axis=1)
     if S * n <= num_slots:
