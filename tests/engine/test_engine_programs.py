@@ -203,3 +203,5 @@ def test_bfloat16_programs_neither_copy_nor_convert_a_weight(tmp_path):
                      if (m := shaped.search(line)) and {(int(m[2]), int(m[3])), (int(m[3]), int(m[2]))} & weights
                      and any(op in m[1] or op == m[4] for op in ("copy", "convert")) and "bitcast-convert" not in line]
         assert not offending, (key[0], offending[:4])
+        # Greedy: no program hashes a row's key (sampler.draws), kept in the decode state or not.
+        assert "threefry" not in compiled.as_text(), key[0]
