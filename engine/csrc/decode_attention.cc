@@ -157,8 +157,8 @@ void attend(const float* q, const T* k, const T* v, Reach reach, int64_t group, 
 }
 
 // Many queries of one KV head (a prefill chunk's tokens: MANY or more). Here the work is compute,
-// not reading the cache, so it is laid out for the vector units: the queries are transposed and
-// every inner loop runs across MANY of them, one vector. Scores take KEYS keys at a time, each
+// not reading the cache, so it is laid out for the vector units: the queries are transposed, in
+// blocks of MANY, and every inner loop runs across the MANY of a block, one vector. Scores take KEYS keys at a time, each
 // its own chain of fused multiply-adds over head_dim, and the weighted values accumulate
 // transposed, VALUE_DIMS dimensions at a time: independent chains, no sum across vector lanes.
 // Each block of MANY queries reads only the keys its last (furthest-reaching) query reaches:
@@ -180,36 +180,39 @@ inline Queries load(const float* p) {
 
 inline void store(float* p, const Queries& x) { std::memcpy(p, &x, sizeof(x)); }
 
-// The blocks of MANY queries of one KV head over its keys, the queries transposed and zero-padded
-// (qt [dim][width]): the weighted values, transposed and unnormalized (ot [dim][width]), their sums
-// and the scores' maxima (sum, top [width]); s [n][width] is scratch. Never inlined: -ffast-math
-// lets the compiler order a sum's terms differently where it inlines, and both callers
-// (attend_many, prefill_pair) must give a query the same bits.
-template <typename T>
-__attribute__((noinline)) void attend_blocks(const float* qt, const T* k, const T* v, Reach reach, int64_t group,
+// The blocks of MANY queries of one KV head over its keys (float32: a bfloat16 page's `widened`
+// first), the queries transposed and zero-padded (qt [width / MANY][dim][MANY], `blocked_at`): the
+// weighted values, transposed and unnormalized (ot, as qt), their sums and the scores' maxima (sum,
+// top [width]); s [n][MANY] is scratch. A block's queries, scores and results are each contiguous:
+// laid out [dim][width], a long prompt's (width 512: rows 2 KB apart) fell into the same few sets
+// of the first-level cache and evicted each other, and a piece of 512 positions took 1.4x as long.
+// Never inlined: -ffast-math lets the compiler order a sum's terms differently where it inlines,
+// and both callers (attend_many, prefill_pair) must give a query the same bits.
+__attribute__((noinline)) void attend_blocks(const float* qt, const float* k, const float* v, Reach reach, int64_t group,
                                              int64_t dim, int64_t width, float scale, float* ot, float* s, float* top,
                                              float* sum) {
   for (int64_t b = 0; b < width; b += MANY) {
     const int64_t keys = reach(std::min(b + MANY, group) - 1);  // reach grows with the query
+    const float* qb = qt + b * dim;
     int64_t t = 0;
     for (; t + KEYS <= keys; t += KEYS) {
       Queries acc[KEYS] = {};
       for (int64_t d = 0; d < dim; ++d) {
-        const Queries qd = load(qt + d * width + b);
-        for (int64_t i = 0; i < KEYS; ++i) acc[i] += qd * widen(k[(t + i) * dim + d]);
+        const Queries qd = load(qb + d * MANY);
+        for (int64_t i = 0; i < KEYS; ++i) acc[i] += qd * k[(t + i) * dim + d];
       }
-      for (int64_t i = 0; i < KEYS; ++i) store(s + (t + i) * width + b, acc[i] * scale);
+      for (int64_t i = 0; i < KEYS; ++i) store(s + (t + i) * MANY, acc[i] * scale);
     }
     for (; t < keys; ++t) {
       Queries acc = {};
-      for (int64_t d = 0; d < dim; ++d) acc += load(qt + d * width + b) * widen(k[t * dim + d]);
-      store(s + t * width + b, acc * scale);
+      for (int64_t d = 0; d < dim; ++d) acc += load(qb + d * MANY) * k[t * dim + d];
+      store(s + t * MANY, acc * scale);
     }
     for (int64_t g = b; g < std::min(b + MANY, group); ++g)
-      for (t = reach(g); t < keys; ++t) s[t * width + g] = -INFINITY;
-    Queries best = load(s + b);
+      for (t = reach(g); t < keys; ++t) s[t * MANY + g - b] = -INFINITY;
+    Queries best = load(s);
     for (t = 1; t < keys; ++t) {
-      const Queries st = load(s + t * width + b);
+      const Queries st = load(s + t * MANY);
       best = st > best ? st : best;
     }
     store(top + b, best);
@@ -219,51 +222,71 @@ __attribute__((noinline)) void attend_blocks(const float* qt, const T* k, const 
     for (int64_t g = b; g < end; ++g) sum[g] = 0.0f;
     for (t = 0; t < keys; ++t)
       for (int64_t g = b; g < end; ++g) {
-        s[t * width + g] = expf(s[t * width + g] - top[g]);
-        sum[g] += s[t * width + g];
+        s[t * MANY + g - b] = expf(s[t * MANY + g - b] - top[g]);
+        sum[g] += s[t * MANY + g - b];
       }
+    float* ob = ot + b * dim;
     for (int64_t d0 = 0; d0 < dim; d0 += VALUE_DIMS) {
       const int64_t dims = std::min(VALUE_DIMS, dim - d0);
       Queries acc[VALUE_DIMS] = {};
       for (t = 0; t < keys; ++t) {
-        const Queries e = load(s + t * width + b);
-        const T* vt = v + t * dim + d0;
+        const Queries e = load(s + t * MANY);
+        const float* vt = v + t * dim + d0;
         for (int64_t i = 0; i < VALUE_DIMS; ++i)
-          if (i < dims) acc[i] += e * widen(vt[i]);
+          if (i < dims) acc[i] += e * vt[i];
       }
-      for (int64_t i = 0; i < dims; ++i) store(ot + (d0 + i) * width + b, acc[i]);
+      for (int64_t i = 0; i < dims; ++i) store(ob + (d0 + i) * MANY, acc[i]);
     }
   }
 }
 
-// attend_blocks' buffers in `work`, for `group` queries over up to n keys.
+// Where query g's dimension d is in attend_blocks' queries and results: blocks of MANY queries,
+// each [dim][MANY].
+inline int64_t blocked_at(int64_t g, int64_t d, int64_t dim) { return (g - g % MANY) * dim + d * MANY + g % MANY; }
+
+// attend_blocks' buffers in `work`, for `group` queries over up to n keys; with `widened`, room
+// for a bfloat16 page's n keys and values in float32 too (kf, vf).
 struct Blocks {
   int64_t width;
-  float *qt, *ot, *s, *top, *sum;
-  Blocks(std::vector<float>& work, int64_t group, int64_t dim, int64_t n) : width((group + MANY - 1) / MANY * MANY) {
+  float *qt, *ot, *s, *top, *sum, *kf = nullptr, *vf = nullptr;
+  Blocks(std::vector<float>& work, int64_t group, int64_t dim, int64_t n, bool widened = false)
+      : width((group + MANY - 1) / MANY * MANY) {
     // Not zero-filled: every entry is written before it is read, but the padding queries'.
-    work.resize((2 * dim + n + 2) * width);
+    work.resize((2 * dim + 2) * width + n * MANY + (widened ? 2 * n * dim : 0));
     qt = work.data();
     ot = qt + dim * width;
     s = ot + dim * width;
-    top = s + n * width;
+    top = s + n * MANY;
     sum = top + width;
+    if (widened) {
+      kf = sum + width;
+      vf = kf + n * dim;
+    }
   }
 };
+
+// A pair's first `count` keys (or values) as attend_blocks reads them, in float32: a float32
+// page's where they are, a bfloat16 page's widened once into `into` (exact: the same bits as a
+// float32 page of the same values). Every block of queries reading a key reads it again: widening
+// it at each read cost a bfloat16 prefill call's attention 1.6x a float32 one's.
+inline const float* widened(const float* x, int64_t, float*) { return x; }
+inline const float* widened(const BFloat16* x, int64_t count, float* into) {
+  for (int64_t i = 0; i < count; ++i) into[i] = widen(x[i]);
+  return into;
+}
 
 template <typename T>
 void attend_many(const float* q, const T* k, const T* v, Reach reach, int64_t group, int64_t dim, float scale,
                  float* o, float* l, float* m, std::vector<float>& work) {
-  const Blocks w(work, group, dim, reach.n);
-  for (int64_t d = 0; d < dim; ++d) {
-    for (int64_t g = 0; g < group; ++g) w.qt[d * w.width + g] = q[g * dim + d];
-    for (int64_t g = group; g < w.width; ++g) w.qt[d * w.width + g] = 0.0f;
-  }
-  attend_blocks(w.qt, k, v, reach, group, dim, w.width, scale, w.ot, w.s, w.top, w.sum);
+  const Blocks w(work, group, dim, reach.n, sizeof(T) < sizeof(float));
+  for (int64_t g = 0; g < w.width; ++g)
+    for (int64_t d = 0; d < dim; ++d) w.qt[blocked_at(g, d, dim)] = g < group ? q[g * dim + d] : 0.0f;
+  attend_blocks(w.qt, widened(k, reach.n * dim, w.kf), widened(v, reach.n * dim, w.vf), reach, group, dim, w.width,
+                scale, w.ot, w.s, w.top, w.sum);
   for (int64_t g = 0; g < group; ++g) {
     l[g] = w.sum[g];
     m[g] = w.top[g];
-    for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = w.ot[d * w.width + g];
+    for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = w.ot[blocked_at(g, d, dim)];
   }
 }
 
@@ -341,9 +364,17 @@ __attribute__((optimize("no-reciprocal-math"))) void normalize_columns(float* o,
   const Queries one = Queries{} + 1.0f;
   for (int64_t b = 0; b < width; b += MANY) {
     const Queries sum = load(l + b), by = sum > 0.0f ? sum : one;
-    for (int64_t d = 0; d < dim; ++d) store(ot + d * width + b, load(ot + d * width + b) / by);
+    const int64_t count = std::min(MANY, group - b);
+    for (int64_t d = 0; d < dim; ++d) {
+      float* x = ot + b * dim + d * MANY;
+      if (count == MANY) {
+        store(o + d * stride + b, load(x) / by);
+      } else {
+        store(x, load(x) / by);
+        std::memcpy(o + d * stride + b, x, count * sizeof(float));
+      }
+    }
   }
-  for (int64_t d = 0; d < dim; ++d) std::memcpy(o + d * stride, ot + d * width, group * sizeof(float));
 }
 
 // A decode step's new key and value of one (row, KV head), into the page before it is read.
@@ -399,20 +430,32 @@ void prefill_pair(const Job& job, int64_t pair, std::vector<float>& work) {
   const int64_t at = n > 0 ? (cache_row * job.kv_heads + head) * job.positions * D : 0;
   const T* k = static_cast<const T*>(job.keys) + at;
   const T* v = static_cast<const T*>(job.values) + at;
-  for (int64_t j = 0; j < job.group && count > 0; ++j) {
-    const int64_t column = (head * job.group + j) * D * stride + job.offsets[segment];
-    float* o = job.o + column;
-    if (n == 0) {
+  if (count == 0) return;
+  if (n == 0) {
+    for (int64_t j = 0; j < job.group; ++j) {
+      float* o = job.o + (head * job.group + j) * D * stride + job.offsets[segment];
       for (int64_t d = 0; d < D; ++d) std::fill(o + d * stride, o + d * stride + count, 0.0f);
-      continue;
     }
-    const Blocks w(work, count, D, n);
-    for (int64_t d = 0; d < D; ++d) {
-      std::memcpy(w.qt + d * w.width, job.q + column + d * stride, count * sizeof(float));
-      std::fill(w.qt + d * w.width + count, w.qt + (d + 1) * w.width, 0.0f);
-    }
-    attend_blocks(w.qt, k, v, reach, count, D, w.width, job.scale, w.ot, w.s, w.top, w.sum);
-    normalize_columns(o, stride, w.ot, w.sum, count, D, w.width);
+    return;
+  }
+  const Blocks w(work, count, D, n, sizeof(T) < sizeof(float));
+  const float* kf = widened(k, n * D, w.kf);
+  const float* vf = widened(v, n * D, w.vf);
+  for (int64_t j = 0; j < job.group; ++j) {
+    const int64_t column = (head * job.group + j) * D * stride + job.offsets[segment];
+    for (int64_t b = 0; b < w.width; b += MANY)
+      for (int64_t d = 0; d < D; ++d) {
+        float* x = w.qt + b * D + d * MANY;
+        const float* from = job.q + column + d * stride + b;
+        if (b + MANY <= count) {
+          std::memcpy(x, from, MANY * sizeof(float));
+        } else {
+          std::memcpy(x, from, (count - b) * sizeof(float));
+          std::fill(x + count - b, x + MANY, 0.0f);
+        }
+      }
+    attend_blocks(w.qt, kf, vf, reach, count, D, w.width, job.scale, w.ot, w.s, w.top, w.sum);
+    normalize_columns(job.o + column, stride, w.ot, w.sum, count, D, w.width);
   }
 }
 
