@@ -247,6 +247,34 @@ def test_a_packed_prefill_call_writes_its_pieces_and_gives_each_query_the_bits_o
         one_prompt(0, 10, page, offset=1)
 
 
+def test_a_long_piece_attends_as_a_plain_softmax_and_a_bfloat16_page_as_its_values_in_float32():
+    """A late prefill call's long pieces (300 positions from 100, and 212 from 0: 19 and 14 blocks
+    of queries, rows far apart in memory) over a bfloat16 page give the very bits of the same
+    values kept in float32 (the kernel widens a pair's keys and values once, then reads them as
+    float32), and both equal a plain causal softmax over the cache rows to float32 rounding."""
+    kv_heads, dim, positions = 2, 64, 416
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
+    halves = [jax.random.normal(k, (3, kv_heads, positions, dim)).astype(jnp.bfloat16) for k in (k1, k2)]
+    q = jax.random.normal(k3, (kv_heads, 1, dim, 512))
+    new = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in jax.random.normal(k4, (2, kv_heads, dim, 512))]
+    pieces = ([[2], [0]], [100, 0], [0, 300], [300, 212])
+    as_bits = [jax.lax.bitcast_convert_type(x, cpu_attention.BFLOAT16_BITS) for x in halves]
+    narrow, *narrow_page = cpu_attention.prefill_step(q, *as_bits, *new, pieces, 0.125)
+    wide, *wide_page = cpu_attention.prefill_step(q, *(x.astype(jnp.float32) for x in halves), *new, pieces, 0.125)
+    assert np.array_equal(narrow, wide)
+    for bits, page in zip(narrow_page, wide_page):
+        assert np.array_equal(jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32), page)
+
+    keys, values = (np.asarray(x, np.float64) for x in wide_page)
+    for (row,), start, offset, count in zip(*pieces):
+        queries = np.asarray(q[:, 0, :, offset : offset + count], np.float64)  # [kv_heads, dim, count]
+        scores = np.einsum("hdq,hkd->hqk", queries, keys[row, :, : start + count]) * 0.125
+        scores[:, np.arange(count)[:, None] < np.arange(start + count)[None, :] - start] = -np.inf  # causal
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        want = np.einsum("hqk,hkd->hdq", weights / weights.sum(-1, keepdims=True), values[row, :, : start + count])
+        np.testing.assert_allclose(wide[:, 0, :, offset : offset + count], want, rtol=2e-5, atol=2e-5)
+
+
 def test_the_kernel_is_built_once_per_source_and_machine(tmp_path, monkeypatch):
     """The library is built into $PIPELINE_KERNEL_DIR under a name that hashes what it was built
     from, and a second call finds it instead of building again."""
