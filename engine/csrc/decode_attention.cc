@@ -158,9 +158,10 @@ void attend(const float* q, const T* k, const T* v, Reach reach, int64_t group, 
 
 // Many queries of one KV head (a prefill chunk's tokens: MANY or more). Here the work is compute,
 // not reading the cache, so it is laid out for the vector units: the queries are transposed, in
-// blocks of MANY, and every inner loop runs across the MANY of a block, one vector. Scores take KEYS keys at a time, each
-// its own chain of fused multiply-adds over head_dim, and the weighted values accumulate
-// transposed, VALUE_DIMS dimensions at a time: independent chains, no sum across vector lanes.
+// blocks of MANY, and every inner loop runs across a block's MANY, one vector. Scores take KEYS
+// keys at a time, each its own chain of fused multiply-adds over head_dim, and the weighted
+// values accumulate transposed, VALUE_DIMS dimensions at a time: independent chains, no sum
+// across vector lanes.
 // Each block of MANY queries reads only the keys its last (furthest-reaching) query reaches:
 // causally, the first block of a chunk of 32 positions at its prompt's start needs 16 keys, not
 // 32. Each query's result is the same chain of operations whatever the batch or the other rows,
@@ -188,9 +189,9 @@ inline void store(float* p, const Queries& x) { std::memcpy(p, &x, sizeof(x)); }
 // of the first-level cache and evicted each other, and a piece of 512 positions took 1.4x as long.
 // Never inlined: -ffast-math lets the compiler order a sum's terms differently where it inlines,
 // and both callers (attend_many, prefill_pair) must give a query the same bits.
-__attribute__((noinline)) void attend_blocks(const float* qt, const float* k, const float* v, Reach reach, int64_t group,
-                                             int64_t dim, int64_t width, float scale, float* ot, float* s, float* top,
-                                             float* sum) {
+__attribute__((noinline)) void attend_blocks(const float* qt, const float* k, const float* v, Reach reach,
+                                             int64_t group, int64_t dim, int64_t width, float scale, float* ot,
+                                             float* s, float* top, float* sum) {
   for (int64_t b = 0; b < width; b += MANY) {
     const int64_t keys = reach(std::min(b + MANY, group) - 1);  // reach grows with the query
     const float* qb = qt + b * dim;
@@ -350,9 +351,10 @@ __attribute__((optimize("no-reciprocal-math"))) void normalize(float* o, const f
   }
 }
 
-// The same, for attend_blocks' transposed results (ot [dim][width], l [width], divided in place)
-// into o's rows of `stride` positions, one a dimension (a packed prefill call's columns): the
-// queries of a block of MANY divided at once (vdivps: the same bits as one at a time).
+// The same, for attend_blocks' transposed results (ot, blocked as its queries; l [width]) into o's
+// rows of `stride` positions, one a dimension (a packed prefill call's columns): the queries of a
+// block of MANY divided at once (vdivps: the same bits as one at a time), a partial block's in ot
+// first.
 #if defined(__clang__)
 void normalize_columns(float* o, int64_t stride, float* ot, const float* l, int64_t group, int64_t dim, int64_t width) {
 #pragma float_control(precise, on)
