@@ -217,7 +217,7 @@ def decode_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.
 
 
 def prefill_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
-                 segments, scale: float):
+                 segments, scale: float, rotary: tuple[jax.Array, jax.Array] | None = None):
     """A packed prefill call's keys/values written into the page and its attention, normalized, in
     one call. Its tokens are one row of positions holding pieces of prompts, feature first (as the
     engine's activations): q [kv_heads, q_per_kv, head_dim, positions], new_keys/new_values
@@ -229,10 +229,19 @@ def prefill_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax
     first row is out of range, and a position in no segment, gives zeros. The segments' rows must
     differ (each segment is written and read beside the others, in threads): the pieces of one
     prompt go in separate calls. Returns (attention, q's shape, float32; keys; values): the page
-    written in place, as `decode_step`'s."""
+    written in place, as `decode_step`'s.
+
+    rotary (cos, sin), each [head_dim, positions] float32: q and new_keys (float32, over a float32
+    page) are not rotated yet, and the call rotates them first as `engine.llama.apply_rotary`
+    does, to the same bits, instead of the program's two passes over them a layer."""
     rows, starts, offsets, counts = (jnp.asarray(x, jnp.int32) for x in segments)
+    cos = sin = jnp.zeros((0,), jnp.float32)  # none: q and new_keys come rotated
+    if rotary is not None:
+        if any(jnp.dtype(x.dtype) != jnp.float32 for x in (q, new_keys, keys, *rotary)):
+            raise ValueError("a prefill call rotates float32 queries and keys over a float32 page, with float32 tables")
+        cos, sin = rotary
     return _write_and_attend(PREFILL_TARGET, "a prefill call", q, keys, values, new_keys, new_values,
-                             rows.reshape(len(starts), -1), starts, offsets, counts, scale=np.float32(scale))
+                             rows.reshape(len(starts), -1), starts, offsets, counts, cos, sin, scale=np.float32(scale))
 
 
 def _write_and_attend(target: str, what: str, q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array,

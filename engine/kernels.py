@@ -316,7 +316,8 @@ def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, att
     return page_residuals(q, keys, values, written, scale, blocks=blocks, tuning=tuning)
 
 
-def prefill_step_cpu(q: NamedArray, k: NamedArray, v: NamedArray, page, segments, scale: float):
+def prefill_step_cpu(q: NamedArray, k: NamedArray, v: NamedArray, page, segments, scale: float,
+                     rotary: tuple[NamedArray, NamedArray] | None = None):
     """A prefill call with `engine.decode_attention: cpu` in one kernel call a layer: its keys and
     values k, v (batch, kv_heads, position, head_dim) written into the one-page cache `page`
     (LayerKV: slots, kv_heads, key_position, head_dim), then its queries q (batch, position,
@@ -327,7 +328,9 @@ def prefill_step_cpu(q: NamedArray, k: NamedArray, v: NamedArray, page, segments
     positions of the first of them (what earlier calls wrote and the piece up to itself). A token
     in no piece, or in one with no cache row, comes out zero. On one device (the kernel's call is
     not split over devices). Returns (attention, float32: the same as `engine.llama._attend_pages`
-    over the cache row up to each query's position; the page, written in place)."""
+    over the cache row up to each query's position; the page, written in place). rotary (cos,
+    sin), each (batch, position, head_dim), float32: q and k are not rotated yet, and the kernel
+    rotates them as `engine.llama.apply_rotary` would, to the same bits."""
     # Feature first, as the projections leave q, k and v and the output projection takes the
     # result: the kernel reads and writes each (head, dimension)'s row of the call's positions.
     axes = ("kv_heads", "q_per_kv", "head_dim", "batch", "position")
@@ -336,7 +339,9 @@ def prefill_step_cpu(q: NamedArray, k: NamedArray, v: NamedArray, page, segments
     k, v = (x.rearrange(("kv_heads", "head_dim", "batch", "position")).array.reshape(heads, dim, batch * chunk)
             for x in (k, v))
     rows = (segments.samples, segments.starts, segments.offsets, segments.lengths)
+    if rotary is not None:  # q and k not rotated yet: the kernel rotates them (tables feature first)
+        rotary = tuple(x.rearrange(("head_dim", "batch", "position")).array.reshape(dim, batch * chunk) for x in rotary)
     out, keys, values = cpu_attention.prefill_step(q.array.reshape(heads, per_kv, dim, batch * chunk), page.k.array,
-                                                   page.v.array, k, v, rows, scale)
+                                                   page.v.array, k, v, rows, scale, rotary)
     return (hax.named(out.reshape(q.array.shape), tuple(q.resolve_axis(a) for a in axes)),
             type(page)(hax.named(keys, page.k.axes), hax.named(values, page.v.axes)))

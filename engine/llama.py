@@ -496,16 +496,24 @@ class Attention(eqx.Module):
         v = hax.unflatten_axis(linear(x, self.v_proj, "embed"), "kv_heads_dim", (c.KVHeads, c.HeadDim))
         if self.q_bias is not None:
             q, k, v = q + self.q_bias, k + self.k_bias, v + self.v_bias
+        # A float32 prefill call through the CPU kernel has the kernel rotate q and k as it reads
+        # them: the same bits, without the program's two passes over them a layer (bfloat16's
+        # rotation is cheaper in XLA than in the kernel: docs/performance-notes.md).
+        rotary = None
+        if isinstance(context, PrefillChunk) and context.attention == "cpu" and x.dtype == jnp.float32:
+            rotary = (cos, sin)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Attention runs rows first over the cache's rows: q, k and v (small) turn, then its result.
-        q = apply_rotary(q, cos, sin).rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim"))
-        k = apply_rotary(k, cos, sin).rearrange(("batch", "kv_heads", "position", "head_dim"))
+        q = q.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim"))
+        k = k.rearrange(("batch", "kv_heads", "position", "head_dim"))
         v = v.rearrange(("batch", "kv_heads", "position", "head_dim"))
         scale = 1.0 / math.sqrt(self.config.head_dim)
         if isinstance(context, DecodeStep):
             attn, new_kv = self._decode(q, k, v, context, scale)
         else:
             if isinstance(context, PrefillChunk):
-                attn, new_kv = self._prefill(q, k, v, context, scale)
+                attn, new_kv = self._prefill(q, k, v, context, scale, rotary)
             else:
                 keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
                 new_kv, attn = LayerKV(keys, values), _attend(q, keys, values, context, scale)
@@ -516,16 +524,17 @@ class Attention(eqx.Module):
         return out, new_kv
 
     @staticmethod
-    def _prefill(q, k, v, context: PrefillChunk, scale: float) -> tuple[NamedArray, PagedKV]:
+    def _prefill(q, k, v, context: PrefillChunk, scale: float, rotary=None) -> tuple[NamedArray, PagedKV]:
         """The call's keys/values written into the cache, and its attention; returns both. A fresh
         chunk attends to its own keys (causal); a later one to its cache row's first pages
         covering the call's rows (each page's rows gathered) and its own keys. With the CPU
         kernel, the write and the attention are one kernel call: any piece attends to its cache
-        row in place, the piece written there (causal)."""
+        row in place, the piece written there (causal); with `rotary` (cos, sin), q and k come
+        unrotated and the kernel rotates them."""
         if context.attention == "cpu":
             if len(context.cache.pages) != 1:
                 raise ValueError(f"the CPU kernel's prefill reads one page of the cache, not {len(context.cache.pages)}")
-            attn, page = kernels.prefill_step_cpu(q, k, v, context.cache.pages[0], context.segments, scale)
+            attn, page = kernels.prefill_step_cpu(q, k, v, context.cache.pages[0], context.segments, scale, rotary)
             return attn, PagedKV((page,))
         cache = _write_chunk(context, k, v)
         return Attention._attend_written(q, k, v, cache, context, scale), cache

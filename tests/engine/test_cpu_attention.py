@@ -275,6 +275,43 @@ def test_a_long_piece_attends_as_a_plain_softmax_and_a_bfloat16_page_as_its_valu
         np.testing.assert_allclose(wide[:, 0, :, offset : offset + count], want, rtol=2e-5, atol=2e-5)
 
 
+def test_a_float32_prefill_call_rotates_its_queries_and_keys_to_the_bits_of_apply_rotary():
+    """Given unrotated queries and keys and the rotary tables, a float32 call rotates them itself
+    (as the engine's float32 prefill calls do): the very bits of `llama.apply_rotary` (XLA's
+    rotation) followed by the call, in its attention and in the keys it writes, for pieces from
+    various starts."""
+    import haliax as hax
+
+    from engine.llama import LlamaConfig, apply_rotary, rotary_tables
+
+    config = LlamaConfig.from_hf({"model_type": "llama", "vocab_size": 64, "hidden_size": 256, "intermediate_size": 64,
+                                  "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "rope_theta": 10000.0})
+    kv_heads, per_kv, dim, cache_positions = 2, 2, 64, 128
+    counts, starts, rows = [5, 32, 17, 40], [0, 10, 50, 3], [[0], [1], [2], [3]]
+    offsets, width = np.cumsum([0] + counts[:-1]), sum(counts)
+    token_positions = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
+    cos, sin = rotary_tables(config, hax.named(jnp.asarray(token_positions[None, :]), ("batch", "position")), jnp.float32)
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(7), 4)
+    page = [jax.random.normal(k, (4, kv_heads, cache_positions, dim)) for k in (k1, k2)]
+    q = hax.named(jax.random.normal(k3, (kv_heads, per_kv, dim, 1, width)), ("kv_heads", "q_per_kv", "head_dim", "batch", "position"))
+    k, v = (hax.named(x, ("kv_heads", "head_dim", "batch", "position")) for x in jax.random.normal(k4, (2, kv_heads, dim, 1, width)))
+    pieces = (rows, starts, offsets, counts)
+
+    rotated_q, rotated_k = jax.jit(lambda q, k, c, s: (apply_rotary(q, c, s).array, apply_rotary(k, c, s).array))(q, k, cos, sin)
+    as_call = lambda x: x.reshape(*x.shape[:-2], width)  # noqa: E731 (the call's one row of positions)
+    want = cpu_attention.prefill_step(as_call(rotated_q), *page, as_call(rotated_k), as_call(v.array), pieces, 0.125)
+    tables = tuple(x.rearrange(("head_dim", "batch", "position")).array.reshape(dim, width) for x in (cos, sin))
+    got = cpu_attention.prefill_step(as_call(q.array), *page, as_call(k.array), as_call(v.array), pieces, 0.125, tables)
+    for a, b in zip(got, want):
+        assert np.array_equal(a, b)
+    unrotated = cpu_attention.prefill_step(as_call(q.array), *page, as_call(k.array), as_call(v.array), pieces, 0.125)
+    assert not np.array_equal(unrotated[0], want[0]) and not np.array_equal(unrotated[1], want[1])
+    with pytest.raises(ValueError, match="rotates float32"):
+        cpu_attention.prefill_step(as_call(q.array), *(cpu_attention.as_stored(x, cpu_attention.BFLOAT16_BITS) for x in page),
+                                   as_call(k.array), as_call(v.array), pieces, 0.125, tables)
+
+
 def test_the_kernel_is_built_once_per_source_and_machine(tmp_path, monkeypatch):
     """The library is built into $PIPELINE_KERNEL_DIR under a name that hashes what it was built
     from, and a second call finds it instead of building again."""
