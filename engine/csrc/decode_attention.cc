@@ -3,10 +3,11 @@
 // targets: `PipelineDecodeAttention`, the attention over a page, with many queries per KV head,
 // causally, for a prefill chunk over its prompts' cache rows once the chunk is written;
 // `PipelinePrefillAttention`, the same for a packed prefill call, whose one row of tokens holds
-// segments of several prompts; and `PipelineDecodeStep`, a decode step's whole attention in one
-// call: the step's key and value written into the page (aliased to the call's result: in place),
-// then the attention over it, normalized. Each saves XLA kernels a layer that cost a decode step
-// more than their work.
+// segments of several prompts (a float32 call's queries and keys rotated here, given the rotary
+// tables); and `PipelineDecodeStep`, a decode step's whole attention in one call: the step's key
+// and value written into the page (aliased to the call's result: in place), then the attention
+// over it, normalized. Each saves XLA kernels a layer that cost a decode step more than their
+// work.
 //
 // For each (row, KV head) of a page, the row's first `lengths[row]` positions only (none where
 // its cache row is out of range); with `causal` = c > 0, query g reads `lengths[row] + g / c + 1`
