@@ -45,6 +45,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -426,27 +427,19 @@ void rotate_row(const Job& job, int64_t d, float* to, const float* rows, int64_t
 
 // A packed prefill call's new keys and values of one KV head, the count positions from `offset`
 // (feature first), into cache row `row` from position `first` on (none out of range); the keys
-// rotated first where the call rotates (float32).
+// from `keys`, rows of the head's dimensions `keys_stride` apart (the call's own, or rotated).
 template <typename T>
-void write_columns(const Job& job, int64_t row, int64_t head, int64_t first, int64_t offset, int64_t count) {
+void write_columns(const Job& job, int64_t row, int64_t head, int64_t first, const T* keys, int64_t keys_stride,
+                   int64_t offset, int64_t count) {
   if (row < 0 || row >= job.cache_rows) return;
   const int64_t D = job.head_dim, P = job.positions, stride = job.stride, end = std::min(count, P - first);
-  const int64_t at = (row * job.kv_heads + head) * P * D + first * D, from = head * D * stride + offset;
-  for (const auto& [cache, given] : {std::pair{job.keys, job.new_keys}, std::pair{job.values, job.new_values}}) {
+  const int64_t at = (row * job.kv_heads + head) * P * D + first * D;
+  const T* values = static_cast<const T*>(job.new_values) + head * D * stride + offset;
+  for (const auto& [cache, column, apart] :
+       {std::tuple{job.keys, keys, keys_stride}, std::tuple{job.values, values, stride}}) {
     T* to = static_cast<T*>(cache) + at;
-    const T* column = static_cast<const T*>(given) + from;
-    if constexpr (std::is_same_v<T, float>) {
-      if (job.cos && cache == job.keys) {
-        std::vector<float> rotated(end);
-        for (int64_t d = 0; d < D; ++d) {
-          rotate_row(job, d, rotated.data(), column, offset, end);
-          for (int64_t i = 0; i < end; ++i) to[i * D + d] = rotated[i];
-        }
-        continue;
-      }
-    }
     for (int64_t d = 0; d < D; ++d)
-      for (int64_t i = 0; i < end; ++i) to[i * D + d] = column[d * stride + i];
+      for (int64_t i = 0; i < end; ++i) to[i * D + d] = column[d * apart + i];
   }
 }
 
@@ -462,7 +455,21 @@ void prefill_pair(const Job& job, int64_t pair, std::vector<float>& work) {
   const int64_t count = job.counts[segment], D = job.head_dim, stride = job.stride;
   const int32_t* rows = job.rows + segment * job.samples;
   const int64_t cache_row = job.samples > 0 ? rows[0] : -1, first = std::max<int64_t>(0, job.lengths[segment]);
-  for (int64_t i = 0; i < job.samples; ++i) write_columns<T>(job, rows[i], head, first, job.offsets[segment], count);
+  // The piece's keys as its rows get them: rotated here once (float32 calls with tables), however
+  // many samples' rows they go to.
+  const T* keys = static_cast<const T*>(job.new_keys) + head * D * stride + job.offsets[segment];
+  int64_t keys_stride = stride;
+  std::vector<T> rotated;
+  if constexpr (std::is_same_v<T, float>) {
+    if (job.cos && count > 0) {
+      rotated.resize(D * count);
+      for (int64_t d = 0; d < D; ++d) rotate_row(job, d, rotated.data() + d * count, keys, job.offsets[segment], count);
+      keys = rotated.data();
+      keys_stride = count;
+    }
+  }
+  for (int64_t i = 0; i < job.samples; ++i)
+    write_columns<T>(job, rows[i], head, first, keys, keys_stride, job.offsets[segment], count);
   const int64_t n = cache_row < 0 || cache_row >= job.cache_rows ? 0 : std::min(first + count, job.positions);
   const Reach reach{n, first, 1};
   const int64_t at = n > 0 ? (cache_row * job.kv_heads + head) * job.positions * D : 0;

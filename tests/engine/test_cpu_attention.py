@@ -279,7 +279,7 @@ def test_a_float32_prefill_call_rotates_its_queries_and_keys_to_the_bits_of_appl
     """Given unrotated queries and keys and the rotary tables, a float32 call rotates them itself
     (as the engine's float32 prefill calls do): the very bits of `llama.apply_rotary` (XLA's
     rotation) followed by the call, in its attention and in the keys it writes, for pieces from
-    various starts."""
+    various starts, one into two samples' rows."""
     import haliax as hax
 
     from engine.llama import LlamaConfig, apply_rotary, rotary_tables
@@ -288,12 +288,12 @@ def test_a_float32_prefill_call_rotates_its_queries_and_keys_to_the_bits_of_appl
                                   "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
                                   "rope_theta": 10000.0})
     kv_heads, per_kv, dim, cache_positions = 2, 2, 64, 128
-    counts, starts, rows = [5, 32, 17, 40], [0, 10, 50, 3], [[0], [1], [2], [3]]
+    counts, starts, rows = [5, 32, 17, 40], [0, 10, 50, 3], [[0, 4], [1, 9], [2, 9], [3, 9]]  # 9: no row
     offsets, width = np.cumsum([0] + counts[:-1]), sum(counts)
     token_positions = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
     cos, sin = rotary_tables(config, hax.named(jnp.asarray(token_positions[None, :]), ("batch", "position")), jnp.float32)
     k1, k2, k3, k4 = jax.random.split(jax.random.key(7), 4)
-    page = [jax.random.normal(k, (4, kv_heads, cache_positions, dim)) for k in (k1, k2)]
+    page = [jax.random.normal(k, (5, kv_heads, cache_positions, dim)) for k in (k1, k2)]
     q = hax.named(jax.random.normal(k3, (kv_heads, per_kv, dim, 1, width)), ("kv_heads", "q_per_kv", "head_dim", "batch", "position"))
     k, v = (hax.named(x, ("kv_heads", "head_dim", "batch", "position")) for x in jax.random.normal(k4, (2, kv_heads, dim, 1, width)))
     pieces = (rows, starts, offsets, counts)
@@ -305,6 +305,7 @@ def test_a_float32_prefill_call_rotates_its_queries_and_keys_to_the_bits_of_appl
     got = cpu_attention.prefill_step(as_call(q.array), *page, as_call(k.array), as_call(v.array), pieces, 0.125, tables)
     for a, b in zip(got, want):
         assert np.array_equal(a, b)
+    assert np.array_equal(got[1][4, :, :5], got[1][0, :, :5])  # the second sample's row: the same rotated keys
     unrotated = cpu_attention.prefill_step(as_call(q.array), *page, as_call(k.array), as_call(v.array), pieces, 0.125)
     assert not np.array_equal(unrotated[0], want[0]) and not np.array_equal(unrotated[1], want[1])
     with pytest.raises(ValueError, match="rotates float32"):
