@@ -65,7 +65,7 @@ import numpy as np
 
 from engine import checkpoint, compile_cache, cpu_attention, kernels
 from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
-from engine.decode import DecodeSpec, adopt_rows, decode_chunk, new_cache, new_state, prefill_chunk
+from engine.decode import DecodeSpec, DecodeState, KVCache, adopt_rows, decode_chunk, new_cache, new_state, prefill_chunk
 from engine.llama import LlamaConfig, UnsupportedModelError, load_checkpoint, pages_covering
 from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch, plan_staging
 from engine.mesh import Layout, mesh_shape
@@ -462,6 +462,10 @@ class Engine:
         self._stats_lock = threading.Lock()
         self._used_programs: set[tuple] = set()
         """Keys (`_program`) of the programs this engine ran: stats.programs_used."""
+        self._by_call: dict[tuple, Any] = {}
+        """The programs of this engine's calls by `_call_key`: a call finds its program without
+        flattening the model and the cache again (each of a run's 70-odd calls spent about 0.6 ms
+        building a jit wrapper and the full key; the full lookup runs once per program)."""
         self._waiters = 0
         self._waits_began = 0.0
         """Threads in `_waiting` now, and since when one has been (under _stats_lock)."""
@@ -609,6 +613,21 @@ class Engine:
                 _COMPILED[key] = compiled
         return compiled
 
+    def _call_key(self, kind: str, static: tuple, args: tuple) -> tuple:
+        """What tells this engine's calls' programs apart, cheaply: the model is the engine's own,
+        a cache's and a state's shapes follow from their slots, the other arguments are arrays
+        (`_program` keys a program by every leaf's shape, dtype and sharding)."""
+        assert args[0] is self.model, "a call runs the engine's own model"
+
+        def shape(arg) -> tuple:
+            if isinstance(arg, KVCache):
+                return ("cache", arg.slots)
+            if isinstance(arg, DecodeState):
+                return ("state", arg.done.shape)
+            return (arg.shape, arg.dtype)
+
+        return (kind, static, *map(shape, args[1:]))
+
     def _jit(self, fn):
         """fn(model, cache, state, ...) jitted with the cache and state donated (updated in place)."""
         # Explicit output shardings: XLA would otherwise simplify them (P('data') on one device
@@ -640,9 +659,14 @@ class Engine:
         return future
 
     def _run(self, kind: str, fn, static: tuple, *args):
-        """Runs fn(model, cache, state, ...) compiled, the cache and state donated (updated in place)."""
-        with self._waiting():
-            compiled = self._program(kind, static, self._jit(fn), args)
+        """Runs fn(model, cache, state, ...) compiled, the cache and state donated (updated in place).
+        `kind` and `static` name fn: one function for each pair in an engine."""
+        call = self._call_key(kind, static, args)
+        compiled = self._by_call.get(call)
+        if compiled is None:
+            with self._waiting():
+                compiled = self._program(kind, static, self._jit(fn), args)
+            self._by_call[call] = compiled
         start = time.perf_counter()
         out = compiled(*args)
         jax.block_until_ready(out)
@@ -921,11 +945,11 @@ class Engine:
             prefilling.remove(job)
         pages = 0 if fresh else pages_covering(int(np.max(starts + lengths)), cache.ends)
         self._count(padded_prompt_tokens=R * C, prefill_calls=1, prefill_pages_read=pages)
-        rows = functools.partial(jax.device_put, device=self._batch_sharding)
+        inputs = jax.device_put((tokens.reshape(R, C), slot_ids, starts, offsets, lengths, is_last, prompt_index, sample_index),
+                                self._batch_sharding)  # one transfer call for the eight
         return self._run(
             "prefill_fresh" if fresh else "prefill", functools.partial(prefill_chunk, spec=self._spec, fresh=fresh), (fresh,),
-            self.model, cache, state, rows(tokens.reshape(R, C)), rows(slot_ids), rows(starts), rows(offsets), rows(lengths),
-            rows(is_last), rows(prompt_index), rows(sample_index),
+            self.model, cache, state, *inputs,
         )
 
     @staticmethod
