@@ -10,6 +10,7 @@ import threading
 
 import jax
 import numpy as np
+import pytest
 
 import engine.engine as engine_module
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, compile_cache
@@ -42,11 +43,13 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path, monk
         engine_module._COMPILED.clear()
         engine = _load(path, overlap_prefill=True)
         collector = []  # gc.isenabled() as each program is traced
+        order = []  # the functions traced, in the order their tracing began
         jit = engine_module.Engine._jit
 
         def traced(self, fn):
             def recording(*args, **kwargs):
                 collector.append(gc.isenabled())
+                order.append(fn.func.__name__)
                 return fn(*args, **kwargs)
             return jit(self, recording)
 
@@ -69,6 +72,8 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path, monk
         # prompts are prefilled in a thread of their own.
         assert threads["decode"].startswith("compile-decode") and threads[kinds[-1]] == "engine-prefill", threads
         assert threads["adopt"] == "MainThread", threads
+        # ... but traced only once a prefill program was: the first call waits for that one.
+        assert order.index("prefill_chunk") < order.index("decode_chunk"), order
         # generate waited for its programs, but not for longer than they took (the decode compile overlaps).
         waited = engine.stats.compile_wait_s
         assert 0 < waited <= engine.stats.compile_time_s, (waited, engine.stats.programs)
@@ -86,6 +91,34 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path, monk
         assert any((tmp_path / "jax-compile").iterdir())
     finally:
         compile_cache.enable(previous)
+
+
+def test_a_prefill_program_that_fails_leaves_no_thread_waiting(llama):
+    """The decode program's early getting waits for a prefill program to be lowered; when getting
+    that one fails, generate raises its error and the decode thread goes on and ends (a thread
+    left waiting would keep the process from exiting)."""
+    path, _ = llama
+    engine_module._COMPILED.clear()  # so the engine gets its programs, and calls on_compile
+    engine = _load(path, overlap_prefill=False)
+
+    decode_asked = threading.Event()
+
+    def refuse(kind):  # called as each program's getting begins, in its thread
+        if kind == "decode":
+            decode_asked.set()  # the thread waits for a prefill program from here on
+        elif kind.startswith("prefill"):
+            decode_asked.wait(60)
+            raise RuntimeError("no prefill program today")
+
+    engine.on_compile = refuse
+    with pytest.raises(RuntimeError, match="no prefill program today"):
+        list(engine.generate(_requests([5, 9])))
+    for thread in threading.enumerate():
+        if thread.name.startswith("compile-decode"):
+            thread.join(120)
+            assert not thread.is_alive(), "the decode program's thread is still waiting"
+    decode = engine.stats.programs["decode"]
+    assert decode_asked.is_set() and decode["compiled"] + decode["loaded"] == 1, engine.stats.programs
 
 
 def test_the_collector_is_paused_until_the_last_thread_lowering_leaves():
