@@ -666,8 +666,8 @@ class Engine:
         The thread traces and lowers only once a prefill program is lowered (`_prefill_lowered`):
         both are Python under the GIL, and the first prefill call waits for its own program while
         the decode program is needed calls later. A warm prefill-heavy generate in a fresh
-        process waited 0.26-0.41 s for its programs with both traced at once, about 0.2 s this
-        way; compiling (or loading) them still overlaps."""
+        process took about 0.06 s less this way (docs/performance-notes.md); compiling (or
+        loading) the two still overlaps."""
         if self.sampling.max_new_tokens <= 1:
             return None
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (cache, state))
