@@ -491,17 +491,12 @@ void prefill_pair(const Job& job, int64_t pair, std::vector<float>& work) {
     for (int64_t b = 0; b < w.width; b += MANY)
       for (int64_t d = 0; d < D; ++d) {
         float* x = w.qt + b * D + d * MANY;
-        const float* from = job.q + column + d * stride + b;
-        if (job.cos) {
-          const int64_t given = std::min(MANY, count - b);
+        const int64_t given = std::min(MANY, count - b);  // the block's queries; the rest zero
+        if (job.cos)
           rotate_row(job, d, x, job.q + column + b, job.offsets[segment] + b, given);
-          std::fill(x + given, x + MANY, 0.0f);
-        } else if (b + MANY <= count) {
-          std::memcpy(x, from, MANY * sizeof(float));
-        } else {
-          std::memcpy(x, from, (count - b) * sizeof(float));
-          std::fill(x + count - b, x + MANY, 0.0f);
-        }
+        else
+          std::memcpy(x, job.q + column + d * stride + b, given * sizeof(float));
+        std::fill(x + given, x + MANY, 0.0f);
       }
     attend_blocks(w.qt, kf, vf, reach, count, D, w.width, job.scale, w.ot, w.s, w.top, w.sum);
     normalize_columns(job.o + column, stride, w.ot, w.sum, count, D, w.width);
