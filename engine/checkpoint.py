@@ -35,6 +35,7 @@ import tempfile
 from typing import Any
 
 import fsspec
+from fsspec.utils import get_protocol
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
@@ -118,6 +119,11 @@ class _Folder:
         if not isinstance(data, dict):
             raise BrokenCheckpoint(f"{self.url_of(name)} must hold a JSON object, got {type(data).__name__}")
         return data
+
+
+def is_local(url: str) -> bool:
+    """The checkpoint is on this host's file system (a path or file://), not in remote storage."""
+    return get_protocol(url) in ("file", "local")
 
 
 def read_config(url: str) -> dict[str, Any]:

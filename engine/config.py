@@ -132,6 +132,14 @@ class EngineConfig:
     (XLA's CPU runtime leaves a core idle during much of a decode step; two lanes already fill
     it), else off (engine/memory.py)."""
 
+    compile_during_load: bool | Literal["auto"] = "auto"
+    """Start getting the run's programs (compiling them, or loading them from the compile cache)
+    in `Engine.load`, from the model's shapes alone, while the weights are read; else at the first
+    `generate`. auto: on where the weights come from remote storage (gs://...: the read waits on
+    the network) or the model runs on an accelerator (its host's cores are free while the weights
+    load); off for a CPU model read from a local folder, where the getting and the read share the
+    cores and Python's lock and on a 2-core machine gained nothing (docs/performance-notes.md)."""
+
     decode_attention: Literal["auto", "xla", "pallas", "cpu"] = "auto"
     """How a decode step attends over the KV cache: xla, the engine's own operations over the
     cache pages that hold the longest live row; pallas, JAX's Pallas GPU decode-attention kernel,
@@ -166,6 +174,8 @@ class EngineConfig:
         if self.overlap_prefill is True and self.mode != "host_dp":
             raise InvalidConfig(f"engine.overlap_prefill applies only with engine.mode: host_dp (engine.mode is {self.mode}); "
                                 "remove it: every host of a global mesh must make the same calls in one order")
+        require(self.compile_during_load == "auto" or isinstance(self.compile_during_load, bool), "engine.compile_during_load",
+                self.compile_during_load, "true, false or auto")
         require(self.prefill_tokens == "auto" or (_is_int(self.prefill_tokens) and self.prefill_tokens >= self.prefill_chunk_tokens),
                 "engine.prefill_tokens", self.prefill_tokens,
                 f"auto or an integer >= engine.prefill_chunk_tokens ({self.prefill_chunk_tokens})")

@@ -27,8 +27,9 @@ of it, see decode.py; three when every prompt fits one chunk, or where the CPU k
 in place, packing each call's rows with the prompts end to end, and first chunks run the later
 ones' program; one more with a staging cache, below),
 and JAX's persistent compilation cache (engine/compile_cache.py, on by default) lets a rerun or
-resume load them instead. The decode program, the largest, is compiled in a thread of its own
-from the start of `generate`, while the prefill programs are compiled and run.
+resume load them instead. Two threads get them from the shapes alone, from the start of the
+first `generate` or, with `engine.compile_during_load` (auto: on accelerators), from
+`Engine.load` on, while it reads the weights; a call whose program is not ready yet waits for it.
 
 On a CPU host the slots may be split into lanes (`engine.lanes`, host_dp only): each lane is the
 loop above over its share of the slots, with its own cache, in a thread of its own, taking rows
@@ -66,7 +67,7 @@ import numpy as np
 from engine import checkpoint, compile_cache, cpu_attention, kernels
 from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
 from engine.decode import DecodeSpec, DecodeState, KVCache, adopt_rows, decode_chunk, new_cache, new_state, prefill_chunk
-from engine.llama import LlamaConfig, UnsupportedModelError, load_checkpoint, pages_covering
+from engine.llama import LlamaConfig, UnsupportedModelError, abstract_model, check_tensors, load_checkpoint, pages_covering
 from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch, plan_staging
 from engine.mesh import Layout, mesh_shape
 
@@ -272,6 +273,20 @@ class _Pending:
             return sum(1 for _ in itertools.takewhile(lambda row: row.prompt_index == first, itertools.islice(self._rows, limit)))
 
 
+class _PrefillInputs(NamedTuple):
+    """A prefill call's inputs beside the model, cache and state (decode.prefill_chunk): R rows of
+    C tokens, each row's piece at most, and n samples a prompt."""
+
+    tokens: np.ndarray  # [R, C]
+    slot_ids: np.ndarray  # [R, n], the cache slots of each piece's prompt's samples (out of range: none)
+    starts: np.ndarray  # [R], where each piece starts in its prompt
+    offsets: np.ndarray  # [R], where in the call's tokens
+    lengths: np.ndarray  # [R]
+    is_last: np.ndarray  # [R], the piece ends its prompt
+    prompt_index: np.ndarray  # [R]
+    sample_index: np.ndarray  # [R, n]
+
+
 class _LaneFailed(NamedTuple):
     error: BaseException
 
@@ -464,7 +479,9 @@ class Engine:
         """Keys (`_program`) of the programs this engine ran: stats.programs_used."""
         self._prefill_lowered = threading.Event()
         """Set once a prefill program is lowered, found or failed: the decode program's early
-        getting waits for it (`_compile_decode_early`)."""
+        getting waits for it (`_get_programs_early`)."""
+        self._early: list[concurrent.futures.Future] = []
+        """The programs' getting ahead of their calls (`_get_programs_early`), per thread."""
         self._by_call: dict[tuple, Any] = {}
         """The programs of this engine's calls by `_call_key`: a call finds its program without
         flattening the model and the cache again (each of a run's 70-odd calls spent about 0.6 ms
@@ -482,8 +499,11 @@ class Engine:
         engine: EngineConfig = EngineConfig(),
         max_prompt_tokens: int = 512,
         tokenizer=None,
+        on_compile: Callable[[str], None] | None = None,
     ) -> "Engine":
-        """Checks the checkpoint's config and the batch plan, then reads the weights.
+        """Checks the checkpoint's config and the batch plan, then reads the weights; with
+        engine.compile_during_load, while two threads get the programs a run calls
+        (`_get_programs_early`; else the first `generate` starts them).
 
         dtype: float32 or bfloat16 weights. max_prompt_tokens: the longest prompt `generate` will
         be given (it sizes the KV cache). engine.mode host_dp: this host's devices, weights
@@ -492,7 +512,7 @@ class Engine:
         whole pod.
 
         Turns JAX's persistent compilation cache on (engine/compile_cache.py) unless the caller
-        already chose a folder for it."""
+        already chose a folder for it. on_compile: `Engine.on_compile`, from the first program on."""
         if dtype not in DTYPES:
             raise InvalidConfig(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         require(max_prompt_tokens > 0, "prompts.max_prompt_tokens", max_prompt_tokens, "an integer > 0")
@@ -547,10 +567,18 @@ class Engine:
         )
         plan = plan_staging(plan, engine.overlap_prefill if engine.mode == "host_dp" else False, platform=devices[0].platform,
                             prefill_chunk_tokens=engine.prefill_chunk_tokens, samples=sampling.n, batch_shards=layout.data_size)
-        model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding)
-        return Engine(model, config, dtype=dtype, engine_config=engine, sampling=sampling,
-                      max_prompt_tokens=max_prompt_tokens, plan=plan, eos_token_ids=tuple(eos), tokenizer=tokenizer,
-                      layout=layout, source=model_path, attention=attention, cache_dtype=cache_dtype)
+        tensors = check_tensors(model_path, config)  # a checkpoint that does not fit fails before any program
+        loaded = Engine(abstract_model(config, dtype=DTYPES[dtype], sharding=layout.param_sharding), config, dtype=dtype,
+                        engine_config=engine, sampling=sampling, max_prompt_tokens=max_prompt_tokens, plan=plan,
+                        eos_token_ids=tuple(eos), tokenizer=tokenizer, layout=layout, source=model_path,
+                        attention=attention, cache_dtype=cache_dtype)
+        loaded.on_compile = on_compile
+        during_load = engine.compile_during_load
+        if during_load is True or during_load == "auto" and (devices[0].platform != "cpu" or not checkpoint.is_local(model_path)):
+            loaded._get_programs_early()
+        loaded.model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding,
+                                       tensors=tensors)
+        return loaded
 
     @property
     def attention(self) -> str:
@@ -580,26 +608,29 @@ class Engine:
             f" prompts <= {self.max_prompt_tokens} tokens, {self.sampling.max_new_tokens} new;"
             f" prefill {self._prefill_rows} rows x {self.engine_config.prefill_chunk_tokens} tokens per call"
             f"{f' beside decode, into {self._staged} staging rows' if self._staged else ''};"
-            f" decode attention {self.attention} over a {cpu_attention.value_dtype(self._cache_dtype).name} KV cache"
+            f" decode attention {self.attention} over a {cpu_attention.value_dtype(self._cache_dtype).name} KV cache;"
+            f" at most {self.max_programs} programs"
         )
 
     # ------------------------------------------------------------------ compiled programs
 
-    def _program(self, kind: str, static: tuple, jitted, args: tuple, *, after: threading.Event | None = None):
+    def _program(self, kind: str, static: tuple, jitted, args: tuple, *, after: threading.Event | None = None,
+                 used: bool = True):
         """The compiled program for these input shapes: from this process's memory (shared by
         engines: a reload with the same shapes compiles nothing), else compiled by XLA or loaded
         from JAX's persistent cache (counted apart in the stats). after: waited for before
-        tracing, where the program is not in memory."""
+        tracing, where the program is not in memory. used: a call runs it (stats.programs_used;
+        not for the programs got ahead of their calls, `_get_programs_early`)."""
         try:
-            return self._find_or_get(kind, static, jitted, args, after)
+            return self._find_or_get(kind, static, jitted, args, after, used)
         finally:
             if kind.startswith("prefill"):
                 self._prefill_lowered.set()  # found, got or failed: a decode compile waiting goes on
 
-    def _find_or_get(self, kind: str, static: tuple, jitted, args: tuple, after: threading.Event | None):
+    def _find_or_get(self, kind: str, static: tuple, jitted, args: tuple, after: threading.Event | None, used: bool):
         leaves, treedef = jax.tree.flatten(args)
         key = (kind, static, self._spec, self.layout.is_global, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
-        if key not in self._used_programs:  # once per program: calls after it take no lock here
+        if used and key not in self._used_programs:  # once per program: calls after it take no lock here
             with self._stats_lock:
                 self._used_programs.add(key)
                 self.stats.programs_used = len(self._used_programs)
@@ -652,30 +683,94 @@ class Engine:
 
     def _decode_program(self) -> tuple[str, tuple, Callable]:
         """(kind, static args, function) of the decode chunk: one definition for its early
-        compile and its calls, so both find the same program."""
+        getting and its calls, so both find the same program (and so for the others below)."""
         steps = self.engine_config.decode_chunk_steps
         return "decode", (steps,), functools.partial(decode_chunk, spec=self._spec, steps=steps)
 
-    def _compile_decode_early(self, cache, state) -> concurrent.futures.Future | None:
-        """Starts getting the decode program in a thread while the prefill programs are compiled
-        and run: XLA compiles with the GIL released, so on an accelerator the host compiles the
-        largest program while the device prefills (on the CPU they share its cores). None when
-        no row can need it (a single new token); the thread returns at once when this process
-        already holds the program.
+    def _prefill_program(self, fresh: bool) -> tuple[str, tuple, Callable]:
+        """A prefill call's: of first chunks alone (fresh), or of any pieces."""
+        return "prefill_fresh" if fresh else "prefill", (fresh,), functools.partial(prefill_chunk, spec=self._spec, fresh=fresh)
 
-        The thread traces and lowers only once a prefill program is lowered (`_prefill_lowered`):
-        both are Python under the GIL, and the first prefill call waits for its own program while
-        the decode program is needed calls later. A warm prefill-heavy generate in a fresh
-        process took about 0.06 s less this way (docs/performance-notes.md); compiling (or
-        loading) the two still overlaps."""
-        if self.sampling.max_new_tokens <= 1:
-            return None
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (cache, state))
-        kill = jax.ShapeDtypeStruct((self._lane_slots,), jnp.bool_, sharding=self._batch_sharding)
-        args = (self.model, *abstract, kill)
-        kind, static, fn = self._decode_program()
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-decode")
-        future = pool.submit(self._program, kind, static, self._jit(fn), args, after=self._prefill_lowered)
+    def _adopt_program(self) -> tuple[str, tuple, Callable]:
+        """The move of staged rows into a lane's slots."""
+        return "adopt", (), functools.partial(adopt_rows, spec=self._spec)
+
+    def _init_program(self, slots: tuple[int, ...]) -> tuple[str, tuple, Callable, tuple]:
+        """(kind, static args, jitted function, its outputs' shardings) of the init program: per
+        entry of `slots`, a zero cache of that many slots and an all-empty decode state."""
+
+        def make():
+            ends = self._spec.cache_ends(self._seq_len)
+            return tuple((new_cache(self.config, n, ends, self._cache_dtype), new_state(n)) for n in slots)
+
+        shardings = tuple((self.layout.cache_sharding, self._batch_sharding) for _ in slots)
+        return "init", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name), jax.jit(make, out_shardings=shardings), shardings
+
+    def _prefill_inputs(self, slots: int) -> "_PrefillInputs":
+        """A prefill call's inputs with no piece in them (`_prefill` fills them), over a cache of
+        `slots` slots."""
+        R, C, n = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group
+        zeros = functools.partial(np.zeros, R, np.int32)
+        return _PrefillInputs(tokens=np.zeros((R, C), np.int32), slot_ids=np.full((R, n), slots, np.int32),
+                              starts=zeros(), offsets=zeros(), lengths=zeros(), is_last=np.zeros(R, bool),
+                              prompt_index=zeros(), sample_index=np.zeros((R, n), np.int32))
+
+    def _get_programs_early(self) -> None:
+        """Starts getting every program a run calls (compiling it, or loading it from JAX's
+        persistent cache) from the shapes alone, in two threads: init, prefill and adopt in one,
+        in the order a run needs them; decode, the largest, in the other, traced once a prefill
+        program is lowered (`_prefill_lowered`). Both trace and lower under the GIL; XLA
+        compiles, or loads, with it released, so the two compiles overlap.
+
+        Called by `Engine.load` before it reads the weights (engine.compile_during_load: on a pod
+        an 8B model's read from storage takes minutes, and its compiles can hide behind it), else
+        by the first `generate`. A call whose program is still being got waits for it (the
+        program's lock in `_find_or_get`; counted in stats.compile_wait_s). A getting that fails
+        here is tried again by the call that needs the program, which raises its error."""
+        slots, staged = self._lane_slots, self._staged
+        kind, static, init, shardings = self._init_program((slots, staged) if staged else (slots,))
+        with self.layout.tracing():
+            made = jax.eval_shape(init)
+        shapes = jax.tree.map(lambda sharding, tree: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree), shardings, made)
+        (cache, state), staging = shapes[0], shapes[1:]
+        # A staging cache of another size than the lane's takes every prefill call (`_lane`).
+        prefilled = staging[0] if staging and staged != slots else (cache, state)
+        inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._batch_sharding),
+                              self._prefill_inputs(prefilled[0].slots))
+        if self._spec.prefill_in_place:
+            fresh = (False,)  # first chunks run the later ones' program
+        else:
+            fresh = (True, False) if self.max_prompt_tokens > self.engine_config.prefill_chunk_tokens else (True,)
+        programs = [(kind, static, init, ())]
+        for kind, static, fn in map(self._prefill_program, fresh):
+            programs.append((kind, static, self._jit(fn), (self.model, *prefilled, *inputs)))
+        decodes = self.sampling.max_new_tokens > 1  # else every row finishes on its first token
+        if staging and decodes:  # a row that does not decode is never moved
+            kind, static, fn = self._adopt_program()
+            to = jax.ShapeDtypeStruct((staged,), jnp.int32, sharding=self._batch_sharding)
+            programs.append((kind, static, self._jit(fn), (self.model, cache, state, *staging[0], to)))
+
+        def get_in_order() -> None:
+            try:
+                for program in programs:
+                    self._program(*program, used=False)
+            finally:
+                self._prefill_lowered.set()  # also where the init program failed: decode goes on
+
+        self._early = [self._in_thread("compile-programs", get_in_order)]
+        if decodes:
+            kind, static, fn = self._decode_program()
+            kill = jax.ShapeDtypeStruct((slots,), jnp.bool_, sharding=self._batch_sharding)
+            self._early.append(self._in_thread("compile-decode", self._program, kind, static, self._jit(fn),
+                                               (self.model, cache, state, kill), after=self._prefill_lowered, used=False))
+
+    @staticmethod
+    def _in_thread(name: str, fn, *args, **kwargs) -> concurrent.futures.Future:
+        """fn(*args, **kwargs) in a thread of its own, which the interpreter waits for at exit
+        (not a daemon: XLA must not be compiling as the process ends)."""
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+        future = pool.submit(fn, *args, **kwargs)
         pool.shutdown(wait=False)
         return future
 
@@ -702,14 +797,9 @@ class Engine:
         """Per entry of `slots`, a zero cache of that many slots and an all-empty decode state
         (the lane's, then its staging cache's), made by one compiled program with their output
         shardings, so each device (of every host on a global mesh) allocates only its own block."""
-
-        def make():
-            ends = self._spec.cache_ends(self._seq_len)
-            return tuple((new_cache(self.config, n, ends, self._cache_dtype), new_state(n)) for n in slots)
-
-        jitted = jax.jit(make, out_shardings=tuple((self.layout.cache_sharding, self._batch_sharding) for _ in slots))
+        kind, static, jitted, _ = self._init_program(slots)
         with self._waiting():
-            program = self._program("init", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name), jitted, ())
+            program = self._program(kind, static, jitted, ())
         return program()
 
     @contextlib.contextmanager
@@ -756,6 +846,8 @@ class Engine:
         taking rows from the same queue, and their completions come back here in the order they
         finish; a row's tokens do not depend on its lane."""
         self.stopped = False
+        if not self._early:  # engine.compile_during_load off: from the first generate
+            self._get_programs_early()
         pending = _Pending(requests, self._rows, window_rows=READ_AHEAD_ROWS_PER_SLOT * self.plan.batch_size)
         if not pending:
             return
@@ -824,7 +916,6 @@ class Engine:
             # job that fits the lane waits for no thread and no adopt.
         else:
             ((cache, state),) = self._init(slots)
-        decode_compile = self._compile_decode_early(cache, state)
         live: list[_Row | None] = [None] * slots
         """A slot's row, from when it is taken (prefill) until the row finishes."""
         prefilling: collections.deque[_Prompt] = collections.deque()
@@ -869,10 +960,6 @@ class Engine:
                     if stager is not None:
                         stager.wait()  # for prefilled rows
                     continue  # else the queue emptied in another lane's hands
-                if decode_compile is not None:
-                    with self._waiting():
-                        decode_compile.result()  # raises what compiling raised
-                    decode_compile = None
                 kind, static, fn = self._decode_program()
                 cache, state, (out, done) = self._run(
                     kind, fn, static, self.model, cache, state, jax.device_put(kill, self._batch_sharding),
@@ -892,9 +979,6 @@ class Engine:
         finally:
             if stager is not None:
                 stager.close()
-            if decode_compile is not None:
-                decode_compile.cancel()  # if it has not started; a compile under way runs to its end
-                self._prefill_lowered.set()  # one waiting for a prefill program that never came goes on
 
     def _first_token(self, row: _Row, token: int, device_done: bool) -> Completion | None:
         """Adds a row's first token, from its prefill; its Completion if that finished it."""
@@ -903,8 +987,9 @@ class Engine:
 
     def _adopt(self, cache, state, staged_cache, staged_state, to: np.ndarray):
         """One call moving staging slot i's row into the lane's slot to[i] (out of range: none)."""
-        cache, state, _ = self._run("adopt", functools.partial(adopt_rows, spec=self._spec), (), self.model, cache, state,
-                                    staged_cache, staged_state, jax.device_put(to, self._batch_sharding))
+        kind, static, fn = self._adopt_program()
+        cache, state, _ = self._run(kind, fn, static, self.model, cache, state, staged_cache, staged_state,
+                                    jax.device_put(to, self._batch_sharding))
         return cache, state
 
     def _count(self, **amounts: float) -> None:
@@ -942,37 +1027,30 @@ class Engine:
         A piece's keys and values are the same bits whichever pieces share its call
         (`compiler_options`), and the CPU kernel's queries whichever piece they came in, so the
         packing changes no token."""
-        R, C, n, slots = self._prefill_rows, self.engine_config.prefill_chunk_tokens, self._group, cache.slots
+        R, C = self._prefill_rows, self.engine_config.prefill_chunk_tokens
         packed = self._spec.prefill_in_place
         pieces = self._pieces(prefilling, R, C, packed)
         fresh = not packed and all(start == 0 for _, start, _ in pieces)
-        tokens = np.zeros(R * C, np.int32)
-        slot_ids = np.full((R, n), slots, np.int32)  # out of range: none
-        starts, offsets, lengths = (np.zeros(R, np.int32) for _ in range(3))
-        is_last = np.zeros(R, bool)
-        prompt_index = np.zeros(R, np.int32)
-        sample_index = np.zeros((R, n), np.int32)
+        inputs = self._prefill_inputs(cache.slots)  # a slot id out of range: none
+        tokens = inputs.tokens.reshape(-1)  # a view: the pieces' tokens in a row
         offset = 0
         for s, (job, start, length) in enumerate(pieces):
             offset = offset if packed else s * C  # packed: end to end; else a row each
             tokens[offset : offset + length] = job.ids[start : start + length]
-            starts[s], offsets[s], lengths[s] = start, offset, length
+            inputs.starts[s], inputs.offsets[s], inputs.lengths[s] = start, offset, length
             offset += length
             job.written = start + length
-            is_last[s] = job.written == len(job.ids)
-            slot_ids[s, : len(job.slots)] = job.slots
-            prompt_index[s] = job.index
-            sample_index[s, : len(job.rows)] = [row.sample_index for row in job.rows]
+            inputs.is_last[s] = job.written == len(job.ids)
+            inputs.slot_ids[s, : len(job.slots)] = job.slots
+            inputs.prompt_index[s] = job.index
+            inputs.sample_index[s, : len(job.rows)] = [row.sample_index for row in job.rows]
         for job in [job for job in prefilling if job.written == len(job.ids)]:
             prefilling.remove(job)
-        pages = 0 if fresh else pages_covering(int(np.max(starts + lengths)), cache.ends)
+        pages = 0 if fresh else pages_covering(int(np.max(inputs.starts + inputs.lengths)), cache.ends)
         self._count(padded_prompt_tokens=R * C, prefill_calls=1, prefill_pages_read=pages)
-        inputs = jax.device_put((tokens.reshape(R, C), slot_ids, starts, offsets, lengths, is_last, prompt_index, sample_index),
-                                self._batch_sharding)  # one transfer call for the eight
-        return self._run(
-            "prefill_fresh" if fresh else "prefill", functools.partial(prefill_chunk, spec=self._spec, fresh=fresh), (fresh,),
-            self.model, cache, state, *inputs,
-        )
+        kind, static, fn = self._prefill_program(fresh)
+        # One transfer call for the eight inputs.
+        return self._run(kind, fn, static, self.model, cache, state, *jax.device_put(inputs, self._batch_sharding))
 
     @staticmethod
     def _pieces(prefilling: collections.deque, R: int, C: int, packed: bool) -> list[tuple["_Prompt", int, int]]:

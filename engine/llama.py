@@ -762,7 +762,45 @@ def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM
     return mapping
 
 
-def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> LlamaLM:
+def check_tensors(path: str, config: LlamaConfig) -> dict[str, checkpoint.Tensor]:
+    """The checkpoint's tensors by name, from the files' headers (no weight is read), once every
+    tensor the model needs is there with as many values as config.json implies."""
+    tensors = checkpoint.read_tensors(path)
+    skeleton = eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0))
+    mapping = checkpoint_mapping(config)
+    missing = [name for name, _ in mapping if name not in tensors]
+    if missing:
+        raise UnsupportedModelError(f"model.path {path}: checkpoint lacks {missing[:3]} ({len(missing)} missing tensors)")
+    for name, where in mapping:
+        tensor, shape = tensors[name], tuple(where(skeleton).array.shape)
+        if math.prod(tensor.shape) != math.prod(shape):
+            raise UnsupportedModelError(
+                f"model.path {tensor.url}: tensor {name} has shape {list(tensor.shape)}, config.json implies {shape}"
+            )
+    return tensors
+
+
+def abstract_model(config: LlamaConfig, *, dtype, sharding=None) -> LlamaLM:
+    """The model `load_checkpoint` reads, as shapes alone: every weight a `jax.ShapeDtypeStruct`
+    of its dtype and sharding, nothing allocated. Its programs can be traced and compiled for it
+    while the weights are read (`Engine.load`)."""
+    skeleton = eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0))
+    sharding_for = _sharding_for(sharding)
+    wheres = [where for _, where in checkpoint_mapping(config)]
+    shapes = [jax.ShapeDtypeStruct(w.array.shape, jnp.dtype(dtype), sharding=sharding_for(w.axes))
+              for w in (where(skeleton) for where in wheres)]
+    return eqx.tree_at(lambda m: [w(m).array for w in wheres], skeleton, shapes)
+
+
+def _sharding_for(sharding) -> Callable[[tuple], jax.sharding.Sharding]:
+    """load_checkpoint's `sharding` as a function of a weight's axes."""
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return sharding if callable(sharding) else lambda axes: sharding
+
+
+def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None,
+                    tensors: dict[str, checkpoint.Tensor] | None = None) -> LlamaLM:
     """Reads every weight into `dtype`, tensor by tensor, straight into its sharding.
 
     The files are engine/checkpoint.py's to read; this places each tensor by the mapping above.
@@ -771,26 +809,16 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None) -> 
     the tensor's first axis its block spans are read (once per distinct row range), so a host
     reads about its own share of a sharded model (all of it when replicated) and holds at most
     one tensor's worth of host memory beyond what is on its devices. Every tensor stays as saved:
-    projections (out, in), which `linear` multiplies weight first."""
-    tensors = checkpoint.read_tensors(path)
+    projections (out, in), which `linear` multiplies weight first. tensors: `check_tensors`'
+    answer, if the caller has it."""
+    tensors = check_tensors(path, config) if tensors is None else tensors
     skeleton = eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0))
-    mapping = checkpoint_mapping(config)
-    missing = [name for name, _ in mapping if name not in tensors]
-    if missing:
-        raise UnsupportedModelError(f"model.path {path}: checkpoint lacks {missing[:3]} ({len(missing)} missing tensors)")
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    sharding_for = sharding if callable(sharding) else lambda axes: sharding
-
+    sharding_for = _sharding_for(sharding)
     wheres, values = [], []
-    for name, where in mapping:
+    for name, where in checkpoint_mapping(config):
         tensor = tensors[name]
         target = where(skeleton)
         shape = tuple(target.array.shape)
-        if math.prod(tensor.shape) != math.prod(shape):
-            raise UnsupportedModelError(
-                f"model.path {tensor.url}: tensor {name} has shape {list(tensor.shape)}, config.json implies {shape}"
-            )
         # Devices holding different columns of the same rows share one read of those rows.
         rows = functools.lru_cache(maxsize=None)(functools.partial(checkpoint.read_rows, tensor, shape))
 

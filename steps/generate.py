@@ -31,7 +31,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -42,7 +42,7 @@ from pipeline import storage
 from pipeline.pod import hosts, preemption
 from pipeline.run import status
 from pipeline.run.config import Config
-from engine.checkpoint import load_tokenizer
+from engine.checkpoint import load_tokenizer, read_config
 from pipeline.errors import StepFailed, checkpoint_errors
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
@@ -334,26 +334,34 @@ def _load_engine(cfg: Config, todo: list[_ShardTodo]):
 
     with checkpoint_errors():
         tokenizer = load_tokenizer(cfg.model.path)
+        vocab = read_config(cfg.model.path).get("vocab_size")
+    if isinstance(vocab, int):  # else Engine.load names what config.json lacks
+        for t in todo:  # before Engine.load starts compiling, which a failing process would wait for
+            top = t.max_token_id()
+            if top >= vocab:
+                raise StepFailed(
+                    f"tokenize shard {t.url} holds token id {top}, but model.path {cfg.model.path} "
+                    f"has a vocabulary of {vocab}: the checkpoint does not match the tokenizer used in tokenize")
     longest = max(max(t.longest_prompt() for t in todo), 1)
+    prints = hosts.is_leader() or hosts.process_count() == 1
     engine = Engine.load(cfg.model.path, dtype=cfg.model.dtype, sampling=cfg.sampling, engine=cfg.engine,
-                         max_prompt_tokens=longest, tokenizer=tokenizer)
-    for t in todo:
-        top = t.max_token_id()
-        if top >= engine.vocab_size:
-            raise StepFailed(
-                f"tokenize shard {t.url} holds token id {top}, but model.path {cfg.model.path} "
-                f"has a vocabulary of {engine.vocab_size}: the checkpoint does not match the tokenizer used in tokenize")
-    if hosts.is_leader() or hosts.process_count() == 1:
+                         max_prompt_tokens=longest, tokenizer=tokenizer,
+                         on_compile=_announcer() if prints else None)
+    if prints:
         print(f"generate: {engine.describe()}", flush=True)
-        programs, printing = itertools.count(1), threading.Lock()
-
-        def announce(kind: str) -> None:  # from the lanes' and the early decode compile's threads: a line each
-            with printing:
-                print(f"generate: program {next(programs)} of at most {engine.max_programs} ({kind}): compiling, "
-                      f"or loading it from the compile cache", flush=True)
-
-        engine.on_compile = announce
     return engine
+
+
+def _announcer() -> Callable[[str], None]:
+    """A line per program the engine gets, from its threads (`Engine.load` on, or `generate`)."""
+    programs, printing = itertools.count(1), threading.Lock()
+
+    def announce(kind: str) -> None:
+        with printing:
+            print(f"generate: program {next(programs)} ({kind}): compiling, or loading it from the compile cache",
+                  flush=True)
+
+    return announce
 
 
 def _completions(engine, todo: list[_ShardTodo]) -> Iterator[tuple[Any, "_Source"]]:

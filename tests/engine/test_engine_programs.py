@@ -23,11 +23,11 @@ def _requests(lengths):
     return [GenerationRequest(i, rng.randint(0, VOCAB, n).tolist(), [0]) for i, n in enumerate(lengths)]
 
 
-def _load(path, overlap_prefill, attention="auto"):
+def _load(path, overlap_prefill, attention="auto", on_compile=None, **engine):
     return Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=5),
                        engine=EngineConfig(batch_size=4, prefill_chunk_tokens=8, prefill_tokens=16, overlap_prefill=overlap_prefill,
-                                           decode_attention=attention),
-                       max_prompt_tokens=40)
+                                           decode_attention=attention, **engine),
+                       max_prompt_tokens=40, on_compile=on_compile)
 
 
 def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path, monkeypatch):
@@ -41,7 +41,6 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path, monk
     try:
         compile_cache.enable(str(tmp_path / "jax-compile"))
         engine_module._COMPILED.clear()
-        engine = _load(path, overlap_prefill=True)
         collector = []  # gc.isenabled() as each program is traced
         order = []  # the functions traced, in the order their tracing began
         jit = engine_module.Engine._jit
@@ -55,7 +54,7 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path, monk
 
         monkeypatch.setattr(engine_module.Engine, "_jit", traced)
         threads = {}
-        engine.on_compile = lambda kind: threads.setdefault(kind, threading.current_thread().name)
+        engine = _load(path, overlap_prefill=True, on_compile=lambda kind: threads.setdefault(kind, threading.current_thread().name))
         first = {c.prompt_index: c.token_ids for c in engine.generate(_requests(range(1, 41)))}
         assert sorted(first) == list(range(40)) and all(len(t) == 5 for t in first.values())
         for i in (7, 8, 22, 39):  # one chunk, exactly one, three, five
@@ -68,11 +67,12 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path, monk
         assert collector and not any(collector) and gc.isenabled()
         if engine.attention == "cpu":  # one page, read by every call (first chunks' too: their own positions)
             assert engine.stats.prefill_pages_read == engine.stats.prefill_calls > 0, engine.stats
-        # The decode program is compiled beside the others, from the start of generate, and the
-        # prompts are prefilled in a thread of their own.
-        assert threads["decode"].startswith("compile-decode") and threads[kinds[-1]] == "engine-prefill", threads
-        assert threads["adopt"] == "MainThread", threads
-        # ... but traced only once a prefill program was: the first call waits for that one.
+        # Every program was got ahead of its calls, from Engine.load on: the decode program in a
+        # thread of its own, beside the others (the calls, in the lane and the prefill thread, got none).
+        assert threads.pop("decode").startswith("compile-decode"), threads
+        assert sorted(threads) == [k for k in kinds if k != "decode"], threads
+        assert all(name.startswith("compile-programs") for name in threads.values()), threads
+        # ... the decode program traced only once a prefill program was: the first call waits for that one.
         assert order.index("prefill_chunk") < order.index("decode_chunk"), order
         # generate waited for its programs, but not for longer than they took (the decode compile overlaps).
         waited = engine.stats.compile_wait_s
@@ -93,32 +93,100 @@ def test_every_prompt_length_runs_on_the_same_few_programs(llama, tmp_path, monk
         compile_cache.enable(previous)
 
 
-def test_a_prefill_program_that_fails_leaves_no_thread_waiting(llama):
-    """The decode program's early getting waits for a prefill program to be lowered; when getting
-    that one fails, generate raises its error and the decode thread goes on and ends (a thread
-    left waiting would keep the process from exiting)."""
+@pytest.mark.parametrize("overlap_prefill", [False, True])
+def test_programs_got_while_the_weights_load_run_the_same_rows(llama, monkeypatch, overlap_prefill):
+    """engine.compile_during_load: Engine.load starts getting every program from the model's
+    shapes alone, before it reads the weights (here the read waits until the decode program's
+    getting has begun: without the option it would wait in vain), and generate runs them: the
+    same rows as an engine that got its programs from generate, no program got twice, none by
+    generate's own threads."""
+    path, _ = llama
+    prompts = _requests([3, 9, 17, 30, 40, 1])
+    expected = {c.prompt_index: c.token_ids for c in _load(path, overlap_prefill).generate(prompts)}
+
+    engine_module._COMPILED.clear()
+    decode_asked, threads = threading.Event(), {}
+    read = engine_module.load_checkpoint
+
+    def read_after_decode_began(*args, **kwargs):
+        assert decode_asked.wait(60), "no program was being got before the weights were read"
+        return read(*args, **kwargs)
+
+    def asked(kind):
+        threads[kind] = threading.current_thread().name
+        if kind == "decode":
+            decode_asked.set()
+
+    monkeypatch.setattr(engine_module, "load_checkpoint", read_after_decode_began)
+    engine = _load(path, overlap_prefill, on_compile=asked, compile_during_load=True)
+    assert {c.prompt_index: c.token_ids for c in engine.generate(prompts)} == expected
+    got = {kind: p["compiled"] + p["loaded"] for kind, p in engine.stats.programs.items()}
+    assert sorted(got) == sorted(threads) and set(got.values()) == {1}, engine.stats.programs
+    assert len(got) == engine.max_programs == engine.stats.programs_used, engine.stats.programs
+    assert all(name.startswith("compile-") for name in threads.values()), threads
+
+
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_auto_gets_programs_during_load_only_from_remote_storage(llama, request, monkeypatch, where):
+    """engine.compile_during_load: auto on this CPU: the getting starts in Engine.load for a
+    checkpoint in remote storage (the GCS emulator through gcsfs: the read waits for the first
+    program's getting to begin), at the first generate for a local folder (none has begun when
+    the read starts)."""
+    import os
+
+    import fsspec
+
+    path, _ = llama
+    if where == "gs":
+        path, local = f"{request.getfixturevalue('gcs_bucket')}/llama", path
+        for name in os.listdir(local):
+            fsspec.filesystem("gs").put(f"{local}/{name}", f"{path}/{name}")
+    engine_module._COMPILED.clear()
+    asked, at_read = threading.Event(), []
+    read = engine_module.load_checkpoint
+
+    def read_weights(*args, **kwargs):
+        if where == "gs":
+            assert asked.wait(60), "no program was being got while the weights were read"
+        at_read.append(asked.is_set())
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_checkpoint", read_weights)
+    engine = _load(path, overlap_prefill=False, on_compile=lambda kind: asked.set())
+    assert at_read == [where == "gs"]
+    assert len(list(engine.generate(_requests([4, 12])))) == 2 and asked.is_set()
+
+
+@pytest.mark.parametrize("failing", ["prefill", "init"])
+def test_a_program_that_fails_leaves_no_thread_waiting(llama, failing):
+    """The decode program's early getting waits for a prefill program to be lowered. When getting
+    that one, or the init program before it, fails in Engine.load's thread, the decode thread goes
+    on and ends (a thread left waiting would keep the process from exiting), and generate, asking
+    for the program again, raises its error."""
     path, _ = llama
     engine_module._COMPILED.clear()  # so the engine gets its programs, and calls on_compile
-    engine = _load(path, overlap_prefill=False)
-
     decode_asked = threading.Event()
+    refused = []
 
     def refuse(kind):  # called as each program's getting begins, in its thread
         if kind == "decode":
             decode_asked.set()  # the thread waits for a prefill program from here on
-        elif kind.startswith("prefill"):
+        elif kind.startswith(failing):
             decode_asked.wait(60)
-            raise RuntimeError("no prefill program today")
+            refused.append(threading.current_thread().name)
+            raise RuntimeError(f"no {failing} program today")
 
-    engine.on_compile = refuse
-    with pytest.raises(RuntimeError, match="no prefill program today"):
+    engine = _load(path, overlap_prefill=False, on_compile=refuse)
+    with pytest.raises(RuntimeError, match=f"no {failing} program today"):
         list(engine.generate(_requests([5, 9])))
     for thread in threading.enumerate():
-        if thread.name.startswith("compile-decode"):
+        if thread.name.startswith("compile-"):
             thread.join(120)
-            assert not thread.is_alive(), "the decode program's thread is still waiting"
+            assert not thread.is_alive(), f"{thread.name} is still waiting"
     decode = engine.stats.programs["decode"]
     assert decode_asked.is_set() and decode["compiled"] + decode["loaded"] == 1, engine.stats.programs
+    # Refused in the early thread, then again in generate's lane.
+    assert len(refused) == 2 and refused[0].startswith("compile-programs") and refused[1] == "MainThread", refused
 
 
 def test_the_collector_is_paused_until_the_last_thread_lowering_leaves():
@@ -238,3 +306,10 @@ def test_bfloat16_programs_neither_copy_nor_convert_a_weight(tmp_path):
         assert not offending, (key[0], offending[:4])
         # Greedy: no program hashes a row's key (sampler.draws), kept in the decode state or not.
         assert "threefry" not in compiled.as_text(), key[0]
+
+
+def test_compile_during_load_is_checked():
+    from engine.config import InvalidConfig
+
+    with pytest.raises(InvalidConfig, match="engine.compile_during_load must be true, false or auto, got 'yes'"):
+        EngineConfig(compile_during_load="yes")
