@@ -200,7 +200,7 @@ def bench_ours_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list
     variant: EngineConfig fields (overlap_prefill, decode_attention, lanes)."""
     os.environ["PIPELINE_CACHE_DIR"] = cache_dir
     start = time.perf_counter()
-    importlib.import_module("engine")  # JAX and the engine: in process_s only
+    importlib.import_module("engine.engine")  # JAX, haliax and the engine (`engine` alone imports them lazily): process_s only
 
     load_start = time.perf_counter()
     ours = _mixed_engine(folder, p, dtype, batch, variant)
