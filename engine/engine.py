@@ -28,8 +28,9 @@ in place, packing each call's rows with the prompts end to end, and first chunks
 ones' program; one more with a staging cache, below),
 and JAX's persistent compilation cache (engine/compile_cache.py, on by default) lets a rerun or
 resume load them instead. Two threads get them from the shapes alone, from the start of the
-first `generate` or, with `engine.compile_during_load` (auto: on accelerators), from
-`Engine.load` on, while it reads the weights; a call whose program is not ready yet waits for it.
+first `generate` or, with `engine.compile_during_load` (auto: a checkpoint in remote storage,
+or an accelerator), from `Engine.load` on, while it reads the weights; a call whose program is
+not ready yet waits for it.
 
 On a CPU host the slots may be split into lanes (`engine.lanes`, host_dp only): each lane is the
 loop above over its share of the slots, with its own cache, in a thread of its own, taking rows
