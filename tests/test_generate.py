@@ -104,3 +104,25 @@ def test_sigterm_commits_finished_rows_and_exits_75(make_config, tmp_path, many_
     # Issue 14: the resumed bar counts what was committed before (it started at 0 of what was left).
     assert f": 80/80 samples ({len(committed)} resumed), " in result.stderr, result.stderr[-2000:]
 
+
+
+def test_token_ids_beyond_the_checkpoints_vocabulary(make_config, tmp_path, demo_model):
+    """A checkpoint whose vocabulary is smaller than its tokenizer's: generate exits 1 with one
+    line naming the shard, the token id and model.path, before loading the engine (no program is
+    compiled for a run that cannot start), and marks nothing complete."""
+    import shutil
+
+    from demo.checkpoint import build_checkpoint
+
+    model = tmp_path / "small-vocab"
+    build_checkpoint(model, vocab_size=100)  # weights of a 100-token vocabulary...
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # ... beside the demo's 512-token tokenizer
+        shutil.copy(os.path.join(demo_model, name), model / name)
+    path = make_config(model={"path": str(model)}, engine={"batch_size": 8, "compile_during_load": True})
+    assert pipeline("run", "tokenize", "--config", path).returncode == 0
+    result = pipeline("run", "generate", "--config", path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "holds token id" in errors[0], result.stderr[-3000:]
+    assert f"but model.path {model} has a vocabulary of 100" in errors[0], errors
+    assert "program 1" not in result.stdout and not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS"), result.stdout
