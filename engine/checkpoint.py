@@ -35,9 +35,9 @@ import tempfile
 from typing import Any
 
 import fsspec
-from fsspec.utils import get_protocol
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.utils import get_protocol
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
