@@ -274,6 +274,11 @@ class _Pending:
             return sum(1 for _ in itertools.takewhile(lambda row: row.prompt_index == first, itertools.islice(self._rows, limit)))
 
 
+def _shapes(tree, sharding):
+    """`tree` as `jax.ShapeDtypeStruct`s placed by `sharding`: a program's arguments before any exists."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
 class _PrefillInputs(NamedTuple):
     """A prefill call's inputs beside the model, cache and state (decode.prefill_chunk): R rows of
     C tokens, each row's piece at most, and n samples a prompt."""
@@ -732,13 +737,12 @@ class Engine:
         kind, static, init, shardings = self._init_program((slots, staged) if staged else (slots,))
         with self.layout.tracing():
             made = jax.eval_shape(init)
-        shapes = jax.tree.map(lambda sharding, tree: jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree), shardings, made)
+        # Each cache and state placed by its output sharding (`shardings` is a prefix of `made`).
+        shapes = jax.tree.map(lambda sharding, tree: _shapes(tree, sharding), shardings, made)
         (cache, state), staging = shapes[0], shapes[1:]
         # A staging cache of another size than the lane's takes every prefill call (`_lane`).
         prefilled = staging[0] if staging and staged != slots else (cache, state)
-        inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._batch_sharding),
-                              self._prefill_inputs(prefilled[0].slots))
+        inputs = _shapes(self._prefill_inputs(prefilled[0].slots), self._batch_sharding)
         if self._spec.prefill_in_place:
             fresh = (False,)  # first chunks run the later ones' program
         else:

@@ -49,13 +49,12 @@ def main() -> None:
     p = bench.PRESETS[args.preset]
     batch, prompt, new = args.batch or p["batch"], args.prompt or p["prompt_len"], args.new or p["new"]
 
-    import equinox as eqx
     import jax
     import jax.numpy as jnp
 
     from engine import cpu_attention, kernels
     from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state, prefill_chunk
-    from engine.llama import LlamaConfig, LlamaLM
+    from engine.llama import LlamaConfig, abstract_model
     from engine.memory import GiB, footprint
     from engine.config import SamplingParams
 
@@ -68,11 +67,10 @@ def main() -> None:
     device = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
 
-    def abstract(tree, as_dtype=None):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, as_dtype if as_dtype and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
-                                                           sharding=sharding), tree)
+    def abstract(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
-    model = abstract(eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0)), dtype)
+    model = abstract_model(config, dtype=dtype, sharding=sharding)  # the model Engine.load traces before the weights
     seq_len = prompt + new
     # The decode attention the engine would run here (engine.decode_attention: auto), and its cache's pages.
     spec = DecodeSpec(SamplingParams(max_new_tokens=new), (), sharding, sharding, sharding,
