@@ -129,8 +129,10 @@ def generate(cfg: Config, out: StepOutput) -> None:
         writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine))
         watch = hosts.watchdog("generating on the global mesh") if lockstep else contextlib.nullcontext()
         n_total = sum(t.wanted.size for t in todo)  # every (prompt, sample) of these shards
-        with watch, Progress(total=n_total, desc=f"generate {hosts.describe()}", unit="sample",
-                             resumed=n_total - n_missing) as bar:
+        # Closing the engine on the way out: a failing or stopped step does not wait for programs
+        # its calls no longer need (engine.compile_during_load gets them ahead, in threads).
+        with watch, contextlib.closing(engine), Progress(total=n_total, desc=f"generate {hosts.describe()}",
+                                                         unit="sample", resumed=n_total - n_missing) as bar:
             try:
                 for c, source in _completions(engine, todo):
                     if writer.add(source.shard, _row(source, c)):

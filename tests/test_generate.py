@@ -7,6 +7,8 @@ import glob
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -126,3 +128,48 @@ def test_token_ids_beyond_the_checkpoints_vocabulary(make_config, tmp_path, demo
     assert len(errors) == 1 and "holds token id" in errors[0], result.stderr[-3000:]
     assert f"but model.path {model} has a vocabulary of 100" in errors[0], errors
     assert "program 1" not in result.stdout and not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS"), result.stdout
+
+
+FAILS_AFTER_LOAD = """
+import sys, threading
+import engine.engine as engine_module
+from pipeline.cli import main
+
+closed, options = threading.Event(), engine_module.compiler_options
+
+def hold_the_first_compile():  # the init program's compile waits until the step closes the engine
+    if not hold_the_first_compile.done:
+        hold_the_first_compile.done = True
+        closed.wait(30)
+    return options()
+
+def close(self, close=engine_module.Engine.close):
+    close(self)
+    closed.set()
+
+def fail(self, requests, stop=None):
+    raise RuntimeError("the engine failed at its first call")
+    yield
+
+hold_the_first_compile.done = False
+engine_module.compiler_options = hold_the_first_compile
+engine_module.Engine.close = close
+engine_module.Engine.generate = fail
+main()
+"""
+
+
+def test_a_step_failing_after_load_compiles_no_more_programs(make_config, tmp_path):
+    """engine.compile_during_load gets the programs in threads, which the interpreter waits for at
+    exit. A generate step that fails after Engine.load closes the engine: the program being
+    compiled (init, held here until the step closes the engine) is the last one begun, so the
+    process does not go on compiling programs nothing will call (minutes on an accelerator)."""
+    path = make_config(engine={"batch_size": 8, "compile_during_load": True})
+    assert pipeline("run", "tokenize", "--config", path).returncode == 0
+    result = subprocess.run([sys.executable, "-c", FAILS_AFTER_LOAD, "run", "generate", "--config", path],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "error: RuntimeError: the engine failed at its first call" in result.stderr, result.stderr[-3000:]
+    begun = sorted(line.split("(")[1].split(")")[0] for line in result.stdout.splitlines() if ": program " in line)
+    assert begun == ["decode", "init"], result.stdout  # decode's thread was waiting for a prefill program
+    assert not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS")

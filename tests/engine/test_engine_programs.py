@@ -189,6 +189,55 @@ def test_a_program_that_fails_leaves_no_thread_waiting(llama, failing):
     assert len(refused) == 2 and refused[0].startswith("compile-programs") and refused[1] == "MainThread", refused
 
 
+def _join_compile_threads():
+    for thread in threading.enumerate():
+        if thread.name.startswith("compile-"):
+            thread.join(120)
+            assert not thread.is_alive(), f"{thread.name} is still running"
+
+
+@pytest.mark.parametrize("abandoned", ["closed", "unreadable weights"])
+def test_an_abandoned_run_compiles_no_program_it_had_not_started(llama, monkeypatch, abandoned):
+    """A run abandoned while its programs are got ahead of their calls (engine.compile_during_load):
+    closed by its caller (the generate step, on an error or a stop signal), or failing to read its
+    weights in Engine.load. The thread compiling the init program finishes it and begins no other,
+    and the decode thread, waiting for a prefill program, gives up: the interpreter, which waits
+    for those threads, exits after one program instead of all (on an accelerator with an 8B model,
+    minutes of compiling). A generate after close gets its programs itself."""
+    path, _ = llama
+    engine_module._COMPILED.clear()  # so that the engine gets its programs, and calls on_compile
+    compiling, go, asked = threading.Event(), threading.Event(), []
+    options = engine_module.compiler_options
+
+    def hold_the_first_compile():  # XLA's compile of the first program (init) waits for `go`
+        if not compiling.is_set():
+            compiling.set()
+            assert go.wait(60)
+        return options()
+
+    monkeypatch.setattr(engine_module, "compiler_options", hold_the_first_compile)
+    if abandoned == "unreadable weights":
+        def unreadable(*args, **kwargs):
+            assert compiling.wait(60)
+            raise OSError("the weights are unreadable")
+
+        monkeypatch.setattr(engine_module, "load_checkpoint", unreadable)
+        with pytest.raises(OSError, match="unreadable"):
+            _load(path, overlap_prefill=False, on_compile=asked.append, compile_during_load=True)
+    else:
+        engine = _load(path, overlap_prefill=False, on_compile=asked.append, compile_during_load=True)
+        assert compiling.wait(60)
+        engine.close()
+    go.set()
+    _join_compile_threads()
+    assert sorted(asked) == ["decode", "init"], asked  # the programs whose getting began
+    assert [key[0] for key in engine_module._COMPILED] == ["init"]  # and the one compiled
+    if abandoned == "closed":
+        rows = {c.prompt_index: c.token_ids for c in engine.generate(_requests([4, 13]))}
+        assert sorted(rows) == [0, 1] and all(len(t) == 5 for t in rows.values())
+        assert sorted(key[0] for key in engine_module._COMPILED) == ["decode", "init", "prefill"]
+
+
 def test_the_collector_is_paused_until_the_last_thread_lowering_leaves():
     """Engine._program lowers inside `_collector_paused`; the decode program's early compile
     lowers in a thread beside prefill's, so the collector comes back only when both are done,
