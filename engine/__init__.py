@@ -18,6 +18,7 @@ _EXPORTS = {
     "Engine": "engine.engine",
     "EngineStats": "engine.engine",
     "GenerationRequest": "engine.engine",
+    "LoadStopped": "engine.llama",
     "UnsupportedModelError": "engine.llama",
     "EngineConfig": "engine.config",
     "MeshConfig": "engine.config",

@@ -78,6 +78,15 @@ _COMPILED: dict[tuple, Any] = {}
 _COMPILING: dict[tuple, threading.Lock] = collections.defaultdict(threading.Lock)
 """Held while a program is compiled, so a second thread asking for it waits instead of compiling it again."""
 _COMPILING_LOCK = threading.Lock()
+_AHEAD = "compile-"
+"""The names of the threads that get programs ahead of their calls begin so (`_get_programs_early`)."""
+
+
+def compiling_ahead() -> bool:
+    """Whether a thread is getting a program ahead of its call (`Engine._get_programs_early`). The
+    interpreter's exit waits for it (XLA cannot stop a compile it has begun): a process ending on
+    an error need not (pipeline/cli.py)."""
+    return any(thread.name.startswith(_AHEAD) and thread.is_alive() for thread in threading.enumerate())
 
 
 _paused_by = 0
@@ -508,6 +517,7 @@ class Engine:
         max_prompt_tokens: int = 512,
         tokenizer=None,
         on_compile: Callable[[str], None] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> "Engine":
         """Checks the checkpoint's config and the batch plan, then reads the weights; with
         engine.compile_during_load, while two threads get the programs a run calls
@@ -520,7 +530,9 @@ class Engine:
         whole pod.
 
         Turns JAX's persistent compilation cache on (engine/compile_cache.py) unless the caller
-        already chose a folder for it. on_compile: `Engine.on_compile`, from the first program on."""
+        already chose a folder for it. on_compile: `Engine.on_compile`, from the first program on.
+        stop: asked before each tensor is read; once it returns True, raises `LoadStopped` (this
+        host's answer alone: no host waits for another while loading)."""
         if dtype not in DTYPES:
             raise InvalidConfig(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         require(max_prompt_tokens > 0, "prompts.max_prompt_tokens", max_prompt_tokens, "an integer > 0")
@@ -586,19 +598,20 @@ class Engine:
             loaded._get_programs_early()
         try:
             loaded.model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding,
-                                           tensors=tensors)
+                                           tensors=tensors, stop=stop)
         except BaseException:
-            loaded.close()  # a checkpoint that fails to read: the process ends without compiling the rest
+            loaded.close()  # a read that fails or is stopped: the programs not begun are not needed
             raise
         return loaded
 
     def close(self) -> None:
         """Stops getting programs ahead of their calls, for a run being abandoned (an error, a stop
         signal): a thread of `_get_programs_early` finishes the program it is compiling (XLA
-        cannot stop a compile it has begun) and starts no other. The interpreter waits for those
-        threads at exit, so a failing or interrupted process ends after the programs being
-        compiled, not after every program (on an accelerator with an 8B model, minutes). The
-        engine stays usable: a later `generate` gets each program it calls itself."""
+        cannot stop a compile it has begun) and begins no other. The interpreter waits for those
+        threads at exit, so a process that ends after a close waits for the programs being
+        compiled, not for every program (on an accelerator with an 8B model, minutes); Engine.load
+        closes when the weights fail to read. The engine stays usable: a later `generate` gets each
+        program it calls itself."""
         self._closed.set()
 
     @property
@@ -783,11 +796,11 @@ class Engine:
             finally:
                 self._prefill_lowered.set()  # also where the init program failed: decode goes on
 
-        self._early = [self._in_thread("compile-programs", get_in_order)]
+        self._early = [self._in_thread(f"{_AHEAD}programs", get_in_order)]
         if decodes:
             kind, static, fn = self._decode_program()
             kill = jax.ShapeDtypeStruct((slots,), jnp.bool_, sharding=self._batch_sharding)
-            self._early.append(self._in_thread("compile-decode", self._program, kind, static, self._jit(fn),
+            self._early.append(self._in_thread(f"{_AHEAD}decode", self._program, kind, static, self._jit(fn),
                                                (self.model, cache, state, kill), after=self._prefill_lowered, used=False))
 
     @staticmethod

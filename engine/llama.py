@@ -39,6 +39,10 @@ class UnsupportedModelError(ValueError):
     """The checkpoint uses an architecture or a config value this engine does not implement."""
 
 
+class LoadStopped(Exception):
+    """`load_checkpoint`'s `stop` asked, between two tensors: the weights are not read."""
+
+
 # ----------------------------------------------------------------------------------- config
 
 
@@ -807,7 +811,7 @@ def _sharding_for(sharding) -> Callable[[tuple], jax.sharding.Sharding]:
 
 
 def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None,
-                    tensors: dict[str, checkpoint.Tensor] | None = None) -> LlamaLM:
+                    tensors: dict[str, checkpoint.Tensor] | None = None, stop: Callable[[], bool] | None = None) -> LlamaLM:
     """Reads every weight into `dtype`, tensor by tensor, straight into its sharding.
 
     The files are engine/checkpoint.py's to read; this places each tensor by the mapping above.
@@ -817,12 +821,15 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None,
     reads about its own share of a sharded model (all of it when replicated) and holds at most
     one tensor's worth of host memory beyond what is on its devices. Every tensor stays as saved:
     projections (out, in), which `linear` multiplies weight first. tensors: `check_tensors`'
-    answer, if the caller has it."""
+    answer, if the caller has it. stop: asked before each tensor; raises LoadStopped once it
+    returns True (an 8B model takes minutes to read from a bucket)."""
     tensors = check_tensors(path, config) if tensors is None else tensors
     skeleton = _skeleton(config)
     sharding_for = _sharding_for(sharding)
     wheres, values = [], []
     for name, where in checkpoint_mapping(config):
+        if stop is not None and stop():
+            raise LoadStopped(f"stopped reading {path} before {name}")
         tensor = tensors[name]
         target = where(skeleton)
         shape = tuple(target.array.shape)

@@ -24,7 +24,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from pipeline.pod import preemption
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.errors import ConfigError, PipelineError, exit_now
 
 app = typer.Typer(
     rich_markup_mode="markdown",
@@ -89,7 +89,12 @@ def _fail(message: str, code: int) -> None:
     # storage failure, and asyncio logs each one ("Task was destroyed but it is pending!") at exit.
     logging.getLogger("asyncio").disabled = True
     hosts.abort(message, code)
-    hosts.leave(code)
+    hosts.leave(code)  # on a pod: exits here
+    engine = sys.modules.get("engine.engine")  # imported only by a command that generates
+    if engine is not None and engine.compiling_ahead():
+        # The interpreter's exit would wait for XLA to finish compiling programs no call will run
+        # (engine.compile_during_load: on an accelerator with an 8B model, minutes).
+        exit_now(code)
     raise typer.Exit(code)
 
 

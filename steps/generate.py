@@ -129,10 +129,8 @@ def generate(cfg: Config, out: StepOutput) -> None:
         writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine))
         watch = hosts.watchdog("generating on the global mesh") if lockstep else contextlib.nullcontext()
         n_total = sum(t.wanted.size for t in todo)  # every (prompt, sample) of these shards
-        # Closing the engine on the way out: a failing or stopped step does not wait for programs
-        # its calls no longer need (engine.compile_during_load gets them ahead, in threads).
-        with watch, contextlib.closing(engine), Progress(total=n_total, desc=f"generate {hosts.describe()}",
-                                                         unit="sample", resumed=n_total - n_missing) as bar:
+        with watch, Progress(total=n_total, desc=f"generate {hosts.describe()}", unit="sample",
+                             resumed=n_total - n_missing) as bar:
             try:
                 for c, source in _completions(engine, todo):
                     if writer.add(source.shard, _row(source, c)):
@@ -332,7 +330,7 @@ def _agree_on_todo(out: StepOutput, todo: list[_ShardTodo]) -> None:
 
 
 def _load_engine(cfg: Config, todo: list[_ShardTodo]):
-    from engine import Engine
+    from engine import Engine, LoadStopped
 
     with checkpoint_errors():
         tokenizer = load_tokenizer(cfg.model.path)
@@ -346,9 +344,13 @@ def _load_engine(cfg: Config, todo: list[_ShardTodo]):
                     f"has a vocabulary of {vocab}: the checkpoint does not match the tokenizer used in tokenize")
     longest = max(max(t.longest_prompt() for t in todo), 1)
     prints = hosts.is_leader() or hosts.process_count() == 1
-    engine = Engine.load(cfg.model.path, dtype=cfg.model.dtype, sampling=cfg.sampling, engine=cfg.engine,
-                         max_prompt_tokens=longest, tokenizer=tokenizer,
-                         on_compile=_announcer() if prints else None)
+    try:
+        engine = Engine.load(cfg.model.path, dtype=cfg.model.dtype, sampling=cfg.sampling, engine=cfg.engine,
+                             max_prompt_tokens=longest, tokenizer=tokenizer,
+                             on_compile=_announcer() if prints else None, stop=preemption.stop_requested)
+    except LoadStopped:  # a stop signal while the weights were read (minutes for an 8B model from a bucket)
+        preemption.check()
+        raise
     if prints:
         print(f"generate: {engine.describe()}", flush=True)
     return engine

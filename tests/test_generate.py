@@ -131,21 +131,17 @@ def test_token_ids_beyond_the_checkpoints_vocabulary(make_config, tmp_path, demo
 
 
 FAILS_AFTER_LOAD = """
-import sys, threading
+import threading
 import engine.engine as engine_module
 from pipeline.cli import main
 
-closed, options = threading.Event(), engine_module.compiler_options
+options, never = engine_module.compiler_options, threading.Event()
 
-def hold_the_first_compile():  # the init program's compile waits until the step closes the engine
+def hold_the_first_compile():  # the init program's compile, in its thread, takes 10 minutes
     if not hold_the_first_compile.done:
         hold_the_first_compile.done = True
-        closed.wait(30)
+        never.wait(600)
     return options()
-
-def close(self, close=engine_module.Engine.close):
-    close(self)
-    closed.set()
 
 def fail(self, requests, stop=None):
     raise RuntimeError("the engine failed at its first call")
@@ -153,23 +149,57 @@ def fail(self, requests, stop=None):
 
 hold_the_first_compile.done = False
 engine_module.compiler_options = hold_the_first_compile
-engine_module.Engine.close = close
 engine_module.Engine.generate = fail
 main()
 """
 
 
-def test_a_step_failing_after_load_compiles_no_more_programs(make_config, tmp_path):
+def test_a_step_failing_after_load_does_not_wait_for_compiles(make_config, tmp_path):
     """engine.compile_during_load gets the programs in threads, which the interpreter waits for at
-    exit. A generate step that fails after Engine.load closes the engine: the program being
-    compiled (init, held here until the step closes the engine) is the last one begun, so the
-    process does not go on compiling programs nothing will call (minutes on an accelerator)."""
+    exit. A generate step that fails after Engine.load exits with its error at once, not after
+    XLA has compiled programs no call will run (minutes on an accelerator; here the init
+    program's compile is held for 10 minutes)."""
     path = make_config(engine={"batch_size": 8, "compile_during_load": True})
     assert pipeline("run", "tokenize", "--config", path).returncode == 0
     result = subprocess.run([sys.executable, "-c", FAILS_AFTER_LOAD, "run", "generate", "--config", path],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "error: RuntimeError: the engine failed at its first call" in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == "error: RuntimeError: the engine failed at its first call", result.stderr[-3000:]
     begun = sorted(line.split("(")[1].split(")")[0] for line in result.stdout.splitlines() if ": program " in line)
-    assert begun == ["decode", "init"], result.stdout  # decode's thread was waiting for a prefill program
+    assert begun == ["decode", "init"], result.stdout  # decode's thread waits for a prefill program
+    assert not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS")
+
+
+STOPPED_WHILE_READING = """
+import os, signal, time
+import engine.checkpoint as checkpoint
+from pipeline.cli import main
+
+read_rows = checkpoint.read_rows
+
+def slow_read(*args, **kwargs):  # a second a tensor, and a preemption notice during the first
+    slow_read.calls += 1
+    print(f"reading tensor {slow_read.calls}", flush=True)
+    if slow_read.calls == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1)
+    return read_rows(*args, **kwargs)
+
+slow_read.calls = 0
+checkpoint.read_rows = slow_read
+main()
+"""
+
+
+def test_a_stop_signal_while_the_weights_are_read(make_config, tmp_path):
+    """SIGTERM while Engine.load reads the weights (minutes for an 8B model from a bucket, and a
+    preemption notice gives about 30 s): the read stops before the next tensor and generate exits
+    75 with the stop's line, nothing marked complete; the demo model's other tensors are not read."""
+    path = make_config(engine={"batch_size": 8})
+    assert pipeline("run", "tokenize", "--config", path).returncode == 0
+    result = subprocess.run([sys.executable, "-c", STOPPED_WHILE_READING, "run", "generate", "--config", path],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1].startswith("error: stopped by SIGTERM"), result.stderr[-3000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("reading tensor")] == ["reading tensor 1"], result.stdout
     assert not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS")
