@@ -495,8 +495,8 @@ class Engine:
         self._prefill_lowered = threading.Event()
         """Set once a prefill program is lowered, found or failed: the decode program's early
         getting waits for it (`_get_programs_early`)."""
-        self._early: list[concurrent.futures.Future] = []
-        """The programs' getting ahead of their calls (`_get_programs_early`), per thread."""
+        self._getting_ahead = False
+        """`_get_programs_early` has started its threads (in Engine.load, or at the first generate)."""
         self._closed = threading.Event()
         """Set by `close`: those threads start getting no more programs."""
         self._by_call: dict[tuple, Any] = {}
@@ -796,21 +796,22 @@ class Engine:
             finally:
                 self._prefill_lowered.set()  # also where the init program failed: decode goes on
 
-        self._early = [self._in_thread(f"{_AHEAD}programs", get_in_order)]
+        self._getting_ahead = True
+        self._in_thread(f"{_AHEAD}programs", get_in_order)
         if decodes:
             kind, static, fn = self._decode_program()
             kill = jax.ShapeDtypeStruct((slots,), jnp.bool_, sharding=self._batch_sharding)
-            self._early.append(self._in_thread(f"{_AHEAD}decode", self._program, kind, static, self._jit(fn),
-                                               (self.model, cache, state, kill), after=self._prefill_lowered, used=False))
+            self._in_thread(f"{_AHEAD}decode", self._program, kind, static, self._jit(fn), (self.model, cache, state, kill),
+                            after=self._prefill_lowered, used=False)
 
     @staticmethod
-    def _in_thread(name: str, fn, *args, **kwargs) -> concurrent.futures.Future:
+    def _in_thread(name: str, fn, *args, **kwargs) -> None:
         """fn(*args, **kwargs) in a thread of its own, which the interpreter waits for at exit
-        (not a daemon: XLA must not be compiling as the process ends)."""
+        (not a daemon: XLA must not be compiling as the process ends). What it raises is left:
+        the call that needs the program gets it again and raises there."""
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
-        future = pool.submit(fn, *args, **kwargs)
+        pool.submit(fn, *args, **kwargs)
         pool.shutdown(wait=False)
-        return future
 
     def _run(self, kind: str, fn, static: tuple, *args):
         """Runs fn(model, cache, state, ...) compiled, the cache and state donated (updated in place).
@@ -884,7 +885,7 @@ class Engine:
         taking rows from the same queue, and their completions come back here in the order they
         finish; a row's tokens do not depend on its lane."""
         self.stopped = False
-        if not self._early:  # engine.compile_during_load off: from the first generate
+        if not self._getting_ahead:  # engine.compile_during_load off: from the first generate
             self._get_programs_early()
         pending = _Pending(requests, self._rows, window_rows=READ_AHEAD_ROWS_PER_SLOT * self.plan.batch_size)
         if not pending:

@@ -336,7 +336,7 @@ def _load_engine(cfg: Config, todo: list[_ShardTodo]):
         tokenizer = load_tokenizer(cfg.model.path)
         vocab = read_config(cfg.model.path).get("vocab_size")
     if isinstance(vocab, int):  # else Engine.load names what config.json lacks
-        for t in todo:  # before Engine.load starts compiling, which a failing process would wait for
+        for t in todo:  # before Engine.load starts compiling: a run that cannot start compiles nothing
             top = t.max_token_id()
             if top >= vocab:
                 raise StepFailed(

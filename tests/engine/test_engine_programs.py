@@ -157,6 +157,14 @@ def test_auto_gets_programs_during_load_only_from_remote_storage(llama, request,
     assert len(list(engine.generate(_requests([4, 12])))) == 2 and asked.is_set()
 
 
+def _join_compile_threads():
+    """Waits for the threads getting programs ahead of their calls to end; fails if one does not."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("compile-"):
+            thread.join(120)
+            assert not thread.is_alive(), f"{thread.name} is still running"
+
+
 @pytest.mark.parametrize("failing", ["prefill", "init"])
 def test_a_program_that_fails_leaves_no_thread_waiting(llama, failing):
     """The decode program's early getting waits for a prefill program to be lowered. When getting
@@ -179,21 +187,11 @@ def test_a_program_that_fails_leaves_no_thread_waiting(llama, failing):
     engine = _load(path, overlap_prefill=False, on_compile=refuse)
     with pytest.raises(RuntimeError, match=f"no {failing} program today"):
         list(engine.generate(_requests([5, 9])))
-    for thread in threading.enumerate():
-        if thread.name.startswith("compile-"):
-            thread.join(120)
-            assert not thread.is_alive(), f"{thread.name} is still waiting"
+    _join_compile_threads()
     decode = engine.stats.programs["decode"]
     assert decode_asked.is_set() and decode["compiled"] + decode["loaded"] == 1, engine.stats.programs
     # Refused in the early thread, then again in generate's lane.
     assert len(refused) == 2 and refused[0].startswith("compile-programs") and refused[1] == "MainThread", refused
-
-
-def _join_compile_threads():
-    for thread in threading.enumerate():
-        if thread.name.startswith("compile-"):
-            thread.join(120)
-            assert not thread.is_alive(), f"{thread.name} is still running"
 
 
 @pytest.mark.parametrize("abandoned", ["closed", "unreadable weights"])
