@@ -43,7 +43,7 @@ from pipeline.pod import hosts, preemption
 from pipeline.run import status
 from pipeline.run.config import Config
 from engine.checkpoint import load_tokenizer, read_config
-from pipeline.errors import StepFailed, checkpoint_errors
+from pipeline.errors import PipelineError, StepFailed, checkpoint_errors
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
 
@@ -347,13 +347,31 @@ def _load_engine(cfg: Config, todo: list[_ShardTodo]):
     try:
         engine = Engine.load(cfg.model.path, dtype=cfg.model.dtype, sampling=cfg.sampling, engine=cfg.engine,
                              max_prompt_tokens=longest, tokenizer=tokenizer,
-                             on_compile=_announcer() if prints else None, stop=preemption.stop_requested)
-    except LoadStopped:  # a stop signal while the weights were read (minutes for an 8B model from a bucket)
+                             on_compile=_announcer() if prints else None, stop=_stop_reading)
+    except LoadStopped:  # minutes for an 8B model from a bucket, and a preemption notice gives about 30 s
         preemption.check()
+        hosts.raise_if_aborted(READING)
         raise
     if prints:
         print(f"generate: {engine.describe()}", flush=True)
     return engine
+
+
+READING = "stopped reading the model's weights"
+
+
+def _stop_reading() -> bool:
+    """Engine.load's question before each tensor: stop on a stop signal here, or once another host of
+    the pod has failed or been stopped (its `abort`: one non-blocking look-up), rather than read the
+    whole model first and find out at the first collective. Not `check_peers`: its question for
+    the hosts still alive waits until every host asks it too."""
+    if preemption.stop_requested():
+        return True
+    try:
+        hosts.raise_if_aborted(READING)
+    except PipelineError:
+        return True
+    return False
 
 
 def _announcer() -> Callable[[str], None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import time
 
@@ -167,3 +168,44 @@ def test_a_host_killed_mid_collective_does_not_hang_the_pod(make_config, tmp_pat
     assert time.monotonic() - killed_at < 60, "the survivor hung until launch killed it"
     assert "still running" not in output and "host 1 stopped responding" in output, output[-3000:]
 
+
+
+SLOW_READ = """
+import os, signal, time
+
+if os.environ.get("PIPELINE_PROCESS_ID"):  # a host of the pod, not `pipeline launch` itself
+    import engine.checkpoint as checkpoint
+
+    read_rows, host = checkpoint.read_rows, os.environ["PIPELINE_PROCESS_ID"]
+
+    def slow_read(*args, **kwargs):  # a second a tensor, and a preemption notice to host 0 at its first
+        slow_read.calls += 1
+        print(f"host {host} reading tensor {slow_read.calls}", flush=True)
+        if host == "0" and slow_read.calls == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+        return read_rows(*args, **kwargs)
+
+    slow_read.calls = 0
+    checkpoint.read_rows = slow_read
+"""
+
+
+def test_a_host_stopped_while_the_weights_are_read_stops_the_others_reading(make_config, tmp_path, prompts):
+    """SIGTERM to one host while every host reads the weights (minutes for an 8B model from a
+    bucket): that host stops before its next tensor, and the others stop reading at their next
+    tensor once it has left, instead of reading the whole model first; the pod exits 75."""
+    config = _pod_config(make_config, tmp_path, prompts, "reading")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_READ)
+    result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL,
+                      env={"PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 75, output[-4000:]
+    read = {host: re.findall(rf"host {host} reading tensor \d+", output) for host in (0, 1)}
+    assert len(read[0]) == 1, output[-4000:]
+    assert 1 <= len(read[1]) <= 4, output[-4000:]  # the model has 21 tensors
+    assert re.search(r"\[host 1\] error: host 1/2: stopped reading the model's weights: host 0 failed: .*stopped by SIGTERM",
+                     output), output[-4000:]
+    assert not glob.glob(f"{tmp_path}/reading/generate-*/_SUCCESS.json")
