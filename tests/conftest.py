@@ -160,6 +160,44 @@ def make_config(tmp_path, demo_model):
 # --- pipeline processes ----------------------------------------------------------------------
 
 
+SLOW_READ = """
+import os, signal, time
+
+host = os.environ.get("PIPELINE_PROCESS_ID")  # a host of the pod, not `pipeline launch` itself
+if host is not None and host in os.environ["SLOW_READ_HOSTS"].split(","):
+    import engine.checkpoint as checkpoint
+
+    read_rows = checkpoint.read_rows
+
+    def slow_read(*args, **kwargs):  # a second a tensor, and maybe a preemption notice at the first
+        slow_read.calls += 1
+        print(f"host {host} reading tensor {slow_read.calls}", flush=True)
+        if slow_read.calls == 1 and host == os.environ["SLOW_READ_SIGTERM"]:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+        return read_rows(*args, **kwargs)
+
+    slow_read.calls = 0
+    checkpoint.read_rows = slow_read
+"""
+
+
+@pytest.fixture
+def slow_read(tmp_path):
+    """slow_read(hosts=[1], sigterm=None) -> the env for a `pipeline launch` whose listed hosts read
+    the weights a second a tensor, printing `host H reading tensor N` (an 8B model from a bucket
+    takes minutes), and whose host `sigterm` gets SIGTERM as it reads its first tensor."""
+    hook = tmp_path / "slow-read-hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_READ)
+
+    def env(hosts: list[int], sigterm: int | None = None) -> dict:
+        return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+                "SLOW_READ_HOSTS": ",".join(map(str, hosts)), "SLOW_READ_SIGTERM": str(sigterm)}
+
+    return env
+
+
 def pipeline(*args: str, env: dict | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
     """Run `pipeline ARGS...` in a fresh process (extra `env` on top of ours); returns CompletedProcess."""
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,

@@ -169,38 +169,13 @@ def test_a_host_killed_mid_collective_does_not_hang_the_pod(make_config, tmp_pat
     assert "still running" not in output and "host 1 stopped responding" in output, output[-3000:]
 
 
-
-SLOW_READ = """
-import os, signal, time
-
-if os.environ.get("PIPELINE_PROCESS_ID"):  # a host of the pod, not `pipeline launch` itself
-    import engine.checkpoint as checkpoint
-
-    read_rows, host = checkpoint.read_rows, os.environ["PIPELINE_PROCESS_ID"]
-
-    def slow_read(*args, **kwargs):  # a second a tensor, and a preemption notice to host 0 at its first
-        slow_read.calls += 1
-        print(f"host {host} reading tensor {slow_read.calls}", flush=True)
-        if host == "0" and slow_read.calls == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(1)
-        return read_rows(*args, **kwargs)
-
-    slow_read.calls = 0
-    checkpoint.read_rows = slow_read
-"""
-
-
-def test_a_host_stopped_while_the_weights_are_read_stops_the_others_reading(make_config, tmp_path, prompts):
+def test_a_host_stopped_while_the_weights_are_read_stops_the_others_reading(make_config, tmp_path, prompts, slow_read):
     """SIGTERM to one host while every host reads the weights (minutes for an 8B model from a
     bucket): that host stops before its next tensor, and the others stop reading at their next
     tensor once it has left, instead of reading the whole model first; the pod exits 75."""
     config = _pod_config(make_config, tmp_path, prompts, "reading")
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_READ)
     result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL,
-                      env={"PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}, timeout=300)
+                      env=slow_read(hosts=[0, 1], sigterm=0), timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 75, output[-4000:]
     read = {host: re.findall(rf"host {host} reading tensor \d+", output) for host in (0, 1)}

@@ -45,6 +45,9 @@ LEAVE_GRACE_S = 1.0
 LEAVE_INTERRUPTED_WAIT_S = 10.0
 """After a stop signal, how long the leader waits for the other hosts to leave first."""
 
+LIVE_ANSWER_S = 1.0
+"""How long a peer check waits for the coordination service's list of live hosts (`_dead_hosts`)."""
+
 _state: dict[str, Any] = {"initialized": False, "index": 0, "count": 1, "client": None}
 
 
@@ -249,12 +252,50 @@ def watchdog(doing: str) -> Iterator[None]:
         done.set()
 
 
+class _LiveHosts:
+    """The coordination service's list of live hosts, asked in a thread of its own. The service
+    answers once every live host has asked too (its own barrier: a host killed is dropped from it
+    after the heartbeat timeout), so a host waiting on a busy peer (the leader waiting for another
+    host's shards) would be stuck in the question, deaf to its own Ctrl-C, until that peer asked
+    as well. A check waits for the answer at most LIVE_ANSWER_S; the question stays asked and a
+    later check takes its answer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._answered: threading.Event | None = None
+        self._answer: dict[int, Any] | None = None
+
+    def live(self, everyone: list[int]) -> dict[int, Any] | None:
+        """The live hosts, or None while the answer is not in (no evidence of a death)."""
+        with self._lock:
+            if self._answered is None:
+                self._answered = threading.Event()
+                threading.Thread(target=self._ask, args=(everyone, self._answered), daemon=True,
+                                 name="pod-live-hosts").start()
+            answered = self._answered
+        if not answered.wait(LIVE_ANSWER_S):
+            return None
+        with self._lock:
+            if self._answered is answered:  # this question's answer is taken: the next check asks again
+                self._answered = None
+            return self._answer
+
+    def _ask(self, everyone: list[int], answered: threading.Event) -> None:
+        try:
+            self._answer = _state["client"].get_live_nodes(everyone)
+        except Exception:  # noqa: BLE001 - no answer is not evidence of death
+            self._answer = None
+        answered.set()
+
+
+_live_hosts = _LiveHosts()
+
+
 def _dead_hosts() -> list[int]:
-    """Hosts the coordinator no longer hears heartbeats from (those that left cleanly included)."""
+    """Hosts the coordinator no longer hears heartbeats from (those that left cleanly excluded)."""
     everyone = list(range(process_count()))
-    try:
-        live = _state["client"].get_live_nodes(everyone)
-    except Exception:  # noqa: BLE001 - no answer is not evidence of death
+    live = _live_hosts.live(everyone)
+    if live is None:
         return []
     return [i for i in everyone if i not in live and _try_get(f"leaving/{i}") is None]
 
