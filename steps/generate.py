@@ -363,8 +363,9 @@ READING = "stopped reading the model's weights"
 def _stop_reading() -> bool:
     """Engine.load's question before each tensor: stop on a stop signal here, or once another host of
     the pod has failed or been stopped (its `abort`: one non-blocking look-up), rather than read the
-    whole model first and find out at the first collective. Not `check_peers`: its question for
-    the hosts still alive waits until every host asks it too."""
+    whole model first and find out at the first collective. Not `check_peers`: its list of live
+    hosts comes only once every host asks for it, so while the others read it would cost a tensor
+    up to `hosts.LIVE_ANSWER_S`."""
     if preemption.stop_requested():
         return True
     try:
