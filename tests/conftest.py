@@ -169,12 +169,12 @@ if host is not None and host in os.environ["SLOW_READ_HOSTS"].split(","):
 
     read_rows = checkpoint.read_rows
 
-    def slow_read(*args, **kwargs):  # a second a tensor, and maybe a preemption notice at the first
+    def slow_read(*args, **kwargs):  # seconds a tensor, and maybe a preemption notice at the first
         slow_read.calls += 1
         print(f"host {host} reading tensor {slow_read.calls}", flush=True)
         if slow_read.calls == 1 and host == os.environ["SLOW_READ_SIGTERM"]:
             os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(1)
+        time.sleep(float(os.environ["SLOW_READ_SECONDS"]))
         return read_rows(*args, **kwargs)
 
     slow_read.calls = 0
@@ -184,16 +184,17 @@ if host is not None and host in os.environ["SLOW_READ_HOSTS"].split(","):
 
 @pytest.fixture
 def slow_read(tmp_path):
-    """slow_read(hosts=[1], sigterm=None) -> the env for a `pipeline launch` whose listed hosts read
-    the weights a second a tensor, printing `host H reading tensor N` (an 8B model from a bucket
-    takes minutes), and whose host `sigterm` gets SIGTERM as it reads its first tensor."""
+    """slow_read(hosts=[1], sigterm=None, seconds=1.0) -> the env for a `pipeline launch` whose
+    listed hosts read the weights `seconds` a tensor, printing `host H reading tensor N` (an 8B
+    model from a bucket takes minutes), and whose host `sigterm` gets SIGTERM at its first tensor."""
     hook = tmp_path / "slow-read-hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_READ)
 
-    def env(hosts: list[int], sigterm: int | None = None) -> dict:
+    def env(hosts: list[int], sigterm: int | None = None, seconds: float = 1.0) -> dict:
         return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
-                "SLOW_READ_HOSTS": ",".join(map(str, hosts)), "SLOW_READ_SIGTERM": str(sigterm)}
+                "SLOW_READ_HOSTS": ",".join(map(str, hosts)), "SLOW_READ_SIGTERM": str(sigterm),
+                "SLOW_READ_SECONDS": str(seconds)}
 
     return env
 

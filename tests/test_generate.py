@@ -8,8 +8,8 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import re
+import sys
 import time
 
 import pytest
@@ -194,13 +194,13 @@ main()
 
 def test_a_stop_signal_on_the_leader_while_it_waits_for_the_others(make_config, tmp_path, many_prompts, start_pipeline,
                                                                    slow_read):
-    """The leader has finished its shards and waits for host 1's (still reading the weights, a
-    second a tensor): Ctrl-C or SIGTERM on the leader alone ends it within seconds, and host 1
+    """The leader has finished its shards and waits for host 1's (still reading the weights, three
+    seconds a tensor): Ctrl-C or SIGTERM on the leader alone ends it within seconds, and host 1
     stops at its next tensor, instead of both waiting for host 1 to finish its shards."""
     root = tmp_path / "waiting"
     config = make_config("waiting.yaml", run={"root": str(root)}, prompts={"path": many_prompts}, **GREEDY)
     assert pipeline("run", "tokenize", "--config", config).returncode == 0
-    pod = start_pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, env=slow_read(hosts=[1]))
+    pod = start_pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, env=slow_read(hosts=[1], seconds=3))
     pod.wait_for_files(f"{root}/generate-*/metrics/host-00000-*.json", timeout_s=120)  # the leader's shards are done
     assert "host 1 reading tensor 21" not in pod.output, "host 1 read the whole model before the leader finished"
     stopped_at = time.monotonic()
