@@ -43,7 +43,7 @@ from pipeline.pod import hosts, preemption
 from pipeline.run import status
 from pipeline.run.config import Config
 from engine.checkpoint import load_tokenizer, read_config
-from pipeline.errors import PipelineError, StepFailed, checkpoint_errors
+from pipeline.errors import StepFailed, checkpoint_errors
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
 
@@ -366,13 +366,7 @@ def _stop_reading() -> bool:
     whole model first and find out at the first collective. Not `check_peers`: its list of live
     hosts comes only once every host asks for it, so while the others read it would cost a tensor
     up to `hosts.LIVE_ANSWER_S`."""
-    if preemption.stop_requested():
-        return True
-    try:
-        hosts.raise_if_aborted(READING)
-    except PipelineError:
-        return True
-    return False
+    return preemption.stop_requested() or hosts.aborted() is not None
 
 
 def _announcer() -> Callable[[str], None]:

@@ -15,6 +15,7 @@ here.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -137,13 +138,18 @@ def wait_briefly(keys: list[str], seconds: float = LEAVE_INTERRUPTED_WAIT_S) -> 
     return True
 
 
+def aborted() -> dict[str, Any] | None:
+    """Another host's `abort` (its host, error and exit code), or None: one non-blocking look-up."""
+    if _state["client"] is None:
+        return None
+    return _try_get("abort")
+
+
 def raise_if_aborted(doing: str) -> None:
     """Raise (with the failed host's exit code: 75 stays 75) if another host has aborted."""
-    if _state["client"] is None:
-        return
-    aborted = _try_get("abort")
-    if aborted is not None:
-        raise failure(aborted.get("code", 1), f"{describe()}: {doing}: host {aborted['host']} failed: {aborted['error']}")
+    record = aborted()
+    if record is not None:
+        raise failure(record.get("code", 1), f"{describe()}: {doing}: host {record['host']} failed: {record['error']}")
 
 
 def check_peers(doing: str, cause: str = "") -> None:
@@ -262,30 +268,31 @@ class _LiveHosts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._answered: threading.Event | None = None
-        self._answer: dict[int, Any] | None = None
+        self._question: concurrent.futures.Future | None = None
 
     def live(self, everyone: list[int]) -> dict[int, Any] | None:
         """The live hosts, or None while the answer is not in (no evidence of a death)."""
         with self._lock:
-            if self._answered is None:
-                self._answered = threading.Event()
-                threading.Thread(target=self._ask, args=(everyone, self._answered), daemon=True,
+            if self._question is None:
+                self._question = concurrent.futures.Future()
+                threading.Thread(target=self._ask, args=(everyone, self._question), daemon=True,
                                  name="pod-live-hosts").start()
-            answered = self._answered
-        if not answered.wait(LIVE_ANSWER_S):
+            question = self._question
+        try:
+            answer = question.result(timeout=LIVE_ANSWER_S)
+        except concurrent.futures.TimeoutError:
             return None
         with self._lock:
-            if self._answered is answered:  # this question's answer is taken: the next check asks again
-                self._answered = None
-            return self._answer
+            if self._question is question:  # this question's answer is taken: the next check asks again
+                self._question = None
+        return answer
 
-    def _ask(self, everyone: list[int], answered: threading.Event) -> None:
+    @staticmethod
+    def _ask(everyone: list[int], question: concurrent.futures.Future) -> None:
         try:
-            self._answer = _state["client"].get_live_nodes(everyone)
+            question.set_result(_state["client"].get_live_nodes(everyone))
         except Exception:  # noqa: BLE001 - no answer is not evidence of death
-            self._answer = None
-        answered.set()
+            question.set_result(None)
 
 
 _live_hosts = _LiveHosts()
