@@ -163,8 +163,8 @@ def make_config(tmp_path, demo_model):
 SLOW_READ = """
 import os, signal, time
 
-host = os.environ.get("PIPELINE_PROCESS_ID")  # a host of the pod, not `pipeline launch` itself
-if host is not None and host in os.environ["SLOW_READ_HOSTS"].split(","):
+host = os.environ.get("PIPELINE_PROCESS_ID", "0")  # one process alone is host 0 (`pipeline launch` reads no weights)
+if host in os.environ["SLOW_READ_HOSTS"].split(","):
     import engine.checkpoint as checkpoint
 
     read_rows = checkpoint.read_rows
@@ -184,9 +184,10 @@ if host is not None and host in os.environ["SLOW_READ_HOSTS"].split(","):
 
 @pytest.fixture
 def slow_read(tmp_path):
-    """slow_read(hosts=[1], sigterm=None, seconds=1.0) -> the env for a `pipeline launch` whose
-    listed hosts read the weights `seconds` a tensor, printing `host H reading tensor N` (an 8B
-    model from a bucket takes minutes), and whose host `sigterm` gets SIGTERM at its first tensor."""
+    """slow_read(hosts=[1], sigterm=None, seconds=1.0) -> the env for a `pipeline` command (a
+    `pipeline launch` pod, or one process: host 0) whose listed hosts read the weights `seconds` a
+    tensor, printing `host H reading tensor N` (an 8B model from a bucket takes minutes), and whose
+    host `sigterm` gets SIGTERM at its first tensor."""
     hook = tmp_path / "slow-read-hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_READ)

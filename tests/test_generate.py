@@ -171,27 +171,6 @@ def test_a_step_failing_after_load_does_not_wait_for_compiles(make_config, tmp_p
     assert not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS")
 
 
-STOPPED_WHILE_READING = """
-import os, signal, time
-import engine.checkpoint as checkpoint
-from pipeline.cli import main
-
-read_rows = checkpoint.read_rows
-
-def slow_read(*args, **kwargs):  # a second a tensor, and a preemption notice during the first
-    slow_read.calls += 1
-    print(f"reading tensor {slow_read.calls}", flush=True)
-    if slow_read.calls == 1:
-        os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(1)
-    return read_rows(*args, **kwargs)
-
-slow_read.calls = 0
-checkpoint.read_rows = slow_read
-main()
-"""
-
-
 def test_a_stop_signal_on_the_leader_while_it_waits_for_the_others(make_config, tmp_path, many_prompts, start_pipeline,
                                                                    slow_read):
     """The leader has finished its shards and waits for host 1's (still reading the weights, three
@@ -212,15 +191,14 @@ def test_a_stop_signal_on_the_leader_while_it_waits_for_the_others(make_config, 
     assert not glob.glob(f"{root}/generate-*/_SUCCESS.json")
 
 
-def test_a_stop_signal_while_the_weights_are_read(make_config, tmp_path):
+def test_a_stop_signal_while_the_weights_are_read(make_config, tmp_path, slow_read):
     """SIGTERM while Engine.load reads the weights (minutes for an 8B model from a bucket, and a
     preemption notice gives about 30 s): the read stops before the next tensor and generate exits
     75 with the stop's line, nothing marked complete; the demo model's other tensors are not read."""
     path = make_config(engine={"batch_size": 8})
     assert pipeline("run", "tokenize", "--config", path).returncode == 0
-    result = subprocess.run([sys.executable, "-c", STOPPED_WHILE_READING, "run", "generate", "--config", path],
-                            capture_output=True, text=True, timeout=300)
+    result = pipeline("run", "generate", "--config", path, env=slow_read(hosts=[0], sigterm=0), timeout=300)
     assert result.returncode == 75, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1].startswith("error: stopped by SIGTERM"), result.stderr[-3000:]
-    assert [line for line in result.stdout.splitlines() if line.startswith("reading tensor")] == ["reading tensor 1"], result.stdout
+    assert re.findall(r"host 0 reading tensor \d+", result.stdout) == ["host 0 reading tensor 1"], result.stdout
     assert not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS")
