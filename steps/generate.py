@@ -46,6 +46,7 @@ from engine.checkpoint import load_tokenizer, read_config
 from pipeline.errors import StepFailed, checkpoint_errors
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
+from steps.tokenize import SHARD_FIX
 
 PART_MAX_AGE_S = 60.0
 """Commit a shard's finished rows at least this often, so a hard kill loses little work."""
@@ -62,6 +63,9 @@ SCHEMA = pa.schema([
     ("finish_reason", pa.string()),
 ])
 """The merged output's columns (docs/contract.md, "Result"); parts already hold them."""
+PART_FIX = ("delete it, then run `pipeline run generate --config FILE --force`: it makes that part's rows again "
+            "and keeps the other parts")
+"""What to do about a part that cannot be read (here, in merge): parts are never rewritten in place."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,7 @@ def finish(cfg: Config, out: StepOutput) -> StepResult:
     files: list[dict[str, Any]] = []
     missing_total, rows_total, examples = 0, 0, []
     for shard in _shard_names(out):
-        shard_keys = storage.read_parquet(_shard_url(out, shard), columns=["prompt_index"])
+        shard_keys = _read_shard(_shard_url(out, shard), columns=["prompt_index"])
         expected = len(shard_keys) * cfg.sampling.n
         parts = storage.list_files(out.path(shard), suffix=".parquet")
         got = len(_committed_keys(parts, cfg.sampling.n))
@@ -257,17 +261,20 @@ class _ShardTodo:
         ids = _read_shard(self.url, columns=["input_ids"])["input_ids"]
         return pc.max(pc.list_flatten(ids)).as_py() or 0
 
+    def _batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
+        """The shard's rows READ_BATCH_ROWS at a time: the file whole (compressed, so small next to
+        its rows), read with retries like every other file, its rows decoded a batch at a time."""
+        with storage.unreadable("tokenize shard", self.url, SHARD_FIX):
+            data = pq.ParquetFile(pa.BufferReader(storage.read_bytes(self.url)))
+            yield from data.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns)
+
     def requests(self, sources: dict[int, "_Source"]) -> Iterator[Any]:
         """GenerationRequests of the rows still wanted, READ_BATCH_ROWS rows read at a time;
         registers each in `sources` until its last sample completes."""
         from engine import GenerationRequest
 
-        # The shard file whole (compressed, so small next to its rows), read with retries like every
-        # other file; its rows are then decoded a batch at a time.
-        data = pq.ParquetFile(pa.BufferReader(storage.read_bytes(self.url)))
         start = 0
-        columns = ["prompt_index", "prompt_id", "prompt", "input_ids", "num_tokens"]
-        for batch in data.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns):
+        for batch in self._batches(["prompt_index", "prompt_id", "prompt", "input_ids", "num_tokens"]):
             wanted = self.wanted[start:start + batch.num_rows]
             start += batch.num_rows
             rows = np.flatnonzero(wanted.any(axis=1))
@@ -297,20 +304,18 @@ class _Source:
 
 
 def _read_shard(url: str, columns: list[str]) -> pa.Table:
-    try:
+    with storage.unreadable("tokenize shard", url, SHARD_FIX):
         return storage.read_parquet(url, columns=columns)
-    except StepFailed:
-        raise
-    except Exception as err:  # noqa: BLE001 - pyarrow raises many kinds for a bad file
-        raise StepFailed(f"tokenize shard {url} cannot be read ({err}); "
-                         f"rerun `pipeline run tokenize --force` to rewrite it") from err
 
 
 def _committed_keys(part_urls: list[str], n: int) -> np.ndarray:
     """prompt_index * n + sample_index of every row already committed in these parts."""
     keys = [np.zeros(0, np.int64)]
     for url in part_urls:
-        t = storage.read_parquet(url, columns=["prompt_index", "sample_index"])
+        with storage.unreadable("generate part", url, PART_FIX):
+            t = storage.read_parquet(url, columns=["prompt_index", "sample_index"])
+        if t["prompt_index"].null_count or t["sample_index"].null_count:
+            raise StepFailed(f"generate part {url} has rows with no prompt_index or sample_index: {PART_FIX}")
         keys.append(t["prompt_index"].to_numpy() * n + t["sample_index"].to_numpy())
     return np.unique(np.concatenate(keys))
 

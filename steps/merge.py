@@ -37,13 +37,16 @@ from pipeline.run.config import Config
 from pipeline.errors import StepFailed
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
-from steps.generate import SCHEMA
+from steps.generate import PART_FIX, SCHEMA
+from steps.tokenize import SHARD_FIX
 
 FILE_ROWS = 1_000_000
 """Most rows in one merged file."""
 FILE_BYTES = 256 << 20
 """About the most in-memory (Arrow) bytes of one merged file; the Parquet file is smaller."""
 FILE_PREFIX = "merged-"
+MERGED_FIX = "rerun `pipeline run merge --config FILE --force` to write the merged files again"
+"""What to do about a merged file that cannot be read or no longer matches merge's record (upload)."""
 KEYS = ["prompt_index", "sample_index"]
 EXAMPLES = 5
 """Rows named in an error message; the count covers the rest."""
@@ -106,8 +109,11 @@ def _accepted_prompts(tokenize_url: str) -> np.ndarray:
         raise StepFailed(f"tokenize output {tokenize_url} (generate's input) is not complete: "
                          f"run `pipeline run tokenize --config FILE`")
     shards = sorted(f["path"] for f in tokenize.files if f["path"].startswith("shard-"))
-    arrays = [storage.read_parquet(storage.join(tokenize_url, s), columns=["prompt_index"])["prompt_index"]
-              for s in shards]
+    arrays = []
+    for shard in shards:
+        url = storage.join(tokenize_url, shard)
+        with storage.unreadable("tokenize shard", url, SHARD_FIX):
+            arrays.append(storage.read_parquet(url, columns=["prompt_index"])["prompt_index"])
     accepted = np.sort(np.concatenate([a.to_numpy() for a in arrays]) if arrays else np.zeros(0, np.int64))
     if len(accepted) and np.any(accepted[1:] == accepted[:-1]):
         raise StepFailed(f"tokenize output {tokenize_url} lists a prompt_index twice: "
@@ -136,13 +142,10 @@ class _Parts:
         # pq.ParquetFile on a local path is ~3x faster than pq.read_table through fsspec for
         # generate's small parts (measured: 1.1 s against 3.7 s for the key columns of 3,920 parts).
         is_local = isinstance(self.fs, LocalFileSystem)
-        try:
-            with nullcontext(self.paths[i]) if is_local else self.fs.open(self.paths[i], "rb") as source:
-                parquet = pq.ParquetFile(source)
-                table = parquet.read(columns=columns, use_threads=False)
-        except (OSError, pa.ArrowException) as err:
-            raise StepFailed(f"generate part {self.url}/{self.names[i]} cannot be read ({err}): "
-                             f"rerun `pipeline run generate --config FILE --force` to remake it") from err
+        with (storage.unreadable("generate part", f"{self.url}/{self.names[i]}", PART_FIX),
+              nullcontext(self.paths[i]) if is_local else self.fs.open(self.paths[i], "rb") as source):
+            parquet = pq.ParquetFile(source)
+            table = parquet.read(columns=columns, use_threads=False)
         return table, parquet.metadata
 
     def read_rows(self, i: int) -> pa.Table:
@@ -152,7 +155,7 @@ class _Parts:
                 table = table.select(SCHEMA.names).cast(SCHEMA)
             except (KeyError, pa.ArrowException) as err:
                 raise StepFailed(f"generate part {self.url}/{self.names[i]} does not have the merged columns "
-                                 f"({err}); expected {SCHEMA}") from err
+                                 f"({err}); expected {SCHEMA}: {PART_FIX}") from err
         return table
 
 
@@ -187,7 +190,7 @@ def _read_keys(parts: _Parts, accepted: np.ndarray, n: int) -> _Keys:
         table, meta = parts.read(i, columns=KEYS)
         if table["prompt_index"].null_count or table["sample_index"].null_count:
             raise StepFailed(f"generate part {parts.url}/{parts.names[i]} has rows with no prompt_index or "
-                             f"sample_index: rerun `pipeline run generate --config FILE --force` to remake it")
+                             f"sample_index: {PART_FIX}")
         prompt = table["prompt_index"].to_numpy()
         sample = table["sample_index"].to_numpy().astype(np.int64)
         rank = np.searchsorted(accepted, prompt)

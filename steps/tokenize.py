@@ -72,6 +72,10 @@ from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
 from steps.prompt_files import BATCH_ROWS, BLANK, Row, format_of, input_files, read_rows
 
+SHARD_FIX = ("rerun `pipeline run tokenize --config FILE --force` to write the shards again (the same rows: "
+             "the steps after it keep their work)")
+"""What to do about a shard that cannot be read (in generate, in merge)."""
+
 SHARD_SCHEMA = pa.schema([
     ("prompt_index", pa.int64()),
     ("prompt_id", pa.string()),

@@ -49,7 +49,7 @@ from pipeline.run import status, steplog
 from pipeline.run.config import Config
 from pipeline.errors import StepFailed
 from pipeline.run.step import StepOutput, StepResult
-from steps.merge import MergeSummary
+from steps.merge import MERGED_FIX, MergeSummary
 
 RUN_FILE = "wandb_run.json"
 """In the upload folder: the W&B run id (and where its offline copy is), written at init."""
@@ -101,6 +101,7 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
     started = time.monotonic()
     run_id = _run_id(cfg, out)
     local = _local_folder(out, run_id)
+    paths = _local_copies(merge_url, merged.files, local)  # checked before a W&B run begins
     wandb_dir = os.path.join(local, "wandb")
     if mode == "offline":
         for earlier in glob.glob(os.path.join(wandb_dir, f"offline-run-*-{run_id}")):
@@ -120,7 +121,6 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
     storage.write_json(out.path(RUN_FILE), {"run_id": run_id, "project": cfg.wandb.project,
                                             "entity": cfg.wandb.entity, "mode": mode, "run_dir": run_dir})
     try:
-        paths = _local_copies(merge_url, merged.files, local)
         _log_metrics(wandb, run, generate.summary if generate else {}, MergeSummary(**merged.summary).finish_reasons,
                      paths)
         run.summary.update(_step_metrics({name: record for name, (_, record) in steps.items()}))
@@ -187,9 +187,18 @@ def _local_folder(out: StepOutput, run_id: str) -> str:
 
 
 def _local_copies(merge_url: str, files: list[dict[str, Any]], local: str) -> list[str]:
-    """Local paths of the merged files: themselves when local, else copies in the cache folder."""
+    """Local paths of the merged files: themselves when local (if their size and row count are
+    still merge's), else copies in the cache folder (if their checksum is still merge's)."""
     if storage.is_local(merge_url):
-        return [storage.filesystem(storage.join(merge_url, f["path"]))[1] for f in files]
+        paths = [storage.filesystem(storage.join(merge_url, f["path"]))[1] for f in files]
+        for f, path in zip(files, paths):
+            url = f"{merge_url}/{f['path']}"
+            with storage.unreadable("merged file", url, MERGED_FIX):
+                size, rows = os.path.getsize(path), pq.ParquetFile(path).metadata.num_rows
+            if (size, rows) != (f["bytes"], f["rows"]):
+                raise StepFailed(f"merged file {url} no longer matches merge's record ({size:,} bytes and {rows:,} "
+                                 f"rows, not {f['bytes']:,} and {f['rows']:,}): {MERGED_FIX}")
+        return paths
     folder = os.path.join(local, "merged-" + merge_url.rstrip("/").rsplit("-", 1)[-1])
     paths = []
     for f in files:
@@ -197,8 +206,7 @@ def _local_copies(merge_url: str, files: list[dict[str, Any]], local: str) -> li
         if not (os.path.exists(path) and storage.sha256(path) == f["sha256"]):
             data = storage.read_bytes(storage.join(merge_url, f["path"]))
             if hashlib.sha256(data).hexdigest() != f["sha256"]:
-                raise StepFailed(f"merged file {merge_url}/{f['path']} no longer matches merge's manifest: "
-                                 f"rerun `pipeline run merge --config FILE --force`")
+                raise StepFailed(f"merged file {merge_url}/{f['path']} no longer matches merge's record: {MERGED_FIX}")
             storage.write_bytes(path, data)
         paths.append(path)
     return paths

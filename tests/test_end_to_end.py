@@ -7,6 +7,7 @@ and nothing before.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -109,3 +110,55 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
                                "--json").output)["result"]
     assert result["rows"] == 24 and len(result["files"]) == 1 and merge_url not in result["files"][0]
     assert os.path.relpath(result["files"][0], runs).split(os.sep)[0] in new_dirs
+
+
+def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_config, tmp_path):
+    """A shard, a part or a merged file damaged after its step (cut short, overwritten): the step
+    that reads it exits 1 naming the file and what makes it again, and doing just that gives the
+    same result back."""
+    config = make_config(sampling={"n": 2, "max_new_tokens": 4})
+    assert invoke("run", "all", "--config", config).exit_code == 0
+    steps = status(config)
+    merged = os.path.join(steps["merge"]["output"], "merged-00000.parquet")
+    rows = pq.read_table(merged).to_pylist()
+
+    def damage(path: str) -> None:
+        with open(path, "r+b") as f:
+            f.truncate(100)
+
+    def fails(*args: str) -> str:
+        result = invoke(*args, "--config", config)
+        assert result.exit_code == 1, result.output
+        (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        return line
+
+    part = sorted(glob.glob(os.path.join(steps["generate"]["output"], "shard-*", "part-*.parquet")))[0]
+    damage(part)
+    for command in (("run", "merge", "--force"), ("run", "generate", "--force")):  # generate reads it to resume
+        line = fails(*command)
+        assert line.startswith(f"error: generate part {part} cannot be read (")
+        assert line.endswith("delete it, then run `pipeline run generate --config FILE --force`: it makes that "
+                             "part's rows again and keeps the other parts")
+    os.remove(part)
+    assert invoke("run", "generate", "--force", "--config", config).exit_code == 0
+    assert invoke("run", "merge", "--force", "--config", config).exit_code == 0
+    assert pq.read_table(merged).to_pylist() == rows
+
+    shard = os.path.join(steps["tokenize"]["output"], "shard-00001.parquet")
+    damage(shard)
+    for command in (("run", "merge", "--force"), ("run", "generate", "--force")):
+        line = fails(*command)
+        assert line.startswith(f"error: tokenize shard {shard} cannot be read (")
+        assert "rerun `pipeline run tokenize --config FILE --force` to write the shards again" in line
+    assert invoke("run", "tokenize", "--force", "--config", config).exit_code == 0
+    assert invoke("run", "all", "--config", config).exit_code == 0  # generate resumes: nothing left to make
+    assert pq.read_table(merged).to_pylist() == rows
+
+    damage(merged)
+    for command in (("run", "upload", "--force"), ("show",)):
+        line = fails(*command)
+        assert line.startswith(f"error: merged file {merged} cannot be read (")
+        assert "rerun `pipeline run merge --config FILE --force` to write" in line
+    assert invoke("run", "merge", "--force", "--config", config).exit_code == 0
+    assert invoke("run", "upload", "--force", "--config", config).exit_code == 0
+    assert pq.read_table(merged).to_pylist() == rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import socket
 
@@ -160,6 +161,27 @@ def test_unreachable_w_and_b_fails_clearly_and_keeps_the_merged_files(merged_run
     assert run.url["merge"] in message and "`pipeline run upload --config FILE`" in message
     assert key not in message
     assert merged_rows(run) == before
+
+
+@pytest.mark.parametrize("root", [None, "memory://upload-test/runs"])
+def test_a_merged_file_changed_since_merge_fails_before_any_w_and_b_run(merged_run, root):
+    """Another file put in place of a merged one (here, its first rows only, still valid Parquet):
+    upload checks the files against merge's record (size and rows here, the checksum of a
+    remote one it copies) before it begins a W&B run."""
+    run = merged_run(root=root)
+    try:
+        first = storage.list_files(run.url["merge"], suffix=".parquet")[0]
+        storage.write_parquet(first, storage.read_parquet(first).slice(0, 2))
+        with pytest.raises(StepFailed) as err:
+            run.run("upload")
+        message = str(err.value)
+        assert message.startswith(f"merged file {first} no longer matches merge's record")
+        assert message.endswith("rerun `pipeline run merge --config FILE --force` to write the merged files again")
+        if root is None:
+            assert re.search(r"\([\d,]+ bytes and 2 rows, not [\d,]+ and 7\)", message), message
+        assert offline_dirs(run) == [] and not storage.exists(storage.join(run.url["upload"], "wandb_run.json"))
+    finally:
+        storage.remove("memory://upload-test", recursive=True)
 
 
 def test_remote_root_writes_the_offline_run_to_the_local_cache(merged_run, wandb_env, read_wandb_run):

@@ -58,7 +58,8 @@ def first_rows(result: MergedResult, count: int) -> list[dict[str, Any]]:
         if len(rows) >= count:
             break
         fs, path = storage.filesystem(url)
-        with fs.open(path, "rb") as f:
+        with (storage.unreadable("merged file", url, "rerun `pipeline run merge --config FILE --force` to write it again"),
+              fs.open(path, "rb") as f):
             for batch in pq.ParquetFile(f).iter_batches(batch_size=max(count, 1), columns=SHOWN_COLUMNS):
                 rows.extend(batch.slice(0, count - len(rows)).to_pylist())
                 if len(rows) >= count:

@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import secrets
 import shutil
 from typing import Any, Iterator
@@ -35,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from pipeline.errors import StepFailed
 from pipeline.storage.retrying import storage_call
 
 HASH_CHARS = 12
@@ -187,6 +189,24 @@ def write_parquet(url: str, table: pa.Table) -> dict[str, Any]:
 def read_parquet(url: str, columns: list[str] | None = None) -> pa.Table:
     fs, path = filesystem(url)
     return pq.read_table(path, filesystem=fs, columns=columns)
+
+
+@contextlib.contextmanager
+def unreadable(what: str, url: str, fix: str) -> Iterator[None]:
+    """A Parquet file of ours that does not parse (cut short, overwritten, not Parquet at all) or
+    is gone as one StepFailed naming it, `what` it is and `fix`: the command that makes it again.
+    Written atomically, such a file was damaged after its step, so retrying the read cannot help.
+    (pyarrow raises ArrowInvalid for a bad footer and a bare OSError for a bad page or header;
+    a disk full or permission denied is already a StorageError of its own.)
+
+        with storage.unreadable("generate part", url, PART_FIX):
+            table = storage.read_parquet(url)
+    """
+    try:
+        yield
+    except (pa.ArrowException, OSError) as err:
+        reason = re.sub(r"^Could not open Parquet input source '[^']*': ", "", str(err))  # the path once is enough
+        raise StepFailed(f"{what} {url} cannot be read ({reason}): {fix}") from err
 
 
 @storage_call("list")
