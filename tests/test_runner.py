@@ -8,6 +8,7 @@ run end to end in tests/test_end_to_end.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -105,6 +106,27 @@ def test_failure_after_data_leaves_step_partial_not_complete(make_config):
     assert plan[1].reason.startswith("partial output from an earlier attempt")
 
 
+def test_a_damaged_marker_makes_its_step_partial_and_the_next_run_runs_it_again(make_config):
+    """A marker cut short after its step (markers are written whole): status and the plan say so,
+    nothing crashes on it, and the next run makes that step again and marks it complete."""
+    cfg = load_config(make_config())
+    runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)
+    (merge,) = [p for p in runner.make_plan(cfg, GRAPH) if p.name == "merge"]
+    marker = storage.join(merge.url, status.MARKER)
+    storage.write_bytes(marker, storage.read_bytes(marker)[:40])
+    result = CliRunner().invoke(app, ["status", "--config", make_config(), "--json"])
+    assert result.exit_code == 0, result.output
+    reported = {s["name"]: s for s in json.loads(result.output)["steps"]}
+    assert reported["merge"]["state"] == "partial" and reported["upload"]["state"] == "complete"
+    assert reported["merge"]["why"].startswith("partial: its _SUCCESS.json cannot be read (JSONDecodeError: ")
+    assert reported["merge"]["why"].endswith("): the next run runs it again")
+    CALLS.clear()
+    plan = runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)
+    assert CALLS == ["merge"]
+    assert plan[2].reason.startswith("its _SUCCESS.json cannot be read (JSONDecodeError: ")
+    assert status.read_marker(merge.url).rows == 3
+
+
 def test_dry_run_writes_nothing(make_config, tmp_path):
     cfg = load_config(make_config())
     plan = runner.run_steps(cfg, GRAPH, NAMES, dry_run=True, echo=lambda _: None)
@@ -137,8 +159,6 @@ def test_single_step_with_missing_upstream_exits_1_naming_the_command(make_confi
 
 
 def test_status_json_lists_four_steps(make_config):
-    import json
-
     config = make_config()
     CliRunner().invoke(app, ["run", "all", "--config", config], catch_exceptions=False)
     result = CliRunner().invoke(app, ["status", "--config", config, "--json"])

@@ -70,6 +70,9 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
         record = status.read_marker(url) if state == "complete" else None
         rows = record.rows if record else None
         action, reason = _decide(step, state, rows, step.name in targets, force, by_name)
+        damaged = status.damaged_marker(url) if state == "partial" and action == "run" else None
+        if damaged:
+            reason = f"its {status.MARKER} cannot be read ({damaged}): run it again"
         planned = PlannedStep(step, step_hash, url, state, rows, action, reason)
         plan.append(planned)
         by_name[step.name] = planned

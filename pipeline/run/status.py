@@ -4,7 +4,7 @@ A step's output folder is complete only when `_SUCCESS.json` is there; it is wri
 after every data file, and holds the `StepRecord`: the manifest (files, rows, bytes,
 sha256), the step's summary, timings, package versions and the resolved config. Readers
 trust the marker, never the presence of files. This module refuses to guess: a folder with
-files but no marker is `partial`, whatever it holds.
+files but no marker, or a marker that does not parse, is `partial`, whatever it holds.
 
     record = read_marker(out_url)          # None when the step is not complete
     state = output_state(out_url)          # "complete" | "partial" | "missing"
@@ -67,11 +67,26 @@ def write_marker(out_url: str, record: StepRecord) -> None:
 
 
 def read_marker(out_url: str) -> StepRecord | None:
+    """The step's record; None while the step is not complete, and where its marker does not
+    parse (`damaged_marker` says why): a marker is written whole, so that one was damaged after
+    its step, which then counts as partial and runs again (nothing is lost: a step's rerun keeps
+    or remakes its files, and writes a new marker last)."""
+    return _marker(out_url)[0]
+
+
+def damaged_marker(out_url: str) -> str | None:
+    """Why the step's marker cannot be read, where there is one and it does not parse; else None."""
+    return _marker(out_url)[1]
+
+
+def _marker(out_url: str) -> tuple[StepRecord | None, str | None]:
     url = storage.join(out_url, MARKER)
     if not storage.exists(url):
-        return None
-    data = storage.read_json(url)
-    return StepRecord(**data)
+        return None, None
+    try:
+        return StepRecord(**storage.read_json(url)), None
+    except (ValueError, TypeError) as err:  # not JSON (cut short, overwritten), or not a record
+        return None, f"{type(err).__name__}: {err}"
 
 
 def remove_marker(out_url: str) -> None:
@@ -79,7 +94,7 @@ def remove_marker(out_url: str) -> None:
 
 
 def output_state(out_url: str) -> State:
-    if storage.exists(storage.join(out_url, MARKER)):
+    if read_marker(out_url) is not None:
         return "complete"
     fs, path = storage.filesystem(out_url)
     return "partial" if fs.exists(path) else "missing"
