@@ -103,14 +103,16 @@ class GenerateSummary:
     """(prompt, sample) rows committed, over every shard."""
     parts: int
     hosts: list[dict[str, Any]]
-    """Each host's HostMetrics of its last run of the step."""
+    """Each host's HostMetrics of each run of the step (a resumed step has a host's earlier runs too)."""
     generated_tokens: int
+    """Over every run of the step."""
     wall_s: float
-    """The slowest host's wall time."""
+    """The longest of the hosts' runs."""
     compile_s: float
     """The slowest host's compile time."""
     tokens_per_s: float
-    """Summed over hosts that generated anything."""
+    """Each host's generated tokens over its wall time, over its runs that generated anything,
+    summed over the hosts (`_pod_rate`)."""
 
 
 def generate(cfg: Config, out: StepOutput) -> None:
@@ -196,9 +198,22 @@ def finish(cfg: Config, out: StepOutput) -> StepResult:
     wall_s = max((m["wall_s"] for m in host_metrics), default=0.0)
     return StepResult(rows=rows_total, files=files, summary=GenerateSummary(
         rows=rows_total, parts=len(files), hosts=host_metrics, generated_tokens=tokens, wall_s=wall_s,
-        compile_s=max((m["compile_s"] for m in host_metrics), default=0.0),
-        tokens_per_s=round(sum(m["tokens_per_s"] for m in host_metrics if m["samples"]), 1),
+        compile_s=max((m["compile_s"] for m in host_metrics), default=0.0), tokens_per_s=_pod_rate(host_metrics),
     ))
+
+
+def _pod_rate(host_metrics: list[dict[str, Any]]) -> float:
+    """Tokens a second of the pod: each host's tokens over its seconds, summed over the hosts. A
+    resumed step ran a host more than once, one run after the other, so its runs' rates must not
+    be added up as if they ran side by side (as different hosts' do); runs that generated nothing
+    (a host whose rows were all done) do not count."""
+    runs: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for m in host_metrics:
+        if m["samples"]:
+            runs[m["host"]].append(m)
+    rates = [sum(m["generated_tokens"] for m in ms) / sum(m["wall_s"] for m in ms) for ms in runs.values()
+             if sum(m["wall_s"] for m in ms) > 0]
+    return round(sum(rates), 1)
 
 
 # --- work split and resume ----------------------------------------------------------------

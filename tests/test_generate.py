@@ -19,6 +19,25 @@ from tests.conftest import generated_rows, pipeline
 GREEDY = {"sampling": {"max_new_tokens": 12, "temperature": 0.0, "n": 2}, "engine": {"batch_size": 4, "part_rows": 4}}
 
 
+def test_a_resumed_steps_tokens_per_second_adds_up_hosts_not_one_hosts_runs(fake_run):
+    """A resumed step ran host 0 twice, one run after the other, beside host 1 (and once more with
+    nothing left to do): the pod's rate is host 0's tokens over its seconds plus host 1's, not the
+    three runs' rates added up (as it was: 2,000 tok/s)."""
+    from pipeline import storage
+    from steps import generate
+
+    run = fake_run(prompts=10, n=2)
+    out = run.out("generate")
+    for stamp, host, samples, tokens, wall_s in [("1", 0, 12, 1200, 2.0), ("2", 1, 8, 800, 1.0),
+                                                 ("3", 0, 4, 600, 1.0), ("4", 0, 0, 0, 0.1)]:
+        storage.write_json(out.path("metrics", f"host-{host:05d}-{stamp}.json"), {
+            "host": host, "samples": samples, "generated_tokens": tokens, "wall_s": wall_s, "compile_s": 0.5,
+            "tokens_per_s": tokens / wall_s})
+    summary = generate.finish(run.cfg, out).summary
+    assert summary.tokens_per_s == 1800 / 3.0 + 800 / 1.0
+    assert summary.generated_tokens == 2600 and summary.wall_s == 2.0 and len(summary.hosts) == 4
+
+
 @pytest.fixture
 def many_prompts(tmp_path):
     path = tmp_path / "many.jsonl"

@@ -149,7 +149,9 @@ def raise_if_aborted(doing: str) -> None:
     """Raise (with the failed host's exit code: 75 stays 75) if another host has aborted."""
     record = aborted()
     if record is not None:
-        raise failure(record.get("code", 1), f"{describe()}: {doing}: host {record['host']} failed: {record['error']}")
+        code = record.get("code", 1)
+        what = "was stopped" if code == Interrupted.exit_code else "failed"
+        raise failure(code, f"{describe()}: {doing}: host {record['host']} {what}: {record['error']}")
 
 
 def check_peers(doing: str, cause: str = "") -> None:
