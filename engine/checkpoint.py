@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import struct
 import tempfile
 from typing import Any
@@ -59,6 +60,8 @@ HEADER_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8
 """Bytes per element of every dtype the safetensors format defines: other tensors may have any."""
 MAX_HEADER_BYTES = 100 << 20
 """The safetensors format's own limit on a header: a larger length field means a corrupt file."""
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
+"""A Hugging Face Hub repo id (organization/name), as model.path when it names no folder."""
 HINT = "expected a Hugging Face checkpoint folder: config.json, *.safetensors, tokenizer files"
 
 
@@ -102,8 +105,14 @@ class _Folder:
         fs, root = fsspec.core.url_to_fs(url)
         root = root.rstrip("/")
         if not fs.isdir(root):
-            what = "is a file, not a folder" if fs.exists(root) else "does not exist"
-            raise NotACheckpoint(f"model.path {url} {what} ({HINT})")
+            if fs.exists(root):
+                raise NotACheckpoint(f"model.path {url} is a file, not a folder ({HINT})")
+            if HUB_ID.fullmatch(url):
+                raise NotACheckpoint(
+                    f"model.path {url} does not exist; it reads like a Hugging Face Hub id, and the pipeline downloads "
+                    f"nothing: fetch it first (`hf download {url} --local-dir models/{url.split('/')[1]}`) and set "
+                    f"model.path to that folder (or to a gs:// copy of it)")
+            raise NotACheckpoint(f"model.path {url} does not exist ({HINT})")
         names = frozenset(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
         return _Folder(url.rstrip("/"), fs, root, names)
 

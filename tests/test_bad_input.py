@@ -182,6 +182,17 @@ def test_a_missing_model_path_is_a_config_error(config_for, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_hub_id_as_model_path_says_to_download_it_first(config_for, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where no folder of that name is
+    result = run_all(config_for(model="some-org/Some-Model-1B"))
+    assert result.exit_code == 2
+    assert error_line(result) == (
+        "error: model.path some-org/Some-Model-1B does not exist; it reads like a Hugging Face Hub id, and the pipeline "
+        "downloads nothing: fetch it first (`hf download some-org/Some-Model-1B --local-dir models/Some-Model-1B`) and "
+        "set model.path to that folder (or to a gs:// copy of it)")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_the_demo_checkpoint_passes_and_a_sharded_one_too(demo_model, tmp_path):
     from engine.checkpoint import check_checkpoint
     from safetensors.numpy import load_file, save_file
