@@ -269,3 +269,21 @@ def test_read_only_run_root_fails_with_one_line_naming_it(small_disk, make_confi
     assert last == (f"error: run.root {small_disk / 'runs'} is not writable ({small_disk}: Read-only file system); "
                     f"choose another run.root or remount it read-write")
     assert "Traceback" not in output
+
+
+def test_a_connection_error_while_reading_is_not_taken_for_a_damaged_file():
+    """storage.unreadable names a file as damaged (and says to make it again) only for what says so
+    about its bytes; a reset connection is the storage's fault and goes on as itself."""
+    import errno
+
+    from pipeline import storage
+    from pipeline.errors import StepFailed
+
+    with pytest.raises(ConnectionResetError):
+        with storage.unreadable("generate part", "gs://bucket/part.parquet", "make it again"):
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+    with pytest.raises(StepFailed) as err:
+        with storage.unreadable("generate part", "gs://bucket/part.parquet", "make it again"):
+            raise OSError("Couldn't deserialize thrift: TProtocolException: Invalid data")
+    assert str(err.value) == ("generate part gs://bucket/part.parquet cannot be read (Couldn't deserialize thrift: "
+                              "TProtocolException: Invalid data): make it again")

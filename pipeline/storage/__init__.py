@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import StepFailed
-from pipeline.storage.retrying import storage_call
+from pipeline.storage.retrying import is_transient, storage_call
 
 HASH_CHARS = 12
 """Hex characters of a step hash used in its folder name."""
@@ -205,6 +205,8 @@ def unreadable(what: str, url: str, fix: str) -> Iterator[None]:
     try:
         yield
     except (pa.ArrowException, OSError) as err:
+        if is_transient(err):  # a connection reset while reading says nothing about the file
+            raise
         reason = re.sub(r"^Could not open Parquet input source '[^']*': ", "", str(err))  # the path once is enough
         raise StepFailed(f"{what} {url} cannot be read ({reason}): {fix}") from err
 
