@@ -193,13 +193,21 @@ def finish(cfg: Config, out: StepOutput) -> StepResult:
         raise StepFailed(
             f"generate output {out.url} is missing {missing_total} (prompt, sample) rows ({'; '.join(examples[:3])}"
             f"{'; ...' if len(examples) > 3 else ''}): rerun `pipeline run generate` to make them")
-    host_metrics = [storage.read_json(u) for u in storage.list_files(out.path("metrics"), suffix=".json")]
+    host_metrics = [_read_metrics(u) for u in storage.list_files(out.path("metrics"), suffix=".json")]
     tokens = sum(m["generated_tokens"] for m in host_metrics)
     wall_s = max((m["wall_s"] for m in host_metrics), default=0.0)
     return StepResult(rows=rows_total, files=files, summary=GenerateSummary(
         rows=rows_total, parts=len(files), hosts=host_metrics, generated_tokens=tokens, wall_s=wall_s,
         compile_s=max((m["compile_s"] for m in host_metrics), default=0.0), tokens_per_s=_pod_rate(host_metrics),
     ))
+
+
+def _read_metrics(url: str) -> dict[str, Any]:
+    try:
+        return storage.read_json(url)
+    except ValueError as err:  # written whole: damaged since
+        raise StepFailed(f"generate metrics {url} cannot be read ({err}): delete it (it holds only a host's figures), "
+                         f"then run `pipeline run generate --config FILE`") from err
 
 
 def _pod_rate(host_metrics: list[dict[str, Any]]) -> float:

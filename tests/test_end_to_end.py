@@ -113,7 +113,7 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
 
 
 def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_config, tmp_path):
-    """A shard, a part or a merged file damaged after its step (cut short, overwritten): the step
+    """A shard, a part, a host's metrics or a merged file damaged after its step (cut short): the step
     that reads it exits 1 naming the file and what makes it again, and doing just that gives the
     same result back."""
     config = make_config(sampling={"n": 2, "max_new_tokens": 4})
@@ -153,6 +153,14 @@ def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_co
     assert invoke("run", "tokenize", "--force", "--config", config).exit_code == 0
     assert invoke("run", "all", "--config", config).exit_code == 0  # generate resumes: nothing left to make
     assert pq.read_table(merged).to_pylist() == rows
+
+    (metrics,) = glob.glob(os.path.join(steps["generate"]["output"], "metrics", "host-*.json"))[:1]
+    damage(metrics)
+    line = fails("run", "generate", "--force")
+    assert line.startswith(f"error: generate metrics {metrics} cannot be read (")
+    assert line.endswith("delete it (it holds only a host's figures), then run `pipeline run generate --config FILE`")
+    os.remove(metrics)
+    assert invoke("run", "generate", "--config", config).exit_code == 0
 
     damage(merged)
     for command in (("run", "upload", "--force"), ("show",)):
