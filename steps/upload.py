@@ -172,7 +172,10 @@ def _run_id(cfg: Config, out: StepOutput) -> str:
     """`{run.name as a slug}-{merge hash12}`: one W&B run per result (an earlier attempt's id if recorded)."""
     earlier = out.path(RUN_FILE)
     if storage.exists(earlier):
-        return storage.read_json(earlier)["run_id"]
+        try:
+            return storage.read_json(earlier)["run_id"]
+        except (ValueError, KeyError, TypeError):  # damaged since: the id below, which is rewritten there
+            pass
     slug = re.sub(r"[^a-z0-9_-]+", "-", cfg.run.name.lower()).strip("-")[:40] or "run"
     return f"{slug}-{out.upstream['merge'].hash[:storage.HASH_CHARS]}"
 

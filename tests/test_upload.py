@@ -112,6 +112,16 @@ def test_deleting_the_upload_output_and_rerunning_resumes_the_same_run(merged_ru
     assert saved["run_id"] == first.summary.run_id
 
 
+def test_a_damaged_run_record_resumes_the_same_run_and_is_written_again(merged_run):
+    run = merged_run()
+    first = run.run("upload")
+    record = storage.join(run.url["upload"], "wandb_run.json")
+    storage.write_bytes(record, storage.read_bytes(record)[:10])
+    second = run.run("upload")
+    assert second.summary.run_id == first.summary.run_id
+    assert storage.read_json(record)["run_id"] == first.summary.run_id
+
+
 def test_table_is_capped_at_table_max_rows_and_parquet_keeps_every_row(merged_run, read_wandb_run):
     run = merged_run(table_max_rows=5)
     result = run.run("upload")
