@@ -53,6 +53,12 @@ def failure(code: int, message: str) -> PipelineError:
     return Interrupted(message) if code == Interrupted.exit_code else StepFailed(message)
 
 
+def message_of(err: BaseException) -> str:
+    """What another host is told of `err`: our own errors are their message, as `cli.py` prints
+    them; anything else keeps its type's name (`KeyError: 'x'`)."""
+    return str(err) if isinstance(err, PipelineError) else f"{type(err).__name__}: {err}"
+
+
 def exit_now(code: int, message: str | None = None) -> NoReturn:
     """End this process at once with `code`, after printing `error: message` (if given).
 

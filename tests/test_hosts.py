@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import glob
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.pod.launch import free_port
@@ -48,3 +49,20 @@ def test_bad_pod_variables_are_a_usage_error(make_config):
     result = pipeline("preflight", "--config", make_config(), env=env)
     assert result.returncode == 2
     assert "PIPELINE_PROCESS_ID=5 must be in [0, PIPELINE_NUM_PROCESSES=2)" in result.stderr
+
+
+def test_a_host_that_fails_makes_the_others_exit_1_naming_it_and_its_error(make_config, tmp_path):
+    """A real failure on host 1 (its shard's committed part damaged since the last run): host 1
+    exits 1 with its error, and the leader exits 1 naming host 1 and that error, not a type name."""
+    config = make_config(sampling={"n": 1, "max_new_tokens": 2})
+    first = pipeline("launch", "--hosts", "2", "--", "run", "all", "--config", config)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    (part, *_) = sorted(glob.glob(f"{tmp_path}/runs/generate-*/shard-00001/part-*.parquet"))  # host 1's shard
+    with open(part, "r+b") as f:
+        f.truncate(100)
+    result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--force", "--config", config)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    error = f"generate part {part} cannot be read (Parquet magic bytes not found in footer."
+    assert f"[host 1] error: {error}" in output, output[-3000:]
+    assert f"[host 0] error: host 0/2: host 1 failed generate: {error}" in output, output[-3000:]

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
-from pipeline.errors import ConfigError, Interrupted, PipelineError, StepFailed, exit_now, failure
+from pipeline.errors import ConfigError, Interrupted, PipelineError, StepFailed, exit_now, failure, message_of
 from pipeline.pod import preemption
 
 T = TypeVar("T")
@@ -322,7 +322,7 @@ def run_and_report(key: str, fn: Callable[[], T]) -> T:
     try:
         result = fn()
     except BaseException as err:
-        publish(key, {"ok": False, "error": f"{type(err).__name__}: {err}", "code": getattr(err, "exit_code", 1)})
+        publish(key, {"ok": False, "error": message_of(err), "code": getattr(err, "exit_code", 1)})
         raise
     publish(key, {"ok": True, "value": result if isinstance(result, (dict, list, str, int, float, bool)) else None})
     return result
@@ -333,7 +333,9 @@ def await_report(key: str, what: str, who: str) -> Any:
     failed (an interruption stays an interruption, exit 75)."""
     outcome = wait_for(key, what)
     if not outcome["ok"]:
-        raise failure(outcome.get("code", 1), f"{describe()}: {who} failed {what}: {outcome['error']}")
+        code = outcome.get("code", 1)
+        ended = "was stopped in" if code == Interrupted.exit_code else "failed"
+        raise failure(code, f"{describe()}: {who} {ended} {what}: {outcome['error']}")
     return outcome.get("value")
 
 

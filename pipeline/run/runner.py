@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal
 import yaml
 
 from pipeline import storage
-from pipeline.errors import ConfigError, PipelineError, StepFailed
+from pipeline.errors import ConfigError, StepFailed, message_of
 from pipeline.pod import hosts, preemption
 from pipeline.run import identity, status, steplog
 from pipeline.run.checks import check_inputs
@@ -224,9 +224,7 @@ def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
                                    f"step {step.name} to be checked")
     except BaseException as err:
         if hosts.is_leader():  # tell the pod before letting go, so no host takes it for a takeover
-            # Our own errors are their message (as cli.py prints them); anything else with its type.
-            hosts.abort(str(err) if isinstance(err, PipelineError) else f"{type(err).__name__}: {err}",
-                        getattr(err, "exit_code", 1))
+            hosts.abort(message_of(err), getattr(err, "exit_code", 1))
             if step.on == "every host":  # and let hosts that are stopping too commit their rows
                 hosts.wait_briefly([f"{tag}/host-{i}" for i in range(1, hosts.process_count())])
         raise
