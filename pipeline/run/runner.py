@@ -42,6 +42,8 @@ class PlannedStep:
     rows: int | None
     action: Literal["skip", "run", "blocked"]
     reason: str
+    damaged: str | None = None
+    """Why the output's marker cannot be read, where one is there and does not parse (`partial`)."""
 
     @property
     def name(self) -> str:
@@ -66,14 +68,12 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
             upstream={s.name: by_name[s.name].hash for s in step.inputs},
         )
         url = storage.step_url(cfg.run.root, step.name, step_hash)
-        state = status.output_state(url)
-        record = status.read_marker(url) if state == "complete" else None
+        state, record, damaged = status.inspect(url)
         rows = record.rows if record else None
         action, reason = _decide(step, state, rows, step.name in targets, force, by_name)
-        damaged = status.damaged_marker(url) if state == "partial" and action == "run" else None
-        if damaged:
+        if damaged and action == "run":
             reason = f"its {status.MARKER} cannot be read ({damaged}): run it again"
-        planned = PlannedStep(step, step_hash, url, state, rows, action, reason)
+        planned = PlannedStep(step, step_hash, url, state, rows, action, reason, damaged)
         plan.append(planned)
         by_name[step.name] = planned
     return plan

@@ -68,15 +68,10 @@ def write_marker(out_url: str, record: StepRecord) -> None:
 
 def read_marker(out_url: str) -> StepRecord | None:
     """The step's record; None while the step is not complete, and where its marker does not
-    parse (`damaged_marker` says why): a marker is written whole, so that one was damaged after
-    its step, which then counts as partial and runs again (nothing is lost: a step's rerun keeps
-    or remakes its files, and writes a new marker last)."""
+    parse (`inspect` says why): a marker is written whole, so that one was damaged after its
+    step, which then counts as partial and runs again (nothing is lost: a step's rerun keeps or
+    remakes its files, and writes a new marker last)."""
     return _marker(out_url)[0]
-
-
-def damaged_marker(out_url: str) -> str | None:
-    """Why the step's marker cannot be read, where there is one and it does not parse; else None."""
-    return _marker(out_url)[1]
 
 
 def _marker(out_url: str) -> tuple[StepRecord | None, str | None]:
@@ -93,8 +88,15 @@ def remove_marker(out_url: str) -> None:
     storage.remove(storage.join(out_url, MARKER))
 
 
-def output_state(out_url: str) -> State:
-    if read_marker(out_url) is not None:
-        return "complete"
+def inspect(out_url: str) -> tuple[State, StepRecord | None, str | None]:
+    """One look at a step's output: its state, its record when complete, and why its marker cannot
+    be read where there is one that does not parse (the step is then partial)."""
+    record, damaged = _marker(out_url)
+    if record is not None:
+        return "complete", record, None
     fs, path = storage.filesystem(out_url)
-    return "partial" if fs.exists(path) else "missing"
+    return ("partial" if fs.exists(path) else "missing"), None, damaged
+
+
+def output_state(out_url: str) -> State:
+    return inspect(out_url)[0]

@@ -45,9 +45,8 @@ def _why(p: Any) -> str:
     if p.action == "blocked":
         return p.reason
     if p.state == "partial":
-        damaged = status.damaged_marker(p.url)
-        if damaged:
-            return f"partial: its {status.MARKER} cannot be read ({damaged}): the next run runs it again"
+        if p.damaged:
+            return f"partial: its {status.MARKER} cannot be read ({p.damaged}): the next run runs it again"
         return "partial: the next run resumes it"
     return "missing: the next `run all` runs it"
 
