@@ -215,13 +215,13 @@ def _pod_rate(host_metrics: list[dict[str, Any]]) -> float:
     resumed step ran a host more than once, one run after the other, so its runs' rates must not
     be added up as if they ran side by side (as different hosts' do); runs that generated nothing
     (a host whose rows were all done) do not count."""
-    runs: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    tokens: dict[int, int] = defaultdict(int)
+    seconds: dict[int, float] = defaultdict(float)
     for m in host_metrics:
         if m["samples"]:
-            runs[m["host"]].append(m)
-    rates = [sum(m["generated_tokens"] for m in ms) / sum(m["wall_s"] for m in ms) for ms in runs.values()
-             if sum(m["wall_s"] for m in ms) > 0]
-    return round(sum(rates), 1)
+            tokens[m["host"]] += m["generated_tokens"]
+            seconds[m["host"]] += m["wall_s"]
+    return round(sum(tokens[h] / seconds[h] for h in tokens if seconds[h] > 0), 1)
 
 
 # --- work split and resume ----------------------------------------------------------------

@@ -44,8 +44,6 @@ FILE_ROWS = 1_000_000
 FILE_BYTES = 256 << 20
 """About the most in-memory (Arrow) bytes of one merged file; the Parquet file is smaller."""
 FILE_PREFIX = "merged-"
-MERGED_FIX = "rerun `pipeline run merge --config FILE --force` to write the merged files again"
-"""What to do about a merged file that cannot be read or no longer matches merge's record (upload)."""
 KEYS = ["prompt_index", "sample_index"]
 EXAMPLES = 5
 """Rows named in an error message; the count covers the rest."""

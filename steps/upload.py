@@ -47,9 +47,10 @@ import pyarrow.parquet as pq
 from pipeline import storage
 from pipeline.run import status, steplog
 from pipeline.run.config import Config
+from pipeline.run.result import MERGED_FIX
 from pipeline.errors import StepFailed
 from pipeline.run.step import StepOutput, StepResult
-from steps.merge import MERGED_FIX, MergeSummary
+from steps.merge import MergeSummary
 
 RUN_FILE = "wandb_run.json"
 """In the upload folder: the W&B run id (and where its offline copy is), written at init."""

@@ -28,6 +28,8 @@ from pipeline.run.step import Step
 SHOWN_COLUMNS = ["prompt_index", "prompt_id", "sample_index", "prompt", "completion", "finish_reason"]
 TEXT_CHARS = 500
 """Longer prompts and completions are cut in the table (the Parquet files hold them whole)."""
+MERGED_FIX = "rerun `pipeline run merge --config FILE --force` to write the merged files again"
+"""What to do about a merged file that cannot be read or no longer matches merge's record (show, upload)."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,7 @@ def first_rows(result: MergedResult, count: int) -> list[dict[str, Any]]:
         if len(rows) >= count:
             break
         fs, path = storage.filesystem(url)
-        with (storage.unreadable("merged file", url, "rerun `pipeline run merge --config FILE --force` to write it again"),
-              fs.open(path, "rb") as f):
+        with storage.unreadable("merged file", url, MERGED_FIX), fs.open(path, "rb") as f:
             for batch in pq.ParquetFile(f).iter_batches(batch_size=max(count, 1), columns=SHOWN_COLUMNS):
                 rows.extend(batch.slice(0, count - len(rows)).to_pylist())
                 if len(rows) >= count:
