@@ -338,7 +338,7 @@ def _llama_config(folder: _Folder):
     architectures = data.get("architectures") or []
     if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") for a in architectures):
         raise NotACheckpoint(f"model.path {folder.url}: architectures {architectures!r} in config.json is not a "
-                             f"causal LM (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
+                             f"causal LM (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)")
     try:
         config = LlamaConfig.from_hf(data, source=url)
     except UnsupportedModelError as err:
@@ -363,6 +363,7 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
         config.num_key_value_heads * config.head_dim
     by_suffix = {
         "embed_tokens.weight": (config.vocab_size, hidden), "lm_head.weight": (config.vocab_size, hidden),
+        "q_norm.weight": (config.head_dim,), "k_norm.weight": (config.head_dim,),  # before norm.weight
         "layernorm.weight": (hidden,), "norm.weight": (hidden,),
         "gate_proj.weight": (config.intermediate_size, hidden), "up_proj.weight": (config.intermediate_size, hidden),
         "down_proj.weight": (hidden, config.intermediate_size),
@@ -372,6 +373,6 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
     }
     shapes = {}
     for name, _ in checkpoint_mapping(config):
-        suffix = next(s for s in by_suffix if name.endswith(s))  # a new tensor kind needs its shape here
+        suffix = next(s for s in by_suffix if name.endswith(s))  # the first that fits; a new tensor kind needs its shape here
         shapes[name] = by_suffix[suffix]
     return shapes

@@ -741,7 +741,10 @@ class Engine:
             return tuple((new_cache(self.config, n, ends, self._cache_dtype), new_state(n)) for n in slots)
 
         shardings = tuple((self.layout.cache_sharding, self._batch_sharding) for _ in slots)
-        return "init", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name), jax.jit(make, out_shardings=shardings), shardings
+        # The model's config is in the key as the other programs' model argument puts it in theirs:
+        # two models of one process (a notebook comparing checkpoints) have caches of other shapes.
+        static = (slots, self._seq_len, jnp.dtype(self._cache_dtype).name, self.config)
+        return "init", static, jax.jit(make, out_shardings=shardings), shardings
 
     def _prefill_inputs(self, slots: int) -> "_PrefillInputs":
         """A prefill call's inputs with no piece in them (`_prefill` fills them), over a cache of

@@ -32,7 +32,7 @@ from haliax import Axis, NamedArray
 from engine import checkpoint, cpu_attention, kernels
 from engine.jax_compat import hax
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class UnsupportedModelError(ValueError):
@@ -49,7 +49,8 @@ class LoadStopped(Exception):
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    """llama, mistral or qwen2: the weight names are the same; qwen2 adds q/k/v biases."""
+    """llama, mistral, qwen2 or qwen3: the weight names are the same; qwen2 adds q/k/v biases,
+    qwen3 an RMS norm of each query and key head (`qk_norm`)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -64,11 +65,13 @@ class LlamaConfig:
     qkv_bias: bool
     """q/k/v projections carry a bias (qwen2 always; llama when attention_bias)."""
     o_bias: bool
-    """o projection carries a bias (llama attention_bias only)."""
+    """o projection carries a bias (llama and qwen3 attention_bias only)."""
     rope_llama3: tuple[float, float, float, int] | None = None
     """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) or None."""
     sliding_window: int | None = None
     """Mistral v0.1's window in tokens; the engine refuses sequences longer than it."""
+    qk_norm: bool = False
+    """Each query and key head is RMS-normed over head_dim before the rotation (qwen3)."""
 
     @property
     def Embed(self) -> Axis:
@@ -137,7 +140,7 @@ class LlamaConfig:
             raise refuse("rope type", rope_type, "is not supported (supported: default, llama3)")
 
         sliding_window = None
-        if model_type == "qwen2":
+        if model_type in ("qwen2", "qwen3"):
             if cfg.get("use_sliding_window", False):
                 raise refuse("use_sliding_window", True, "is not supported (only full attention)")
         elif cfg.get("sliding_window") is not None:
@@ -162,6 +165,7 @@ class LlamaConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
+            qk_norm=model_type == "qwen3",
             o_bias=model_type != "qwen2" and attention_bias,
             rope_llama3=rope_llama3,
             sliding_window=sliding_window,
@@ -219,17 +223,20 @@ def embed(table: NamedArray, tokens: NamedArray) -> NamedArray:
 
 
 class RmsNorm(eqx.Module):
+    """Normalises over its weight's one axis: embed for a layer's input, head_dim for qwen3's
+    query and key heads."""
+
     weight: NamedArray
     eps: float = eqx.field(static=True)
 
     @staticmethod
-    def init(Embed: Axis, eps: float) -> "RmsNorm":
-        return RmsNorm(hax.ones(Embed), eps)
+    def init(axis: Axis, eps: float) -> "RmsNorm":
+        return RmsNorm(hax.ones(axis), eps)
 
     def __call__(self, x: NamedArray) -> NamedArray:
         # As transformers: normalise in float32, cast back, then scale.
         x32 = x.astype(jnp.float32)
-        var = hax.mean(x32 * x32, axis="embed")
+        var = hax.mean(x32 * x32, axis=self.weight.axes[0].name)
         return self.weight * (x32 * hax.rsqrt(var + self.eps)).astype(x.dtype)
 
 
@@ -459,6 +466,8 @@ class Attention(eqx.Module):
     k_bias: NamedArray | None
     v_bias: NamedArray | None
     o_bias: NamedArray | None
+    q_norm: RmsNorm | None = None  # (HeadDim,): qwen3's norm of each query head
+    k_norm: RmsNorm | None = None
 
     @staticmethod
     def init(config: LlamaConfig, *, key: jax.Array) -> "Attention":
@@ -476,6 +485,8 @@ class Attention(eqx.Module):
             k_bias=hax.zeros(kv_axes) if c.qkv_bias else None,
             v_bias=hax.zeros(kv_axes) if c.qkv_bias else None,
             o_bias=hax.zeros(c.Embed) if c.o_bias else None,
+            q_norm=RmsNorm.init(c.HeadDim, c.rms_norm_eps) if c.qk_norm else None,
+            k_norm=RmsNorm.init(c.HeadDim, c.rms_norm_eps) if c.qk_norm else None,
         )
 
     def __call__(self, x: NamedArray, cos: NamedArray, sin: NamedArray, context) -> tuple[NamedArray, LayerKV]:
@@ -500,6 +511,8 @@ class Attention(eqx.Module):
         v = hax.unflatten_axis(linear(x, self.v_proj, "embed"), "kv_heads_dim", (c.KVHeads, c.HeadDim))
         if self.q_bias is not None:
             q, k, v = q + self.q_bias, k + self.k_bias, v + self.v_bias
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         # A float32 prefill call through the CPU kernel has the kernel rotate q and k as it reads
         # them: the same bits, without the program's two passes over them a layer (bfloat16's
         # rotation is cheaper in XLA than in the kernel: docs/performance-notes.md).
@@ -767,6 +780,10 @@ def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM
                 mapping.append((p + f"self_attn.{name}_proj.bias", lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_bias")))
         if config.o_bias:
             mapping.append((p + "self_attn.o_proj.bias", lambda m, L=layer: L(m).self_attn.o_bias))
+        if config.qk_norm:
+            for name in ("q", "k"):
+                mapping.append((p + f"self_attn.{name}_norm.weight",
+                                lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_norm").weight))
     mapping.append(("model.norm.weight", lambda m: m.norm.weight))
     if not config.tie_word_embeddings:
         mapping.append(("lm_head.weight", lambda m: m.lm_head))

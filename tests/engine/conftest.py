@@ -82,6 +82,21 @@ def qwen2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3(tmp_path_factory):
+    """(path, torch model): Qwen3 with an RMS norm of each query and key head, and heads of 16
+    dimensions where the hidden size over the heads would give 8."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    _randomize(model)
+    return _save(model, tmp_path_factory.mktemp("qwen3") / "ckpt"), model
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     """Word-level tokenizer: id i <-> word 'x{i}y' (no word is a prefix of another), space-joined."""
     from tokenizers import Tokenizer
