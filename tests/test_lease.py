@@ -185,3 +185,21 @@ def test_gcs_runners_racing_for_a_free_lease_exactly_one_wins(gcs_bucket):
     winner.check()
     winner.release()
 
+
+
+def test_gcs_lease_record_that_cannot_be_read_says_so_and_is_taken_over_after_the_timeout(gcs_bucket, short_gcs_lease):
+    """A record cut short or written by something else: a waiting runner names it as such (not
+    a 'pid 0'), then takes the lease over once it has gone unrenewed for the timeout."""
+    lease = Lease.for_step(f"{gcs_bucket}/runs", "upload", "56" * 32)
+    storage.write_bytes(lease.url, b'{"token": "t0", "host')
+    with pytest.raises(LeaseBusy, match=r"upload-565656565656 is being run by another runner \(its lease record "
+                                        r"cannot be read\); lease: gs://"):
+        lease.acquire(wait=False, say=print)
+    said: list[str] = []
+    started = time.monotonic()
+    lease.acquire(wait=True, say=said.append)
+    assert 1.5 <= time.monotonic() - started < 10
+    assert "pid 0" not in " ".join(said), said
+    lease.check()
+    assert json.loads(storage.read_bytes(lease.url))["token"] == lease.token
+    lease.release()

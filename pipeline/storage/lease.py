@@ -79,7 +79,14 @@ class Holder:
     """The holder's kernel boot id and PID namespace (`this_machine()`); '' where unknown."""
 
     def describe(self) -> str:
+        if not self.pid:  # a holder known only by its lock or its unreadable record (`unknown`)
+            return self.host
         return f"{self.host} pid {self.pid} (since {self.since})"
+
+    @classmethod
+    def unknown(cls, who: str) -> "Holder":
+        """A holder whose record says nothing usable: being written, or not in our format."""
+        return cls("?", who, 0, "")
 
     @classmethod
     def new(cls) -> "Holder":
@@ -241,7 +248,7 @@ class _FileLease:
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
-            return self.read() or Holder("?", "another process", 0, "just now")
+            return self.read() or Holder.unknown("another process (its lease record is being written)")
         storage.write_json(self.url, asdict(me))
         return None
 
@@ -261,7 +268,7 @@ class _FileLease:
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
-            return self.read() or Holder("?", "another process", 0, "unknown")
+            return self.read() or Holder.unknown("another process (its lease record cannot be read)")
         self._lock.release()
         return None
 
@@ -312,7 +319,7 @@ class _GcsLease:
         except PreconditionFailed:
             generation, current = self._read_with_generation()
             if current is None or current.token != me.token:
-                return current or other or Holder("?", "another runner", 0, "just now")
+                return current or other or Holder.unknown("another runner (it took the lease just now)")
             self._generation = generation  # our write landed; a retry of it met its own result
         self._start_renewing(me)
         return None
@@ -347,7 +354,7 @@ class _GcsLease:
             record = blob.download_as_bytes(if_generation_match=blob.generation, **self._calls)
             return blob.generation, Holder(**json.loads(record))
         except Exception:  # noqa: BLE001 - rewritten between the two reads, or not our format
-            return blob.generation, Holder("?", "another runner", 0, "unknown")
+            return blob.generation, Holder.unknown("another runner (its lease record cannot be read)")
 
     def _write(self, me: Holder, expect: int) -> None:
         blob = self.bucket.blob(self.blob_name)
