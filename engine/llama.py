@@ -1,9 +1,10 @@
-"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5) in haliax, and its checkpoint mapping.
+"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3) in haliax, and its checkpoint mapping.
 
 Owns: the config read from a Hugging Face `config.json` (refusing values the code does not
 implement), the blocks (RMS norm, rotary with llama3 scaling, grouped-query attention with an
-optional q/k/v bias, gated MLP, decoder layer), the LM head, and the checkpoint mapping that
-places each tensor of a Hugging Face checkpoint (read by engine/checkpoint.py) in the model.
+optional q/k/v bias and Qwen3's norm of each query and key head, gated MLP, decoder layer), the
+LM head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read
+by engine/checkpoint.py) in the model.
 Refuses: other architectures, sliding-window attention, rope types other than default/llama3.
 It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/engine.py`).
 
