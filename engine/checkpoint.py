@@ -338,7 +338,8 @@ def _llama_config(folder: _Folder):
     architectures = data.get("architectures") or []
     if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") for a in architectures):
         raise NotACheckpoint(f"model.path {folder.url}: architectures {architectures!r} in config.json is not a "
-                             f"causal LM (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)")
+                             f"causal LM (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                             f"Qwen3ForCausalLM)")
     try:
         config = LlamaConfig.from_hf(data, source=url)
     except UnsupportedModelError as err:
@@ -373,6 +374,7 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
     }
     shapes = {}
     for name, _ in checkpoint_mapping(config):
-        suffix = next(s for s in by_suffix if name.endswith(s))  # the first that fits; a new tensor kind needs its shape here
+        # The first suffix that fits (q_norm before norm); a new tensor kind needs its shape above.
+        suffix = next(s for s in by_suffix if name.endswith(s))
         shapes[name] = by_suffix[suffix]
     return shapes
