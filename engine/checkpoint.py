@@ -339,7 +339,7 @@ def _llama_config(folder: _Folder):
     if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") for a in architectures):
         raise NotACheckpoint(f"model.path {folder.url}: architectures {architectures!r} in config.json is not a "
                              f"causal LM (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                             f"Qwen3ForCausalLM)")
+                             f"Qwen3ForCausalLM, Olmo2ForCausalLM)")
     try:
         config = LlamaConfig.from_hf(data, source=url)
     except UnsupportedModelError as err:
@@ -364,7 +364,9 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
         config.num_key_value_heads * config.head_dim
     by_suffix = {
         "embed_tokens.weight": (config.vocab_size, hidden), "lm_head.weight": (config.vocab_size, hidden),
-        "q_norm.weight": (config.head_dim,), "k_norm.weight": (config.head_dim,),  # before norm.weight
+        # before norm.weight: each head's (qwen3), or all heads' (olmo2)
+        "q_norm.weight": (config.head_dim if config.qk_norm == "head" else q,),
+        "k_norm.weight": (config.head_dim if config.qk_norm == "head" else kv,),
         "layernorm.weight": (hidden,), "norm.weight": (hidden,),
         "gate_proj.weight": (config.intermediate_size, hidden), "up_proj.weight": (config.intermediate_size, hidden),
         "down_proj.weight": (hidden, config.intermediate_size),

@@ -1,10 +1,11 @@
-"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3) in haliax, and its checkpoint mapping.
+"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2) in haliax, and its checkpoint mapping.
 
 Owns: the config read from a Hugging Face `config.json` (refusing values the code does not
 implement), the blocks (RMS norm, rotary with llama3 scaling, grouped-query attention with an
-optional q/k/v bias and Qwen3's norm of each query and key head, gated MLP, decoder layer), the
-LM head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read
-by engine/checkpoint.py) in the model.
+optional q/k/v bias and a norm of the queries and keys (Qwen3's per head, OLMo 2's over all
+heads), gated MLP, decoder layer with its norms before each part or, OLMo 2's, after), the LM
+head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read by
+engine/checkpoint.py) in the model.
 Refuses: other architectures, sliding-window attention, rope types other than default/llama3.
 It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/engine.py`).
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -33,7 +34,7 @@ from haliax import Axis, NamedArray
 from engine import checkpoint, cpu_attention, kernels
 from engine.jax_compat import hax
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "olmo2", "qwen2", "qwen3")
 
 
 class UnsupportedModelError(ValueError):
@@ -50,8 +51,9 @@ class LoadStopped(Exception):
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    """llama, mistral, qwen2 or qwen3: the weight names are the same; qwen2 adds q/k/v biases,
-    qwen3 an RMS norm of each query and key head (`qk_norm`)."""
+    """llama, mistral, olmo2, qwen2 or qwen3: the weight names are the same; qwen2 adds q/k/v
+    biases, qwen3 and olmo2 norms of the queries and keys (`qk_norm`), olmo2 norms after each
+    part of a layer instead of before (`post_norm`)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -71,8 +73,17 @@ class LlamaConfig:
     """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) or None."""
     sliding_window: int | None = None
     """Mistral v0.1's window in tokens; the engine refuses sequences longer than it."""
-    qk_norm: bool = False
-    """Each query and key head is RMS-normed over head_dim before the rotation (qwen3)."""
+    qk_norm: Literal["head", "all"] | None = None
+    """The queries and keys are RMS-normed before the rotation: each head over its head_dim
+    (qwen3), or all heads together over the whole projection (olmo2)."""
+    post_norm: bool = False
+    """olmo2: no norm before attention and the MLP; each one's output is normed before it is
+    added to the residual."""
+
+    @property
+    def norms_scale_in_float32(self) -> bool:
+        """olmo2's norms scale by their weight in float32 before rounding (`RmsNorm`)."""
+        return self.model_type == "olmo2"
 
     @property
     def Embed(self) -> Axis:
@@ -123,6 +134,8 @@ class LlamaConfig:
             raise refuse("mlp_bias", cfg["mlp_bias"], "is not supported (only false)")
         if cfg.get("quantization_config"):
             raise refuse("quantization_config", cfg["quantization_config"].get("quant_method"), "is not supported")
+        if model_type == "olmo2" and cfg.get("attention_bias", False):
+            raise refuse("attention_bias", cfg["attention_bias"], "is not supported for olmo2 (only false)")
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             raise refuse("partial_rotary_factor", cfg["partial_rotary_factor"], "is not supported (only 1.0)")
 
@@ -166,7 +179,8 @@ class LlamaConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm={"qwen3": "head", "olmo2": "all"}.get(model_type),
+            post_norm=model_type == "olmo2",
             o_bias=model_type != "qwen2" and attention_bias,
             rope_llama3=rope_llama3,
             sliding_window=sliding_window,
@@ -224,21 +238,27 @@ def embed(table: NamedArray, tokens: NamedArray) -> NamedArray:
 
 
 class RmsNorm(eqx.Module):
-    """Normalises over its weight's one axis: embed for a layer's input, head_dim for qwen3's
-    query and key heads."""
+    """Normalises over its weight's one axis: embed for a layer's parts, head_dim for qwen3's
+    query and key heads, q_heads_dim and kv_heads_dim for olmo2's queries and keys."""
 
     weight: NamedArray
     eps: float = eqx.field(static=True)
+    scale_in_float32: bool = eqx.field(static=True, default=False)
+    """olmo2's order: scaled by the weight in float32, then rounded to x's dtype once; else
+    Llama's: rounded, then scaled in x's dtype (the same in float32, not in bfloat16)."""
 
     @staticmethod
-    def init(axis: Axis, eps: float) -> "RmsNorm":
-        return RmsNorm(hax.ones(axis), eps)
+    def init(axis: Axis, eps: float, scale_in_float32: bool = False) -> "RmsNorm":
+        return RmsNorm(hax.ones(axis), eps, scale_in_float32)
 
     def __call__(self, x: NamedArray) -> NamedArray:
-        # As transformers: normalise in float32, cast back, then scale.
+        # As transformers: normalise in float32, then scale and cast back in the model's order.
         x32 = x.astype(jnp.float32)
         var = hax.mean(x32 * x32, axis=self.weight.axes[0].name)
-        return self.weight * (x32 * hax.rsqrt(var + self.eps)).astype(x.dtype)
+        normed = x32 * hax.rsqrt(var + self.eps)
+        if self.scale_in_float32:
+            return (self.weight.astype(jnp.float32) * normed).astype(x.dtype)
+        return self.weight * normed.astype(x.dtype)
 
 
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
@@ -451,6 +471,15 @@ class DecodeStep(NamedTuple):
     """With pallas, the kernel's KernelTuning (static; None: engine.kernels.TUNING)."""
 
 
+def _qk_norm(config: LlamaConfig, flat: Axis) -> "RmsNorm | None":
+    """The norm of the queries (flat: QHeadsDim) or keys (KVHeadsDim), where the model has one:
+    over each head's head_dim (qwen3) or over the whole projection (olmo2)."""
+    if config.qk_norm is None:
+        return None
+    axis = config.HeadDim if config.qk_norm == "head" else flat
+    return RmsNorm.init(axis, config.rms_norm_eps, config.norms_scale_in_float32)
+
+
 class Attention(eqx.Module):
     """Grouped-query attention: query heads are (KVHeads, QPerKV), so no head is ever repeated.
 
@@ -467,8 +496,8 @@ class Attention(eqx.Module):
     k_bias: NamedArray | None
     v_bias: NamedArray | None
     o_bias: NamedArray | None
-    q_norm: RmsNorm | None = None  # (HeadDim,): qwen3's norm of each query head
-    k_norm: RmsNorm | None = None
+    q_norm: RmsNorm | None = None  # qwen3: (HeadDim,), each head; olmo2: (QHeadsDim,), all heads
+    k_norm: RmsNorm | None = None  # qwen3: (HeadDim,); olmo2: (KVHeadsDim,)
 
     @staticmethod
     def init(config: LlamaConfig, *, key: jax.Array) -> "Attention":
@@ -486,8 +515,8 @@ class Attention(eqx.Module):
             k_bias=hax.zeros(kv_axes) if c.qkv_bias else None,
             v_bias=hax.zeros(kv_axes) if c.qkv_bias else None,
             o_bias=hax.zeros(c.Embed) if c.o_bias else None,
-            q_norm=RmsNorm.init(c.HeadDim, c.rms_norm_eps) if c.qk_norm else None,
-            k_norm=RmsNorm.init(c.HeadDim, c.rms_norm_eps) if c.qk_norm else None,
+            q_norm=_qk_norm(c, c.QHeadsDim),
+            k_norm=_qk_norm(c, c.KVHeadsDim),
         )
 
     def __call__(self, x: NamedArray, cos: NamedArray, sin: NamedArray, context) -> tuple[NamedArray, LayerKV]:
@@ -507,12 +536,15 @@ class Attention(eqx.Module):
           in place, not yet timed on a GPU: engine/kernels.py).
         """
         c = self.config
-        q = hax.unflatten_axis(linear(x, self.q_proj, "embed"), "q_heads_dim", (c.KVHeads, c.QPerKV, c.HeadDim))
-        k = hax.unflatten_axis(linear(x, self.k_proj, "embed"), "kv_heads_dim", (c.KVHeads, c.HeadDim))
+        q, k = linear(x, self.q_proj, "embed"), linear(x, self.k_proj, "embed")
+        if c.qk_norm == "all":  # olmo2: over all heads together, before they are told apart (no bias)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = hax.unflatten_axis(q, "q_heads_dim", (c.KVHeads, c.QPerKV, c.HeadDim))
+        k = hax.unflatten_axis(k, "kv_heads_dim", (c.KVHeads, c.HeadDim))
         v = hax.unflatten_axis(linear(x, self.v_proj, "embed"), "kv_heads_dim", (c.KVHeads, c.HeadDim))
         if self.q_bias is not None:
             q, k, v = q + self.q_bias, k + self.k_bias, v + self.v_bias
-        if self.q_norm is not None:
+        if c.qk_norm == "head":  # qwen3: each head over its head_dim, after the bias
             q, k = self.q_norm(q), self.k_norm(k)
         # A float32 prefill call through the CPU kernel has the kernel rotate q and k as it reads
         # them: the same bits, without the program's two passes over them a layer (bfloat16's
@@ -664,22 +696,35 @@ def swiglu(gate: NamedArray, up: NamedArray) -> NamedArray:
 
 
 class DecoderLayer(eqx.Module):
-    input_layernorm: RmsNorm
+    """Attention, then the MLP, each added to the residual. Llama's norms come before each part
+    (input_layernorm, post_attention_layernorm: the MLP's input, as transformers names it);
+    olmo2's after (post_attention_layernorm on attention's output, post_feedforward_layernorm
+    on the MLP's), with no input_layernorm."""
+
+    input_layernorm: RmsNorm | None
     self_attn: Attention
     post_attention_layernorm: RmsNorm
     mlp: Mlp
+    post_feedforward_layernorm: RmsNorm | None = None
 
     @staticmethod
     def init(config: LlamaConfig, *, key: jax.Array) -> "DecoderLayer":
         k_attn, k_mlp = jax.random.split(key)
+        norm = functools.partial(RmsNorm.init, config.Embed, config.rms_norm_eps, config.norms_scale_in_float32)
         return DecoderLayer(
-            RmsNorm.init(config.Embed, config.rms_norm_eps),
+            None if config.post_norm else norm(),
             Attention.init(config, key=k_attn),
-            RmsNorm.init(config.Embed, config.rms_norm_eps),
+            norm(),
             Mlp.init(config, key=k_mlp),
+            norm() if config.post_norm else None,
         )
 
     def __call__(self, x, cos, sin, context):
+        if self.post_feedforward_layernorm is not None:  # olmo2
+            attn, new_kv = self.self_attn(x, cos, sin, context)
+            x = x + self.post_attention_layernorm(attn)
+            x = x + self.post_feedforward_layernorm(self.mlp(x))
+            return x, new_kv
         attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, context)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -714,7 +759,7 @@ class LlamaLM(eqx.Module):
             config=config,
             embed_tokens=_normal(k_embed, (config.Vocab, config.Embed)),
             layers=tuple(DecoderLayer.init(config, key=k) for k in layer_keys),
-            norm=RmsNorm.init(config.Embed, config.rms_norm_eps),
+            norm=RmsNorm.init(config.Embed, config.rms_norm_eps, config.norms_scale_in_float32),
             lm_head=None if config.tie_word_embeddings else _normal(k_head, (config.Vocab, config.Embed)),
         )
 
@@ -767,9 +812,10 @@ def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM
         def layer(m, i=i):
             return m.layers[i]
 
+        norms = ("post_attention", "post_feedforward") if config.post_norm else ("input", "post_attention")
+        mapping += [(p + f"{name}_layernorm.weight", lambda m, L=layer, n=name: getattr(L(m), f"{n}_layernorm").weight)
+                    for name in norms]
         mapping += [
-            (p + "input_layernorm.weight", lambda m, L=layer: L(m).input_layernorm.weight),
-            (p + "post_attention_layernorm.weight", lambda m, L=layer: L(m).post_attention_layernorm.weight),
             (p + "mlp.gate_proj.weight", lambda m, L=layer: L(m).mlp.gate_proj),
             (p + "mlp.up_proj.weight", lambda m, L=layer: L(m).mlp.up_proj),
             (p + "mlp.down_proj.weight", lambda m, L=layer: L(m).mlp.down_proj),
@@ -781,7 +827,7 @@ def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM
                 mapping.append((p + f"self_attn.{name}_proj.bias", lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_bias")))
         if config.o_bias:
             mapping.append((p + "self_attn.o_proj.bias", lambda m, L=layer: L(m).self_attn.o_bias))
-        if config.qk_norm:
+        if config.qk_norm is not None:
             for name in ("q", "k"):
                 mapping.append((p + f"self_attn.{name}_norm.weight",
                                 lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_norm").weight))

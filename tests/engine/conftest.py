@@ -97,6 +97,21 @@ def qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def olmo2(tmp_path_factory):
+    """(path, torch model): OLMo 2, whose norms come after attention and the MLP, with a norm of
+    all query heads together and of all key heads."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    config = Olmo2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=None,
+    )
+    model = Olmo2ForCausalLM(config).eval()
+    _randomize(model)
+    return _save(model, tmp_path_factory.mktemp("olmo2") / "ckpt"), model
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     """Word-level tokenizer: id i <-> word 'x{i}y' (no word is a prefix of another), space-joined."""
     from tokenizers import Tokenizer

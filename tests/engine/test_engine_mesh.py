@@ -92,6 +92,27 @@ def test_sharded_bfloat16_picks_transformers_top_tokens(llama, sharded):
     assert (wrong > BF16_TOL).mean() > 0.5, wrong.round(3).tolist()
 
 
+def test_olmo2_norms_over_every_head_give_the_tokens_of_one_device_when_the_heads_are_split(olmo2):
+    """OLMo 2 norms all query heads together: with the heads split over `model`, the norm's sum
+    spans devices (XLA adds the reduction). Greedy float32 tokens as on one device."""
+    path, _ = olmo2
+    sharded = run_on_forced_devices(f"""
+        import json, sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+        engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(max_new_tokens=6, n=2),
+                             engine=EngineConfig(batch_size=4, mode="global_mesh", mesh="auto"), max_prompt_tokens=16)
+        q_norm = engine.model.layers[0].self_attn.q_norm.weight.array
+        print(json.dumps({{"q_norm": str(q_norm.sharding.spec), "tokens": {{
+            f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids
+            for c in engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate({PROMPTS!r}))}}}}))
+    """, devices=4)
+    assert sharded["q_norm"] == "P('model',)"
+    one = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=6, n=2),
+                      engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
+    assert sharded["tokens"] == _tokens(one)
+
+
 def test_stop_ends_generation_between_compiled_calls(llama):
     path, _ = llama
     engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), engine=EngineConfig(batch_size=2, decode_chunk_steps=4),
