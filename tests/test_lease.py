@@ -186,7 +186,6 @@ def test_gcs_runners_racing_for_a_free_lease_exactly_one_wins(gcs_bucket):
     winner.release()
 
 
-
 def test_gcs_lease_record_that_cannot_be_read_says_so_and_is_taken_over_after_the_timeout(gcs_bucket, short_gcs_lease):
     """A record cut short or written by something else: a waiting runner names it as such (not
     a 'pid 0'), then takes the lease over once it has gone unrenewed for the timeout."""
