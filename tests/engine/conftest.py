@@ -8,7 +8,6 @@ greedy tokens are not a coin toss between near-ties.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -43,72 +42,67 @@ def _randomize(model, std: float = 0.3) -> None:
                 p.normal_(0.0, std)
 
 
-def _save(model, path: Path, eos=None) -> str:
-    model.generation_config.eos_token_id = eos
-    model.config.eos_token_id = eos
+def _built(tmp_path_factory, config) -> tuple[str, object]:
+    """(path, torch model): a random-weight causal LM of `config`'s architecture, saved with no
+    EOS id, so that every row makes exactly its new tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config).eval()
+    _randomize(model)
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    path = tmp_path_factory.mktemp(config.model_type) / "ckpt"
     model.save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return str(path), model
 
 
 @pytest.fixture(scope="session")
 def llama(tmp_path_factory):
     """(path, torch model): Llama with GQA (4 heads, 2 KV heads), llama3 rope scaling, untied head."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return _built(tmp_path_factory, LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
         tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
-    _randomize(model)
-    return _save(model, tmp_path_factory.mktemp("llama") / "ckpt"), model
+    ))
 
 
 @pytest.fixture(scope="session")
 def qwen2(tmp_path_factory):
     """(path, torch model): Qwen2 with q/k/v biases (randomized, not zero) and tied embeddings."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config
 
-    config = Qwen2Config(
+    return _built(tmp_path_factory, Qwen2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(config).eval()
-    _randomize(model)
-    return _save(model, tmp_path_factory.mktemp("qwen2") / "ckpt"), model
+    ))
 
 
 @pytest.fixture(scope="session")
 def qwen3(tmp_path_factory):
     """(path, torch model): Qwen3 with an RMS norm of each query and key head, and heads of 16
     dimensions where the hidden size over the heads would give 8."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config
 
-    config = Qwen3Config(
+    return _built(tmp_path_factory, Qwen3Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
-    )
-    model = Qwen3ForCausalLM(config).eval()
-    _randomize(model)
-    return _save(model, tmp_path_factory.mktemp("qwen3") / "ckpt"), model
+    ))
 
 
 @pytest.fixture(scope="session")
 def olmo2(tmp_path_factory):
     """(path, torch model): OLMo 2, whose norms come after attention and the MLP, with a norm of
     all query heads together and of all key heads."""
-    from transformers import Olmo2Config, Olmo2ForCausalLM
+    from transformers import Olmo2Config
 
-    config = Olmo2Config(
+    return _built(tmp_path_factory, Olmo2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=None,
-    )
-    model = Olmo2ForCausalLM(config).eval()
-    _randomize(model)
-    return _save(model, tmp_path_factory.mktemp("olmo2") / "ckpt"), model
+    ))
 
 
 @pytest.fixture(scope="session")
