@@ -664,7 +664,10 @@ class Engine:
 
     def _find_or_get(self, kind: str, static: tuple, jitted, args: tuple, after: threading.Event | None, used: bool):
         leaves, treedef = jax.tree.flatten(args)
-        key = (kind, static, self._spec, self.layout.is_global, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+        # The model's config too: the init program takes no model, yet makes a cache of its shapes,
+        # and two models of one process (a notebook comparing checkpoints) must not share it.
+        key = (kind, static, self.config, self._spec, self.layout.is_global, treedef,
+               tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
         if used and key not in self._used_programs:  # once per program: calls after it take no lock here
             with self._stats_lock:
                 self._used_programs.add(key)
@@ -741,10 +744,7 @@ class Engine:
             return tuple((new_cache(self.config, n, ends, self._cache_dtype), new_state(n)) for n in slots)
 
         shardings = tuple((self.layout.cache_sharding, self._batch_sharding) for _ in slots)
-        # The model's config is in the key as the other programs' model argument puts it in theirs:
-        # two models of one process (a notebook comparing checkpoints) have caches of other shapes.
-        static = (slots, self._seq_len, jnp.dtype(self._cache_dtype).name, self.config)
-        return "init", static, jax.jit(make, out_shardings=shardings), shardings
+        return "init", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name), jax.jit(make, out_shardings=shardings), shardings
 
     def _prefill_inputs(self, slots: int) -> "_PrefillInputs":
         """A prefill call's inputs with no piece in them (`_prefill` fills them), over a cache of
