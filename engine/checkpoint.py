@@ -308,10 +308,11 @@ def check_checkpoint(url: str) -> dict[str, Any]:
     """Raise NotACheckpoint/BrokenCheckpoint naming the problem, or return what was found."""
     folder = _Folder.open(url)
     config = _llama_config(folder)
+    from engine.llama import saved_shapes  # as in _llama_config, which imported it already
     if not any(name in folder.names for name in TOKENIZER_REQUIRED):
         raise NotACheckpoint(f"model.path {url} has no tokenizer ({' or '.join(TOKENIZER_REQUIRED)} missing; {HINT})")
     tensors, files = _tensors(folder)
-    expected = _expected_shapes(config)
+    expected = saved_shapes(config)
     missing = [name for name in expected if name not in tensors]
     if missing:
         raise BrokenCheckpoint(f"model.path {url}: the checkpoint lacks {len(missing)} tensor(s) a "
@@ -354,29 +355,3 @@ def _llama_config(folder: _Folder):
         if getattr(config, key) <= 0:
             raise BrokenCheckpoint(f"{url}: {key} must be > 0, got {getattr(config, key)}")
     return config
-
-
-def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Every tensor the loader reads (engine/llama.py's mapping) and its shape as transformers saves it."""
-    from engine.llama import checkpoint_mapping
-
-    hidden, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, \
-        config.num_key_value_heads * config.head_dim
-    by_suffix = {
-        "embed_tokens.weight": (config.vocab_size, hidden), "lm_head.weight": (config.vocab_size, hidden),
-        # before norm.weight: each head's (qwen3), or all heads' (olmo2)
-        "q_norm.weight": (config.head_dim if config.qk_norm == "head" else q,),
-        "k_norm.weight": (config.head_dim if config.qk_norm == "head" else kv,),
-        "layernorm.weight": (hidden,), "norm.weight": (hidden,),
-        "gate_proj.weight": (config.intermediate_size, hidden), "up_proj.weight": (config.intermediate_size, hidden),
-        "down_proj.weight": (hidden, config.intermediate_size),
-        "q_proj.weight": (q, hidden), "k_proj.weight": (kv, hidden), "v_proj.weight": (kv, hidden),
-        "o_proj.weight": (hidden, q), "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
-        "o_proj.bias": (hidden,),
-    }
-    shapes = {}
-    for name, _ in checkpoint_mapping(config):
-        # The first suffix that fits (q_norm before norm); a new tensor kind needs its shape above.
-        suffix = next(s for s in by_suffix if name.endswith(s))
-        shapes[name] = by_suffix[suffix]
-    return shapes

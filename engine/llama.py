@@ -837,17 +837,27 @@ def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM
     return mapping
 
 
+def saved_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the loader reads (`checkpoint_mapping`) and its shape as transformers saves it:
+    the model's own, but a bias flattened to one axis (the model keeps its head axes)."""
+    skeleton = _skeleton(config)
+    shapes = {}
+    for name, where in checkpoint_mapping(config):
+        shape = tuple(where(skeleton).array.shape)
+        shapes[name] = (math.prod(shape),) if name.endswith(".bias") else shape
+    return shapes
+
+
 def check_tensors(path: str, config: LlamaConfig) -> dict[str, checkpoint.Tensor]:
     """The checkpoint's tensors by name, from the files' headers (no weight is read), once every
     tensor the model needs is there with as many values as config.json implies."""
     tensors = checkpoint.read_tensors(path)
-    skeleton = _skeleton(config)
-    mapping = checkpoint_mapping(config)
-    missing = [name for name, _ in mapping if name not in tensors]
+    expected = saved_shapes(config)
+    missing = [name for name in expected if name not in tensors]
     if missing:
         raise UnsupportedModelError(f"model.path {path}: checkpoint lacks {missing[:3]} ({len(missing)} missing tensors)")
-    for name, where in mapping:
-        tensor, shape = tensors[name], tuple(where(skeleton).array.shape)
+    for name, shape in expected.items():
+        tensor = tensors[name]
         if math.prod(tensor.shape) != math.prod(shape):
             raise UnsupportedModelError(
                 f"model.path {tensor.url}: tensor {name} has shape {list(tensor.shape)}, config.json implies {shape}"
