@@ -46,7 +46,7 @@ from engine.checkpoint import load_tokenizer, read_config
 from pipeline.errors import StepFailed, checkpoint_errors
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
-from steps.tokenize import SHARD_FIX
+from steps.tokenize import SHARD_FIX, read_shard
 
 PART_MAX_AGE_S = 60.0
 """Commit a shard's finished rows at least this often, so a hard kill loses little work."""
@@ -178,7 +178,7 @@ def finish(cfg: Config, out: StepOutput) -> StepResult:
     files: list[dict[str, Any]] = []
     missing_total, rows_total, examples = 0, 0, []
     for shard in _shard_names(out):
-        shard_keys = _read_shard(_shard_url(out, shard), columns=["prompt_index"])
+        shard_keys = read_shard(_shard_url(out, shard), columns=["prompt_index"])
         expected = len(shard_keys) * cfg.sampling.n
         parts = storage.list_files(out.path(shard), suffix=".parquet")
         got = len(_committed_keys(parts, cfg.sampling.n))
@@ -265,7 +265,7 @@ class _ShardTodo:
     @classmethod
     def read(cls, out: StepOutput, name: str, n: int) -> "_ShardTodo":
         url = _shard_url(out, name)
-        table = _read_shard(url, columns=["prompt_index", "num_tokens"])
+        table = read_shard(url, columns=["prompt_index", "num_tokens"])
         prompt_index = table["prompt_index"].to_numpy()
         done = _committed_keys(storage.list_files(out.path(name), suffix=".parquet"), n)
         every = prompt_index[:, None] * n + np.arange(n)[None, :]
@@ -281,7 +281,7 @@ class _ShardTodo:
         return int(self.num_tokens.max(initial=0))
 
     def max_token_id(self) -> int:
-        ids = _read_shard(self.url, columns=["input_ids"])["input_ids"]
+        ids = read_shard(self.url, columns=["input_ids"])["input_ids"]
         return pc.max(pc.list_flatten(ids)).as_py() or 0
 
     def _batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
@@ -326,9 +326,10 @@ class _Source:
     """This host wrote a row of the prompt (HostMetrics.prompts counts it once)."""
 
 
-def _read_shard(url: str, columns: list[str]) -> pa.Table:
-    with storage.unreadable("tokenize shard", url, SHARD_FIX):
-        return storage.read_parquet(url, columns=columns)
+def check_part_keys(table: pa.Table, url: str) -> None:
+    """A part's prompt_index and sample_index are set in every row (here to resume, in merge)."""
+    if table["prompt_index"].null_count or table["sample_index"].null_count:
+        raise StepFailed(f"generate part {url} has rows with no prompt_index or sample_index: {PART_FIX}")
 
 
 def _committed_keys(part_urls: list[str], n: int) -> np.ndarray:
@@ -337,8 +338,7 @@ def _committed_keys(part_urls: list[str], n: int) -> np.ndarray:
     for url in part_urls:
         with storage.unreadable("generate part", url, PART_FIX):
             t = storage.read_parquet(url, columns=["prompt_index", "sample_index"])
-        if t["prompt_index"].null_count or t["sample_index"].null_count:
-            raise StepFailed(f"generate part {url} has rows with no prompt_index or sample_index: {PART_FIX}")
+        check_part_keys(t, url)
         keys.append(t["prompt_index"].to_numpy() * n + t["sample_index"].to_numpy())
     return np.unique(np.concatenate(keys))
 

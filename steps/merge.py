@@ -36,8 +36,8 @@ from pipeline.run.config import Config
 from pipeline.errors import StepFailed
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
-from steps.generate import PART_FIX, SCHEMA
-from steps.tokenize import SHARD_FIX
+from steps.generate import PART_FIX, SCHEMA, check_part_keys
+from steps.tokenize import read_shard
 
 FILE_ROWS = 1_000_000
 """Most rows in one merged file."""
@@ -106,11 +106,7 @@ def _accepted_prompts(tokenize_url: str) -> np.ndarray:
         raise StepFailed(f"tokenize output {tokenize_url} (generate's input) is not complete: "
                          f"run `pipeline run tokenize --config FILE`")
     shards = sorted(f["path"] for f in tokenize.files if f["path"].startswith("shard-"))
-    arrays = []
-    for shard in shards:
-        url = storage.join(tokenize_url, shard)
-        with storage.unreadable("tokenize shard", url, SHARD_FIX):
-            arrays.append(storage.read_parquet(url, columns=["prompt_index"])["prompt_index"])
+    arrays = [read_shard(storage.join(tokenize_url, s), columns=["prompt_index"])["prompt_index"] for s in shards]
     accepted = np.sort(np.concatenate([a.to_numpy() for a in arrays]) if arrays else np.zeros(0, np.int64))
     if len(accepted) and np.any(accepted[1:] == accepted[:-1]):
         raise StepFailed(f"tokenize output {tokenize_url} lists a prompt_index twice: "
@@ -186,9 +182,7 @@ def _read_keys(parts: _Parts, accepted: np.ndarray, n: int) -> _Keys:
     slots, counts, encoded, unwanted, examples = [], [], [], 0, []
     for i in range(len(parts.paths)):
         table, meta = parts.read(i, columns=KEYS)
-        if table["prompt_index"].null_count or table["sample_index"].null_count:
-            raise StepFailed(f"generate part {parts.url}/{parts.names[i]} has rows with no prompt_index or "
-                             f"sample_index: {PART_FIX}")
+        check_part_keys(table, f"{parts.url}/{parts.names[i]}")
         prompt = table["prompt_index"].to_numpy()
         sample = table["sample_index"].to_numpy().astype(np.int64)
         rank = np.searchsorted(accepted, prompt)

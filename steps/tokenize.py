@@ -76,6 +76,14 @@ SHARD_FIX = ("rerun `pipeline run tokenize --config FILE --force` to write the s
              "the steps after it keep their work)")
 """What to do about a shard that cannot be read (in generate, in merge)."""
 
+
+def read_shard(url: str, columns: list[str]) -> pa.Table:
+    """Columns of a shard this step wrote (for generate and merge); one that cannot be read is a
+    StepFailed naming it and SHARD_FIX."""
+    with storage.unreadable("tokenize shard", url, SHARD_FIX):
+        return storage.read_parquet(url, columns=columns)
+
+
 SHARD_SCHEMA = pa.schema([
     ("prompt_index", pa.int64()),
     ("prompt_id", pa.string()),
