@@ -471,7 +471,7 @@ class DecodeStep(NamedTuple):
     """With pallas, the kernel's KernelTuning (static; None: engine.kernels.TUNING)."""
 
 
-def _qk_norm(config: LlamaConfig, flat: Axis) -> "RmsNorm | None":
+def _qk_norm(config: LlamaConfig, flat: Axis) -> RmsNorm | None:
     """The norm of the queries (flat: QHeadsDim) or keys (KVHeadsDim), where the model has one:
     over each head's head_dim (qwen3) or over the whole projection (olmo2)."""
     if config.qk_norm is None:

@@ -44,6 +44,8 @@ class PlannedStep:
     reason: str
     damaged: str | None = None
     """Why the output's marker cannot be read, where one is there and does not parse (`partial`)."""
+    record: status.StepRecord | None = None
+    """The output's record, as the plan found it (complete)."""
 
     @property
     def name(self) -> str:
@@ -73,7 +75,7 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
         action, reason = _decide(step, state, rows, step.name in targets, force, by_name)
         if damaged and action == "run":
             reason = f"its {status.MARKER} cannot be read ({damaged}): run it again"
-        planned = PlannedStep(step, step_hash, url, state, rows, action, reason, damaged)
+        planned = PlannedStep(step, step_hash, url, state, rows, action, reason, damaged, record)
         plan.append(planned)
         by_name[step.name] = planned
     return plan

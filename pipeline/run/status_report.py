@@ -25,10 +25,8 @@ def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
     for p in make_plan(cfg, graph):
         row: dict[str, Any] = {"name": p.name, "hash": p.hash, "output": p.url, "state": p.state,
                                "rows": p.rows}
-        if p.state == "complete":
-            record = status.read_marker(p.url)
-            if record and "rejected" in record.summary:
-                row["rejected"] = record.summary["rejected"]
+        if p.record is not None and "rejected" in p.record.summary:
+            row["rejected"] = p.record.summary["rejected"]
         row["why"] = _why(p)
         if p.state != "complete":
             holder = Lease.for_step(cfg.run.root, p.name, p.hash).current_holder()
