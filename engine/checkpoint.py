@@ -156,9 +156,24 @@ def eos_token_ids(url: str, config: dict[str, Any]) -> list[int]:
 # ------------------------------------------------------------------------------ tokenizer
 
 
-@functools.lru_cache(maxsize=4)
 def load_tokenizer(url: str):
-    """The checkpoint's fast tokenizer (cached per URL within a process)."""
+    """The checkpoint's fast tokenizer, cached within a process by URL and by the tokenizer
+    files' sizes and times: files rewritten at the same URL are loaded again."""
+    fs, root = fsspec.core.url_to_fs(url)
+    root = root.rstrip("/")
+    try:
+        listing = fs.ls(root, detail=True)
+    except (OSError, ValueError):
+        listing = []  # the load names the folder: a missing one has no tokenizer either
+    stamps = tuple(sorted(
+        (entry["name"].rsplit("/", 1)[-1], entry.get("size"),
+         str(entry.get("mtime") or entry.get("updated") or entry.get("created") or entry.get("md5Hash")))
+        for entry in listing if entry["name"].rsplit("/", 1)[-1] in TOKENIZER_FILES))
+    return _load_tokenizer(url, stamps)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(url: str, stamps: tuple):
     from transformers import AutoTokenizer
 
     def load(local: str):
@@ -173,9 +188,10 @@ def load_tokenizer(url: str):
     if isinstance(fs, LocalFileSystem):
         return load(root)
     # The loaded tokenizer keeps everything in memory: the copies can go once it is built.
+    names = {name for name, _, _ in stamps}
     with tempfile.TemporaryDirectory(prefix="pipeline-tokenizer-") as local:
         for name in TOKENIZER_FILES:
-            if fs.exists(f"{root}/{name}"):
+            if name in names:
                 fs.get_file(f"{root}/{name}", f"{local}/{name}")
         return load(local)
 

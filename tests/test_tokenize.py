@@ -459,6 +459,33 @@ def test_chat_template_without_a_template_is_a_config_error(tmp_path, demo_model
     assert f"prompts.chat_template is true but the tokenizer at model.path {model} has no chat template" in error_line(result)
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_tokenizer_rewritten_at_the_same_url_is_loaded_again(tmp_path, demo_model, where):
+    # One process (a notebook, or a session of in-process runs): the first load is cached, a
+    # rewrite of the folder's tokenizer files must not keep serving the old tokenizer.
+    from engine.checkpoint import TOKENIZER_FILES, load_tokenizer
+
+    template = (Path(demo_model) / "chat_template.jinja").read_text()
+    if where == "local":
+        shutil.copytree(demo_model, tmp_path / "model")
+        url = str(tmp_path / "model")
+        write = lambda name, text: (tmp_path / "model" / name).write_text(text)  # noqa: E731
+        remove = lambda name: (tmp_path / "model" / name).unlink()  # noqa: E731
+    else:
+        url = f"memory://tokenizer-rewrite-{tmp_path.name}"
+        write = lambda name, text: storage.write_text(f"{url}/{name}", text)  # noqa: E731
+        remove = lambda name: storage.filesystem(url)[0].rm(f"{url}/{name}")  # noqa: E731
+        for name in TOKENIZER_FILES:
+            if (Path(demo_model) / name).exists():
+                write(name, (Path(demo_model) / name).read_text())
+    remove("chat_template.jinja")
+    assert load_tokenizer(url).chat_template is None
+    assert load_tokenizer(url) is load_tokenizer(url)  # unchanged files: the cached one
+
+    write("chat_template.jinja", template)
+    assert load_tokenizer(url).chat_template == template
+
+
 # --- reading: the Arrow fast path and block boundaries --------------------------------------
 
 json_values = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
