@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +25,45 @@ def with_section(section: str, **values) -> dict:
     return data
 
 
-@pytest.mark.parametrize("path", sorted(str(p) for p in (REPO / "demo").glob("*.yaml")))
+EXAMPLES = sorted((REPO / "configs").glob("*.yaml"))
+"""The example configs users copy (configs/): each names a bucket or checkpoint the tests lack."""
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in [*(REPO / "demo").glob("*.yaml"), *EXAMPLES]))
 def test_every_bundled_config_loads(path):
     cfg = load_config(path)
     assert cfg.run.name and cfg.model.path and cfg.prompts.path
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory) -> str:
+    """The demo's tiny checkpoint with Llama 3.1's 131,072 positions, so the examples' lengths fit."""
+    from demo.checkpoint import build_checkpoint
+
+    return str(build_checkpoint(tmp_path_factory.mktemp("model") / "long", max_positions=131072))
+
+
+def test_there_are_examples_to_copy():
+    assert len(EXAMPLES) >= 3, EXAMPLES
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_each_example_plans_a_whole_run_with_real_inputs_in_place_of_its_paths(path, tmp_path, long_context_model):
+    # Only the three paths are replaced: prompts in the example's own fields, a checkpoint that
+    # has its chat template, every other value (lengths, sampling, engine, W&B) the file's own,
+    # and every check a run makes before its first step passes.
+    cfg = load_config(str(path))
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{cfg.prompts.text_field: f"question {i}", **({cfg.prompts.id_field: f"q{i}"} if cfg.prompts.id_field else {})}
+            for i in range(3)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = CliRunner().invoke(app, ["run", "all", "--dry-run", "--config", str(path),
+                                      "--set", f"model.path={long_context_model}", "--set", f"prompts.path={prompts}",
+                                      "--set", f"run.root={tmp_path / 'runs'}"], env={"WANDB_API_KEY": ""})
+    assert result.exit_code == 0, result.output
+    planned = [line.split()[0] for line in result.output.splitlines() if line.endswith("runs first)") or ": run" in line]
+    assert planned == ["tokenize", "generate", "merge", "upload"], result.output
+    assert not (tmp_path / "runs").exists(), "a dry run writes nothing"
 
 
 def test_defaults_fill_optional_sections():
