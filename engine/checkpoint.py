@@ -206,7 +206,8 @@ def read_tensors(url: str) -> dict[str, Tensor]:
 
 
 def read_rows(tensor: Tensor, shape: tuple[int, ...], start: int, stop: int) -> np.ndarray:
-    """Rows [start, stop) of the first axis of `tensor` viewed (row-major) as `shape`, in its own dtype."""
+    """Rows [start, stop) of `tensor` viewed (row-major) as rows of shape[1:], in its own dtype:
+    `shape` is the weight read, which may be a block of a fused tensor's rows."""
     dtype = _numpy_dtype(tensor)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     with tensor.fs.open(tensor.path, "rb") as f:
@@ -340,7 +341,8 @@ def check_checkpoint(url: str) -> dict[str, Any]:
             raise BrokenCheckpoint(f"{tensor.url}: tensor {name} has shape {list(tensor.shape)}, "
                                    f"config.json implies {list(shape)}")
     return {"model_type": config.model_type, "files": files, "tensors": len(tensors),
-            "layers": config.num_hidden_layers, "max_position_embeddings": config.max_position_embeddings}
+            "layers": config.num_hidden_layers, "max_position_embeddings": config.max_position_embeddings,
+            "sliding_window": config.sliding_window}
 
 
 def _llama_config(folder: _Folder):

@@ -1,11 +1,11 @@
-"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2) in haliax, and its checkpoint mapping.
+"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2, Phi-3/Phi-4) in haliax, and its checkpoint mapping.
 
 Owns: the config read from a Hugging Face `config.json` (refusing values the code does not
 implement), the blocks (RMS norm, rotary with llama3 scaling, grouped-query attention with an
 optional q/k/v bias and a norm of the queries and keys (Qwen3's per head, OLMo 2's over all
 heads), gated MLP, decoder layer with its norms before each part or, OLMo 2's, after), the LM
 head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read by
-engine/checkpoint.py) in the model.
+engine/checkpoint.py) in the model, or a block of rows of one (Phi-3's fused projections).
 Refuses: other architectures, sliding-window attention, rope types other than default/llama3.
 It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/engine.py`).
 
@@ -34,7 +34,7 @@ from haliax import Axis, NamedArray
 from engine import checkpoint, cpu_attention, kernels
 from engine.jax_compat import hax
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "olmo2", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
 
 
 class UnsupportedModelError(ValueError):
@@ -51,9 +51,10 @@ class LoadStopped(Exception):
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    """llama, mistral, olmo2, qwen2 or qwen3: the weight names are the same; qwen2 adds q/k/v
+    """llama, mistral, olmo2, phi3, qwen2 or qwen3: the weight names are the same; qwen2 adds q/k/v
     biases, qwen3 and olmo2 norms of the queries and keys (`qk_norm`), olmo2 norms after each
-    part of a layer instead of before (`post_norm`)."""
+    part of a layer instead of before (`post_norm`), phi3 saves q/k/v and gate/up fused
+    (`fused_projections`)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -72,13 +73,16 @@ class LlamaConfig:
     rope_llama3: tuple[float, float, float, int] | None = None
     """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) or None."""
     sliding_window: int | None = None
-    """Mistral v0.1's window in tokens; the engine refuses sequences longer than it."""
+    """Mistral v0.1's or Phi-3 mini's window in tokens; the engine refuses sequences longer than it."""
     qk_norm: Literal["head", "all"] | None = None
     """The queries and keys are RMS-normed before the rotation: each head over its head_dim
     (qwen3), or all heads together over the whole projection (olmo2)."""
     post_norm: bool = False
     """olmo2: no norm before attention and the MLP; each one's output is normed before it is
     added to the residual."""
+    fused_projections: bool = False
+    """phi3: the checkpoint holds q, k and v as one `qkv_proj` and gate and up as one
+    `gate_up_proj`, stacked on their output rows; the model keeps them apart, read as row blocks."""
 
     @property
     def norms_scale_in_float32(self) -> bool:
@@ -136,10 +140,10 @@ class LlamaConfig:
             raise refuse("quantization_config", cfg["quantization_config"].get("quant_method"), "is not supported")
         if model_type == "olmo2" and cfg.get("attention_bias", False):
             raise refuse("attention_bias", cfg["attention_bias"], "is not supported for olmo2 (only false)")
-        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-            raise refuse("partial_rotary_factor", cfg["partial_rotary_factor"], "is not supported (only 1.0)")
-
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        partial_rotary = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial_rotary != 1.0:  # Phi-4-mini's 0.75 rotates part of each head
+            raise refuse("partial_rotary_factor", partial_rotary, "is not supported (only 1.0)")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_llama3 = None
@@ -181,6 +185,7 @@ class LlamaConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             qk_norm={"qwen3": "head", "olmo2": "all"}.get(model_type),
             post_norm=model_type == "olmo2",
+            fused_projections=model_type == "phi3",
             o_bias=model_type != "qwen2" and attention_bias,
             rope_llama3=rope_llama3,
             sliding_window=sliding_window,
@@ -803,48 +808,72 @@ def parameter_bytes(config: LlamaConfig, dtype) -> int:
 # ------------------------------------------------------------------------ checkpoint mapping
 
 
-def checkpoint_mapping(config: LlamaConfig) -> list[tuple[str, Callable[[LlamaLM], NamedArray]]]:
-    """(transformers tensor name, where that tensor lives in LlamaLM) for every weight."""
-    mapping: list[tuple[str, Callable]] = [("model.embed_tokens.weight", lambda m: m.embed_tokens)]
+class Saved(NamedTuple):
+    """Where one weight of LlamaLM comes from: rows [first_row, first_row + the weight's rows) of
+    the checkpoint's tensor `name` (all of it, but for a fused projection's blocks)."""
+
+    name: str
+    where: Callable[[LlamaLM], NamedArray]
+    first_row: int = 0
+
+
+def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
+    """Every weight of LlamaLM and the transformers tensor it is read from; a fused tensor's
+    blocks in the order of their rows."""
+    mapping = [Saved("model.embed_tokens.weight", lambda m: m.embed_tokens)]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
 
         def layer(m, i=i):
             return m.layers[i]
 
+        def attention(name: str) -> Callable[[LlamaLM], NamedArray]:
+            return lambda m, L=layer: getattr(L(m).self_attn, name)
+
+        def mlp(name: str) -> Callable[[LlamaLM], NamedArray]:
+            return lambda m, L=layer: getattr(L(m).mlp, name)
+
         norms = ("post_attention", "post_feedforward") if config.post_norm else ("input", "post_attention")
-        mapping += [(p + f"{name}_layernorm.weight", lambda m, L=layer, n=name: getattr(L(m), f"{n}_layernorm").weight)
+        mapping += [Saved(p + f"{name}_layernorm.weight", lambda m, L=layer, n=name: getattr(L(m), f"{n}_layernorm").weight)
                     for name in norms]
-        mapping += [
-            (p + "mlp.gate_proj.weight", lambda m, L=layer: L(m).mlp.gate_proj),
-            (p + "mlp.up_proj.weight", lambda m, L=layer: L(m).mlp.up_proj),
-            (p + "mlp.down_proj.weight", lambda m, L=layer: L(m).mlp.down_proj),
-        ]
-        for name in ("q", "k", "v", "o"):
-            mapping.append((p + f"self_attn.{name}_proj.weight", lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_proj")))
+        if config.fused_projections:  # phi3: gate then up, and q then k then v, each one tensor's rows
+            q_rows, kv_rows = config.QHeadsDim.size, config.KVHeadsDim.size
+            mapping += [Saved(p + "mlp.gate_up_proj.weight", mlp("gate_proj")),
+                        Saved(p + "mlp.gate_up_proj.weight", mlp("up_proj"), config.intermediate_size)]
+            mapping += [Saved(p + "self_attn.qkv_proj.weight", attention(f"{name}_proj"), first)
+                        for name, first in (("q", 0), ("k", q_rows), ("v", q_rows + kv_rows))]
+        else:
+            mapping += [Saved(p + f"mlp.{name}_proj.weight", mlp(f"{name}_proj")) for name in ("gate", "up")]
+            mapping += [Saved(p + f"self_attn.{name}_proj.weight", attention(f"{name}_proj")) for name in ("q", "k", "v")]
+        mapping.append(Saved(p + "mlp.down_proj.weight", mlp("down_proj")))
+        mapping.append(Saved(p + "self_attn.o_proj.weight", attention("o_proj")))
         if config.qkv_bias:
-            for name in ("q", "k", "v"):
-                mapping.append((p + f"self_attn.{name}_proj.bias", lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_bias")))
+            mapping += [Saved(p + f"self_attn.{name}_proj.bias", attention(f"{name}_bias")) for name in ("q", "k", "v")]
         if config.o_bias:
-            mapping.append((p + "self_attn.o_proj.bias", lambda m, L=layer: L(m).self_attn.o_bias))
+            mapping.append(Saved(p + "self_attn.o_proj.bias", attention("o_bias")))
         if config.qk_norm is not None:
-            for name in ("q", "k"):
-                mapping.append((p + f"self_attn.{name}_norm.weight",
-                                lambda m, L=layer, n=name: getattr(L(m).self_attn, f"{n}_norm").weight))
-    mapping.append(("model.norm.weight", lambda m: m.norm.weight))
+            mapping += [Saved(p + f"self_attn.{name}_norm.weight", lambda m, norm=attention(f"{name}_norm"): norm(m).weight)
+                        for name in ("q", "k")]
+    mapping.append(Saved("model.norm.weight", lambda m: m.norm.weight))
     if not config.tie_word_embeddings:
-        mapping.append(("lm_head.weight", lambda m: m.lm_head))
+        mapping.append(Saved("lm_head.weight", lambda m: m.lm_head))
     return mapping
 
 
 def saved_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the loader reads (`checkpoint_mapping`) and its shape as transformers saves it:
-    the model's own, but a bias flattened to one axis (the model keeps its head axes)."""
+    the model's own, but a bias flattened to one axis (the model keeps its head axes), and a fused
+    projection its blocks' rows stacked."""
     skeleton = _skeleton(config)
-    shapes = {}
-    for name, where in checkpoint_mapping(config):
-        shape = tuple(where(skeleton).array.shape)
-        shapes[name] = (math.prod(shape),) if name.endswith(".bias") else shape
+    shapes: dict[str, tuple[int, ...]] = {}
+    for saved in checkpoint_mapping(config):
+        shape = tuple(saved.where(skeleton).array.shape)
+        if saved.name.endswith(".bias"):
+            shape = (math.prod(shape),)
+        if saved.name in shapes:  # the next block of a fused tensor
+            assert saved.first_row == shapes[saved.name][0], saved
+            shape = (shapes[saved.name][0] + shape[0], *shape[1:])
+        shapes[saved.name] = shape
     return shapes
 
 
@@ -871,7 +900,7 @@ def abstract_model(config: LlamaConfig, *, dtype, sharding=None) -> LlamaLM:
     while the weights are read (`Engine.load`)."""
     skeleton = _skeleton(config)
     sharding_for = _sharding_for(sharding)
-    wheres = [where for _, where in checkpoint_mapping(config)]
+    wheres = [saved.where for saved in checkpoint_mapping(config)]
     shapes = [jax.ShapeDtypeStruct(w.array.shape, jnp.dtype(dtype), sharding=sharding_for(w.axes))
               for w in (where(skeleton) for where in wheres)]
     return eqx.tree_at(lambda m: [w(m).array for w in wheres], skeleton, shapes)
@@ -901,7 +930,7 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None,
     skeleton = _skeleton(config)
     sharding_for = _sharding_for(sharding)
     wheres, values = [], []
-    for name, where in checkpoint_mapping(config):
+    for name, where, first_row in checkpoint_mapping(config):
         if stop is not None and stop():
             raise LoadStopped(f"stopped reading {path} before {name}")
         tensor = tensors[name]
@@ -910,9 +939,9 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None,
         # Devices holding different columns of the same rows share one read of those rows.
         rows = functools.lru_cache(maxsize=None)(functools.partial(checkpoint.read_rows, tensor, shape))
 
-        def block(index, rows=rows, shape=shape):
+        def block(index, rows=rows, shape=shape, first_row=first_row):
             first = range(shape[0])[index[0]]
-            return rows(first.start, first.stop)[(slice(None),) + tuple(index[1:])].astype(dtype)
+            return rows(first_row + first.start, first_row + first.stop)[(slice(None),) + tuple(index[1:])].astype(dtype)
 
         array = jax.make_array_from_callback(shape, sharding_for(target.axes), block)
         rows.cache_clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -52,6 +53,20 @@ def test_prompt_plus_completion_longer_than_the_checkpoints_positions(config_for
     assert line == (f"error: prompts.max_prompt_tokens + sampling.max_new_tokens = {positions - 10} + 20 = "
                     f"{positions + 10} exceeds the checkpoint's max_position_embeddings {positions} "
                     f"({demo_model}/config.json): lower one of them to fit")
+
+
+def test_prompt_plus_completion_longer_than_the_checkpoints_sliding_window(config_for, tmp_path, demo_model):
+    """Mistral v0.1 and Phi-3 mini attend over a window shorter than their positions: the engine
+    runs rows up to the window, so a longer one is refused before tokenize, not at generate."""
+    model = tmp_path / "windowed"
+    shutil.copytree(demo_model, model)
+    data = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**data, "model_type": "mistral", "sliding_window": 100}))
+    config = config_for(model=str(model), prompts={"max_prompt_tokens": 90}, sampling={"max_new_tokens": 20})
+    line = refused(run("run", "all", "--config", config), tmp_path / "runs")
+    assert line == ("error: prompts.max_prompt_tokens + sampling.max_new_tokens = 90 + 20 = 110 exceeds the "
+                    "checkpoint's sliding_window 100, the longest row the engine runs for it "
+                    f"({model}/config.json): lower one of them to fit")
 
 
 def test_run_root_that_cannot_be_written(config_for, tmp_path):

@@ -70,13 +70,16 @@ def check_model(cfg: Config, positions: bool) -> None:
     if not positions:
         return
     url = storage.join(cfg.model.path, "config.json")
-    limit = found["max_position_embeddings"]
     needed = cfg.prompts.max_prompt_tokens + cfg.sampling.max_new_tokens
-    if needed > limit:
-        raise ConfigError(
-            f"prompts.max_prompt_tokens + sampling.max_new_tokens = {cfg.prompts.max_prompt_tokens} + "
-            f"{cfg.sampling.max_new_tokens} = {needed} exceeds the checkpoint's max_position_embeddings {limit} "
-            f"({url}): lower one of them to fit")
+    # The engine attends over whole rows: a model with a sliding window runs rows up to its window.
+    limits = [("max_position_embeddings", found["max_position_embeddings"], ""),
+              ("sliding_window", found["sliding_window"], ", the longest row the engine runs for it")]
+    for key, limit, why in limits:
+        if limit is not None and needed > limit:
+            raise ConfigError(
+                f"prompts.max_prompt_tokens + sampling.max_new_tokens = {cfg.prompts.max_prompt_tokens} + "
+                f"{cfg.sampling.max_new_tokens} = {needed} exceeds the checkpoint's {key} {limit}{why} "
+                f"({url}): lower one of them to fit")
 
 
 def check_root(cfg: Config) -> None:

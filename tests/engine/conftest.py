@@ -106,6 +106,19 @@ def olmo2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def phi3(tmp_path_factory):
+    """(path, torch model): Phi-3, whose checkpoint holds q/k/v as one `qkv_proj` and gate/up as
+    one `gate_up_proj`, with a sliding window (Phi-3-mini-4k's is 2,047) longer than the tests' rows."""
+    from transformers import Phi3Config
+
+    return _built(tmp_path_factory, Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, sliding_window=256, tie_word_embeddings=False,
+        pad_token_id=None,
+    ))
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     """Word-level tokenizer: id i <-> word 'x{i}y' (no word is a prefix of another), space-joined."""
     from tokenizers import Tokenizer

@@ -113,6 +113,28 @@ def test_olmo2_norms_over_every_head_give_the_tokens_of_one_device_when_the_head
     assert sharded["tokens"] == _tokens(one)
 
 
+def test_phi3_fused_projections_read_per_device_give_the_tokens_of_one_device(phi3):
+    """Phi-3 saves q/k/v as one tensor: with the heads split over `model`, each device reads its
+    rows of the k and v blocks, which start part way down the fused tensor. Greedy float32 tokens
+    as on one device."""
+    path, _ = phi3
+    sharded = run_on_forced_devices(f"""
+        import json, sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+        engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(max_new_tokens=6, n=2),
+                             engine=EngineConfig(batch_size=4, mode="global_mesh", mesh="auto"), max_prompt_tokens=16)
+        k_proj = engine.model.layers[0].self_attn.k_proj.array
+        print(json.dumps({{"k_proj": str(k_proj.sharding.spec), "tokens": {{
+            f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids
+            for c in engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate({PROMPTS!r}))}}}}))
+    """, devices=4)
+    assert sharded["k_proj"] == "P('model', 'data')"
+    one = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=6, n=2),
+                      engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
+    assert sharded["tokens"] == _tokens(one)
+
+
 def test_stop_ends_generation_between_compiled_calls(llama):
     path, _ = llama
     engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), engine=EngineConfig(batch_size=2, decode_chunk_steps=4),

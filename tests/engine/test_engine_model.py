@@ -36,7 +36,7 @@ def _our_logits(model, ids: np.ndarray) -> np.ndarray:
     return np.asarray(model.logits(hidden).rearrange(("batch", "position", "vocab")).array)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3"])
 def test_logits_match_transformers(name, request):
     path, hf = request.getfixturevalue(name)
     config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
@@ -49,7 +49,7 @@ def test_logits_match_transformers(name, request):
     np.testing.assert_allclose(ours, expected, atol=LOGIT_TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3"])
 def test_greedy_matches_transformers_generate(name, request):
     """Six prompts of mixed lengths through 4 slots: exercises buckets and slot refill too."""
     path, hf = request.getfixturevalue(name)
@@ -73,7 +73,7 @@ def test_greedy_matches_transformers_generate(name, request):
     assert engine.stats.compilations <= 4, engine.stats  # init, decode, first and later prefill chunks
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3"])
 def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     """Our bfloat16 logits are about as far from the float32 ones as transformers' own bfloat16
     model's: both round the same weights, in different orders, so their largest errors differ
@@ -92,10 +92,11 @@ def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     assert np.abs(_our_logits(model, ids) - expected).max() <= 1.25 * peer_error
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3"])
 def test_the_pipelines_check_accepts_each_supported_checkpoint(name, request, tokenizer, tmp_path):
     """The pre-flight check (`pipeline run` calls it before any step) expects every tensor the
-    loader reads with transformers' shape: qwen3's head norms are head_dim long, not hidden."""
+    loader reads with transformers' shape: qwen3's head norms are head_dim long, not hidden, and
+    phi3's fused projections are their blocks' rows stacked."""
     from engine.checkpoint import check_checkpoint
 
     path, hf = request.getfixturevalue(name)
@@ -162,7 +163,7 @@ def _edited_checkpoint(src: str, dst, **config_values) -> str:
 
 def test_unsupported_architecture_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "gpt2", model_type="gpt2")
-    supported = r"\(supported: llama, mistral, olmo2, qwen2, qwen3\)"
+    supported = r"\(supported: llama, mistral, olmo2, phi3, qwen2, qwen3\)"
     with pytest.raises(UnsupportedModelError, match=r"config.json: model_type 'gpt2' is not supported " + supported):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
 
