@@ -168,6 +168,21 @@ def test_unsupported_architecture_is_refused(llama, tmp_path):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
 
 
+@pytest.mark.parametrize("edit, message", [
+    # Phi-4-mini rotates 3/4 of each head, in transformers 5's rope_parameters or a v4 config's top level.
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor 0.75 is not supported"),
+    ({"partial_rotary_factor": 0.5, "rope_parameters": None}, "partial_rotary_factor 0.5 is not supported"),
+    # Phi-3-mini-128k and Phi-3.5-mini stretch their rope.
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [1.0]}},
+     "rope type 'longrope' is not supported"),
+])
+def test_phi3_variants_the_engine_does_not_implement_are_refused(phi3, edit, message):
+    data = {**json.load(open(f"{phi3[0]}/config.json")), **edit}
+    with pytest.raises(UnsupportedModelError, match=f"config.json: {message}"):
+        LlamaConfig.from_hf(data)
+
+
 def test_unimplemented_rope_type_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
     with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported"):
