@@ -92,44 +92,30 @@ def test_sharded_bfloat16_picks_transformers_top_tokens(llama, sharded):
     assert (wrong > BF16_TOL).mean() > 0.5, wrong.round(3).tolist()
 
 
-def test_olmo2_norms_over_every_head_give_the_tokens_of_one_device_when_the_heads_are_split(olmo2):
-    """OLMo 2 norms all query heads together: with the heads split over `model`, the norm's sum
-    spans devices (XLA adds the reduction). Greedy float32 tokens as on one device."""
-    path, _ = olmo2
+@pytest.mark.parametrize("name, weight, spec", [
+    # OLMo 2 norms all query heads together: with the heads split over `model`, the norm's sum
+    # spans devices (XLA adds the reduction).
+    ("olmo2", "self_attn.q_norm.weight", "P('model',)"),
+    # Phi-3 saves q/k/v as one tensor: each device reads its rows of the k block, which starts
+    # part way down the fused tensor.
+    ("phi3", "self_attn.k_proj", "P('model', 'data')"),
+])
+def test_an_architecture_with_its_heads_split_gives_the_tokens_of_one_device(name, weight, spec, request):
+    """Greedy float32 tokens on a global mesh (data 2 x model 2) as on one device, with the
+    architecture's own weight sharded over `model`."""
+    path, _ = request.getfixturevalue(name)
     sharded = run_on_forced_devices(f"""
-        import json, sys
+        import json, operator, sys
         sys.path.insert(0, {os.getcwd()!r})
         from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
         engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(max_new_tokens=6, n=2),
                              engine=EngineConfig(batch_size=4, mode="global_mesh", mesh="auto"), max_prompt_tokens=16)
-        q_norm = engine.model.layers[0].self_attn.q_norm.weight.array
-        print(json.dumps({{"q_norm": str(q_norm.sharding.spec), "tokens": {{
+        weight = operator.attrgetter({weight!r})(engine.model.layers[0]).array
+        print(json.dumps({{"spec": str(weight.sharding.spec), "tokens": {{
             f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids
             for c in engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate({PROMPTS!r}))}}}}))
     """, devices=4)
-    assert sharded["q_norm"] == "P('model',)"
-    one = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=6, n=2),
-                      engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
-    assert sharded["tokens"] == _tokens(one)
-
-
-def test_phi3_fused_projections_read_per_device_give_the_tokens_of_one_device(phi3):
-    """Phi-3 saves q/k/v as one tensor: with the heads split over `model`, each device reads its
-    rows of the k and v blocks, which start part way down the fused tensor. Greedy float32 tokens
-    as on one device."""
-    path, _ = phi3
-    sharded = run_on_forced_devices(f"""
-        import json, sys
-        sys.path.insert(0, {os.getcwd()!r})
-        from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-        engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(max_new_tokens=6, n=2),
-                             engine=EngineConfig(batch_size=4, mode="global_mesh", mesh="auto"), max_prompt_tokens=16)
-        k_proj = engine.model.layers[0].self_attn.k_proj.array
-        print(json.dumps({{"k_proj": str(k_proj.sharding.spec), "tokens": {{
-            f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids
-            for c in engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate({PROMPTS!r}))}}}}))
-    """, devices=4)
-    assert sharded["k_proj"] == "P('model', 'data')"
+    assert sharded["spec"] == spec
     one = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=6, n=2),
                       engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
     assert sharded["tokens"] == _tokens(one)
