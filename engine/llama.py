@@ -6,7 +6,8 @@ optional q/k/v bias and a norm of the queries and keys (Qwen3's per head, OLMo 2
 heads), gated MLP, decoder layer with its norms before each part or, OLMo 2's, after), the LM
 head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read by
 engine/checkpoint.py) in the model, or a block of rows of one (Phi-3's fused projections).
-Refuses: other architectures, sliding-window attention, rope types other than default/llama3.
+Refuses: other architectures, rope types other than default/llama3, a partial rotary. A sliding
+window is not implemented: it bounds a row's length instead (engine.py refuses longer rows).
 It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/engine.py`).
 
     config = LlamaConfig.from_hf(json.load(f), source="/ckpt/config.json")
