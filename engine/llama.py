@@ -542,12 +542,14 @@ class Attention(eqx.Module):
           in place, not yet timed on a GPU: engine/kernels.py).
         """
         c = self.config
-        q, k = linear(x, self.q_proj, "embed"), linear(x, self.k_proj, "embed")
+        # On a global mesh each device computes its own heads (engine/mesh.py COMPUTE_MAPPING).
+        q, k = hax.auto_sharded(linear(x, self.q_proj, "embed")), hax.auto_sharded(linear(x, self.k_proj, "embed"))
         if c.qk_norm == "all":  # olmo2: over all heads together, before they are told apart (no bias)
             q, k = self.q_norm(q), self.k_norm(k)
-        q = hax.unflatten_axis(q, "q_heads_dim", (c.KVHeads, c.QPerKV, c.HeadDim))
-        k = hax.unflatten_axis(k, "kv_heads_dim", (c.KVHeads, c.HeadDim))
-        v = hax.unflatten_axis(linear(x, self.v_proj, "embed"), "kv_heads_dim", (c.KVHeads, c.HeadDim))
+        q = hax.auto_sharded(hax.unflatten_axis(q, "q_heads_dim", (c.KVHeads, c.QPerKV, c.HeadDim)))
+        k = hax.auto_sharded(hax.unflatten_axis(k, "kv_heads_dim", (c.KVHeads, c.HeadDim)))
+        v = hax.auto_sharded(linear(x, self.v_proj, "embed"))
+        v = hax.auto_sharded(hax.unflatten_axis(v, "kv_heads_dim", (c.KVHeads, c.HeadDim)))
         if self.q_bias is not None:
             q, k, v = q + self.q_bias, k + self.k_bias, v + self.v_bias
         if c.qk_norm == "head":  # qwen3: each head over its head_dim, after the bias
@@ -574,7 +576,8 @@ class Attention(eqx.Module):
                 keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
                 new_kv, attn = LayerKV(keys, values), _attend(q, keys, values, context, scale)
         attn = attn.rearrange(("kv_heads", "q_per_kv", "head_dim", "batch", "position")).astype(x.dtype)
-        out = linear(hax.flatten_axes(attn, ("kv_heads", "q_per_kv", "head_dim"), "q_heads_dim"), self.o_proj, "q_heads_dim")
+        attn = hax.auto_sharded(hax.flatten_axes(hax.auto_sharded(attn), ("kv_heads", "q_per_kv", "head_dim"), "q_heads_dim"))
+        out = linear(attn, self.o_proj, "q_heads_dim")
         if self.o_bias is not None:
             out = out + self.o_bias
         return out, new_kv
@@ -686,8 +689,8 @@ class Mlp(eqx.Module):
         )
 
     def __call__(self, x: NamedArray) -> NamedArray:
-        gate = linear(x, self.gate_proj, "embed")
-        up = linear(x, self.up_proj, "embed")
+        gate = hax.auto_sharded(linear(x, self.gate_proj, "embed"))  # on a global mesh: units over `model`
+        up = hax.auto_sharded(linear(x, self.up_proj, "embed"))
         return linear(swiglu(gate, up), self.down_proj, "mlp")
 
 
@@ -789,7 +792,8 @@ class LlamaLM(eqx.Module):
         """float32 logits (vocab, hidden's other axes...): the head times hidden, weight first as
         every projection (`linear`); the sampler takes the vocabulary first."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return hax.dot(head, hidden, axis="embed", preferred_element_type=jnp.float32)
+        # On a global mesh each device makes its own part of the vocabulary (engine/mesh.py).
+        return hax.auto_sharded(hax.dot(head, hidden, axis="embed", preferred_element_type=jnp.float32))
 
 
 @functools.lru_cache(maxsize=8)

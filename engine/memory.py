@@ -14,8 +14,10 @@ attention scores; the cache itself is read in place); plus, once per lane, the w
 one prefill call (its rows x chunk tokens: attention scores over the whole cache length, the
 cache rows it reads, MLP activations); plus the weights, replicated on every local device (host
 data parallel) or split over the whole mesh (global mesh: `weight_shards` devices share each
-weight, `row_shards` share each row's KV heads, rows are split `batch_shards` ways). Checked against XLA's own `memory_analysis()` of the
-compiled programs by scripts/memory_analysis.py.
+weight, and when `data` splits them too they are counted gathered back as well,
+`sharded_weight_bytes`; `row_shards` share each row's KV heads, rows are split `batch_shards`
+ways). Checked against XLA's own `memory_analysis()` of the compiled programs by
+scripts/memory_analysis.py, on one device and (`--mesh`) on a global mesh.
 """
 
 from __future__ import annotations
@@ -135,6 +137,16 @@ def footprint(config: LlamaConfig, *, dtype, cache_dtype, seq_len: int, decode_c
     return weights, row, working
 
 
+def sharded_weight_bytes(weights: int, *, data: int, model: int) -> int:
+    """One device's weight memory on a global mesh: its 1/(data x model) share of each weight,
+    plus, when `data` splits them too (FSDP), the weights gathered back over `data` for the
+    layers' products: XLA's CPU backend keeps all of them gathered during a decode call (the
+    gathers of weights the decode loop does not change are hoisted out of it;
+    scripts/memory_analysis.py --mesh), so the plan counts them all."""
+    share = -(-weights // (data * model))
+    return share + (-(-weights // model) if data > 1 else 0)
+
+
 def plan_batch(
     config: LlamaConfig,
     *,
@@ -164,7 +176,9 @@ def plan_batch(
         weights, row, working = footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=seq_len,
                                           decode_chunk_steps=decode_chunk_steps, prefill_tokens=tokens,
                                           prefill_chunk_tokens=prefill_chunk_tokens)
-        return -(-weights // weight_shards), -(-row // row_shards), -(-working // (row_shards * n))
+        if weight_shards > 1:  # a global mesh: weight_shards = data x model devices, row_shards = model
+            weights = sharded_weight_bytes(weights, data=weight_shards // row_shards, model=row_shards)
+        return weights, -(-row // row_shards), -(-working // (row_shards * n))
 
     device_bytes = device_memory_bytes(devices[0], len(devices))
     limit = int(device_bytes * memory_fraction)

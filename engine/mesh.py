@@ -48,8 +48,13 @@ PARAM_MAPPING = {
 (kv_heads, q_per_kv, head_dim) flattened, kv_heads outermost, so a split into `model` parts
 (which divides kv_heads) keeps every KV head's query group whole on one device."""
 
-COMPUTE_MAPPING = {"batch": "data"}
-"""Activation axes -> mesh axes: rows split over `data`, everything else as XLA propagates."""
+COMPUTE_MAPPING = {"batch": "data", "q_heads_dim": "model", "kv_heads_dim": "model", "kv_heads": "model", "mlp": "model",
+                   "vocab": "model"}
+"""Activation axes -> mesh axes where the model pins them (`hax.auto_sharded`): rows split over
+`data`; inside a layer the heads and the MLP's hidden units over `model`, as their weights are,
+so each device computes its own heads and units (tensor parallel), and so the LM head its own
+part of the vocabulary's logits. Left to XLA's propagation,
+the CPU backend gathered every weight whole on each device instead."""
 
 
 @dataclasses.dataclass(frozen=True)

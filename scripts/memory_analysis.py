@@ -11,6 +11,13 @@ same batch. The cache is planned in the accelerator's dtype (bfloat16), as on a 
 
 Peak of a program = arguments + outputs - donated (aliased) buffers + temporaries.
 
+`--mesh DATAxMODEL` analyses the global mesh (`engine.mode: global_mesh`) over that many CPU
+devices forced into one process: the weights sharded as the engine shards them, the KV cache's
+rows over `data` and its heads over `model`, decode attention in XLA's own operations (what a TPU
+runs). XLA then reports one device's share, next to the plan's per-device figure:
+
+    python scripts/memory_analysis.py --preset llama3-70b --mesh 2x8 --dtype float32 --cache-dtype float32 --skip-prefill
+
 On a CPU, ask for float32 (`--dtype float32 --cache-dtype float32`) to see the program a GPU
 runs: in bfloat16, XLA's CPU backend converts the whole cache to a float32 copy for attention's
 dots (measured: 86.3 GiB of temporaries for the 8B at batch 128, against 0.57 GiB in float32), a
@@ -22,6 +29,7 @@ run's temporaries.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -45,9 +53,13 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=32)
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--mesh", metavar="DATAxMODEL", help="a global mesh over forced CPU devices, e.g. 2x8")
     args = parser.parse_args()
     p = bench.PRESETS[args.preset]
     batch, prompt, new = args.batch or p["batch"], args.prompt or p["prompt_len"], args.new or p["new"]
+    mesh = tuple(int(n) for n in args.mesh.lower().split("x")) if args.mesh else None
+    if mesh:  # before JAX starts: the devices the mesh is made of
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={mesh[0] * mesh[1]}"
 
     import jax
     import jax.numpy as jnp
@@ -55,7 +67,8 @@ def main() -> None:
     from engine import cpu_attention, kernels
     from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state, prefill_chunk
     from engine.llama import LlamaConfig, abstract_model
-    from engine.memory import GiB, footprint
+    from engine.memory import GiB, footprint, sharded_weight_bytes
+    from engine.mesh import Layout, MeshShape
     from engine.config import SamplingParams
 
     config = LlamaConfig.from_hf(dict(
@@ -65,31 +78,45 @@ def main() -> None:
     ))
     dtype, cache_dtype = jnp.dtype(args.dtype), jnp.dtype(args.cache_dtype)
     device = jax.devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    if mesh:
+        layout = Layout.pod(MeshShape(*mesh))
+        param_sharding, batch_sharding, cache_sharding, host_sharding, sharding = (
+            layout.param_sharding, layout.batch_sharding, layout.cache_sharding, layout.host_sharding, layout.replicated)
+        attention = "xla"
+    else:
+        layout = None
+        param_sharding = batch_sharding = cache_sharding = host_sharding = sharding = jax.sharding.SingleDeviceSharding(device)
+        # The decode attention the engine would run here (engine.decode_attention: auto).
+        attention = kernels.resolve("auto", platform=device.platform, head_dim=config.head_dim, dtype=args.dtype)
 
-    def abstract(tree):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+    def abstract(tree, where):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), tree)
 
-    model = abstract_model(config, dtype=dtype, sharding=sharding)  # the model Engine.load traces before the weights
+    model = abstract_model(config, dtype=dtype, sharding=param_sharding)  # the model Engine.load traces before the weights
     seq_len = prompt + new
-    # The decode attention the engine would run here (engine.decode_attention: auto), and its cache's pages.
-    spec = DecodeSpec(SamplingParams(max_new_tokens=new), (), sharding, sharding, sharding,
-                      kernels.resolve("auto", platform=device.platform, head_dim=config.head_dim, dtype=args.dtype))
+    spec = DecodeSpec(SamplingParams(max_new_tokens=new), (), batch_sharding, cache_sharding, host_sharding, attention)
     # With the CPU kernel a bfloat16 cache is stored as its bits, as the engine stores it (the same bytes).
     stored = cpu_attention.BFLOAT16_BITS if spec.attention == "cpu" and cache_dtype == jnp.bfloat16 else cache_dtype
-    cache = abstract(jax.eval_shape(functools.partial(new_cache, config, batch, spec.cache_ends(seq_len), stored)))
-    state = abstract(jax.eval_shape(functools.partial(new_state, batch)))
+    cache = abstract(jax.eval_shape(functools.partial(new_cache, config, batch, spec.cache_ends(seq_len), stored)), cache_sharding)
+    state = abstract(jax.eval_shape(functools.partial(new_state, batch)), batch_sharding)
     weights, row, working = footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=prompt + new,
                                       decode_chunk_steps=args.decode_steps, prefill_tokens=args.prefill_tokens,
                                       prefill_chunk_tokens=args.prefill_chunk)
-    planned = weights + working + batch * row
+    if mesh:  # one device's share, as plan_batch counts it for a global mesh (Engine.load)
+        data, model_ways = mesh
+        weights = sharded_weight_bytes(weights, data=data, model=model_ways)
+        row, working = -(-row // model_ways), -(-working // (model_ways * data))
+        planned = weights + working + -(-batch // data) * row
+    else:
+        planned = weights + working + batch * row
     print(json.dumps({"model": f"{config.num_hidden_layers}x{config.hidden_size}, {config.num_key_value_heads} KV heads, vocab {config.vocab_size}",
                       "dtype": args.dtype, "cache_dtype": args.cache_dtype, "batch": batch, "prompt": prompt, "new": new,
+                      "mesh": args.mesh,
                       "plan_gib": round(planned / GiB, 2), "plan_weights_gib": round(weights / GiB, 2),
                       "plan_row_mib": round(row / 2**20, 2), "plan_working_gib": round(working / GiB, 3)}), flush=True)
 
     programs = {"decode": (functools.partial(decode_chunk, spec=spec, steps=args.decode_steps),
-                           (model, cache, state, jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=sharding)))}
+                           (model, cache, state, jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=batch_sharding)))}
     if not args.skip_prefill:
         R, C = min(max(1, args.prefill_tokens // args.prefill_chunk), batch), args.prefill_chunk
 
@@ -101,7 +128,9 @@ def main() -> None:
                                 i32(R, 1)))
     for name, (fn, inputs) in programs.items():
         start = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=(1, 2)).lower(*inputs).compile()
+        jitted = jax.jit(fn, donate_argnums=(1, 2), out_shardings=(cache_sharding, batch_sharding, host_sharding))
+        with layout.tracing() if layout else contextlib.nullcontext():  # on a mesh: activations' rows on `data`
+            compiled = jitted.lower(*inputs).compile()
         m = compiled.memory_analysis()
         peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
         print(json.dumps({"program": name, "compile_s": round(time.perf_counter() - start, 1),
