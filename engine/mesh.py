@@ -10,9 +10,12 @@ values in).
   (`jax.devices()`). Weights are sharded by the haliax axis mapping PARAM_MAPPING: head, MLP
   and vocabulary axes over "model" (tensor parallel), the embedding axis over "data"
   (FSDP-style), so each device holds 1/(data x model) of a weight whose axes divide evenly.
+  A decode call gathers each weight back over "data" (XLA hoists the gathers out of its loop),
+  so a device needs 1/model of the weights while it runs (engine/memory.py plans it so).
   The KV cache [batch, kv_heads, ...] is split on both axes; activations keep their batch
-  axis on "data" (COMPUTE_MAPPING). Every host runs the same programs on the same batches in
-  lockstep; what the host reads back is replicated, so each host reads its own copy.
+  axis on "data", and inside a layer their heads and MLP units on "model" (COMPUTE_MAPPING).
+  Every host runs the same programs on the same batches in lockstep; what the host reads back
+  is replicated, so each host reads its own copy.
 
     shape = mesh_shape("auto", num_devices=8, kv_heads=8)      # MeshShape(data=1, model=8)
     layout = Layout.pod(shape)
