@@ -15,7 +15,7 @@ one prefill call (its rows x chunk tokens: attention scores over the whole cache
 cache rows it reads, MLP activations); plus the weights, replicated on every local device (host
 data parallel) or split over the whole mesh (global mesh: `weight_shards` devices share each
 weight, and when `data` splits them too they are counted gathered back as well,
-`sharded_weight_bytes`; `row_shards` share each row's KV heads, rows are split `batch_shards`
+`device_share`; `row_shards` share each row's KV heads, rows are split `batch_shards`
 ways). Checked against XLA's own `memory_analysis()` of the compiled programs by
 scripts/memory_analysis.py, on one device and (`--mesh`) on a global mesh.
 """
@@ -137,14 +137,20 @@ def footprint(config: LlamaConfig, *, dtype, cache_dtype, seq_len: int, decode_c
     return weights, row, working
 
 
-def sharded_weight_bytes(weights: int, *, data: int, model: int) -> int:
-    """One device's weight memory on a global mesh: its 1/(data x model) share of each weight,
-    plus, when `data` splits them too (FSDP), the weights gathered back over `data` for the
-    layers' products: XLA's CPU backend keeps all of them gathered during a decode call (the
-    gathers of weights the decode loop does not change are hoisted out of it;
-    scripts/memory_analysis.py --mesh), so the plan counts them all."""
-    share = -(-weights // (data * model))
-    return share + (-(-weights // model) if data > 1 else 0)
+def device_share(weights: int, row: int, working: int, *, weight_shards: int = 1, row_shards: int = 1,
+                 batch_shards: int = 1) -> tuple[int, int, int]:
+    """`footprint`'s (weights, per row, prefill working memory) as one device holds them, where
+    `weight_shards` devices share each weight, `row_shards` each row's KV heads, and rows and a
+    prefill call are split `batch_shards` ways. On a global mesh (weight_shards = data x model,
+    row_shards = model) a device stores its 1/(data x model) of each weight, plus, when `data`
+    splits them too (FSDP), the weights gathered back over `data` for the layers' products: XLA's
+    CPU backend keeps all of them gathered during a decode call (the gathers of weights the
+    decode loop does not change are hoisted out of it; scripts/memory_analysis.py --mesh), so
+    they are all counted."""
+    share = -(-weights // weight_shards)
+    if weight_shards > row_shards:  # FSDP over data = weight_shards / row_shards
+        share += -(-weights // row_shards)
+    return share, -(-row // row_shards), -(-working // (row_shards * batch_shards))
 
 
 def plan_batch(
@@ -173,12 +179,10 @@ def plan_batch(
     seq_len = max_prompt_tokens + max_new_tokens
 
     def per_device(tokens: int) -> tuple[int, int, int]:
-        weights, row, working = footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=seq_len,
-                                          decode_chunk_steps=decode_chunk_steps, prefill_tokens=tokens,
-                                          prefill_chunk_tokens=prefill_chunk_tokens)
-        if weight_shards > 1:  # a global mesh: weight_shards = data x model devices, row_shards = model
-            weights = sharded_weight_bytes(weights, data=weight_shards // row_shards, model=row_shards)
-        return weights, -(-row // row_shards), -(-working // (row_shards * n))
+        return device_share(*footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=seq_len,
+                                       decode_chunk_steps=decode_chunk_steps, prefill_tokens=tokens,
+                                       prefill_chunk_tokens=prefill_chunk_tokens),
+                            weight_shards=weight_shards, row_shards=row_shards, batch_shards=n)
 
     device_bytes = device_memory_bytes(devices[0], len(devices))
     limit = int(device_bytes * memory_fraction)

@@ -67,7 +67,7 @@ def main() -> None:
     from engine import cpu_attention, kernels
     from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state, prefill_chunk
     from engine.llama import LlamaConfig, abstract_model
-    from engine.memory import GiB, footprint, sharded_weight_bytes
+    from engine.memory import GiB, device_share, footprint
     from engine.mesh import Layout, MeshShape
     from engine.config import SamplingParams
 
@@ -99,16 +99,13 @@ def main() -> None:
     stored = cpu_attention.BFLOAT16_BITS if spec.attention == "cpu" and cache_dtype == jnp.bfloat16 else cache_dtype
     cache = abstract(jax.eval_shape(functools.partial(new_cache, config, batch, spec.cache_ends(seq_len), stored)), cache_sharding)
     state = abstract(jax.eval_shape(functools.partial(new_state, batch)), batch_sharding)
-    weights, row, working = footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=prompt + new,
-                                      decode_chunk_steps=args.decode_steps, prefill_tokens=args.prefill_tokens,
-                                      prefill_chunk_tokens=args.prefill_chunk)
-    if mesh:  # one device's share, as plan_batch counts it for a global mesh (Engine.load)
-        data, model_ways = mesh
-        weights = sharded_weight_bytes(weights, data=data, model=model_ways)
-        row, working = -(-row // model_ways), -(-working // (model_ways * data))
-        planned = weights + working + -(-batch // data) * row
-    else:
-        planned = weights + working + batch * row
+    # One device's share, as plan_batch counts it for this layout (Engine.load).
+    data, model_ways = mesh or (1, 1)
+    weights, row, working = device_share(
+        *footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=prompt + new, decode_chunk_steps=args.decode_steps,
+                   prefill_tokens=args.prefill_tokens, prefill_chunk_tokens=args.prefill_chunk),
+        weight_shards=data * model_ways, row_shards=model_ways, batch_shards=data)
+    planned = weights + working + -(-batch // data) * row
     print(json.dumps({"model": f"{config.num_hidden_layers}x{config.hidden_size}, {config.num_key_value_heads} KV heads, vocab {config.vocab_size}",
                       "dtype": args.dtype, "cache_dtype": args.cache_dtype, "batch": batch, "prompt": prompt, "new": new,
                       "mesh": args.mesh,

@@ -37,7 +37,7 @@ def test_a_global_mesh_keeps_each_devices_heads_and_matches_the_plan(mesh):
     alone, each device computes its own heads and MLP units, with no weight gathered whole (left
     to XLA's propagation, every projection's weight was: 0.32 GiB of temporaries a device
     against 0.006 now); split over `data` too (FSDP), the weights are gathered back, and the plan
-    counts them (`sharded_weight_bytes`). Either way the plan is at most 10 % above XLA's peak."""
+    counts them (`device_share`). Either way the plan is at most 10 % above XLA's peak."""
     done = subprocess.run(
         [sys.executable, SCRIPT, "--preset", "cpu-125m", "--batch", "16", "--prompt", "128", "--new", "128",
          "--mesh", mesh, "--dtype", "float32", "--cache-dtype", "float32", "--skip-prefill"],
