@@ -227,8 +227,13 @@ def linear(x: NamedArray, weight: NamedArray, axis: str) -> NamedArray:
     (scripts/bench_dots.py --stack), about 7 % of the whole decode step
     (docs/performance-notes.md). Asking for a float32 result matters there too: a bfloat16
     dot with a bfloat16 result runs a generic loop, one with a float32 result the YNNPACK
-    library (`__ynn_fusion` in the optimized HLO), about 5x faster."""
-    return hax.dot(weight, x, axis=axis, preferred_element_type=jnp.float32).astype(x.dtype)
+    library (`__ynn_fusion` in the optimized HLO), about 5x faster.
+
+    On a global mesh the result is laid out as engine/mesh.py's COMPUTE_MAPPING says: a
+    projection to heads or MLP units keeps them split over `model`, as its weight is, so each
+    device computes its own (left to XLA's propagation, the CPU backend gathered every weight
+    whole instead). A no-op elsewhere."""
+    return hax.auto_sharded(hax.dot(weight, x, axis=axis, preferred_element_type=jnp.float32).astype(x.dtype))
 
 
 def embed(table: NamedArray, tokens: NamedArray) -> NamedArray:
@@ -542,14 +547,12 @@ class Attention(eqx.Module):
           in place, not yet timed on a GPU: engine/kernels.py).
         """
         c = self.config
-        # On a global mesh each device computes its own heads (engine/mesh.py COMPUTE_MAPPING).
-        q, k = hax.auto_sharded(linear(x, self.q_proj, "embed")), hax.auto_sharded(linear(x, self.k_proj, "embed"))
+        q, k = linear(x, self.q_proj, "embed"), linear(x, self.k_proj, "embed")
         if c.qk_norm == "all":  # olmo2: over all heads together, before they are told apart (no bias)
             q, k = self.q_norm(q), self.k_norm(k)
-        q = hax.auto_sharded(hax.unflatten_axis(q, "q_heads_dim", (c.KVHeads, c.QPerKV, c.HeadDim)))
-        k = hax.auto_sharded(hax.unflatten_axis(k, "kv_heads_dim", (c.KVHeads, c.HeadDim)))
-        v = hax.auto_sharded(linear(x, self.v_proj, "embed"))
-        v = hax.auto_sharded(hax.unflatten_axis(v, "kv_heads_dim", (c.KVHeads, c.HeadDim)))
+        q = hax.unflatten_axis(q, "q_heads_dim", (c.KVHeads, c.QPerKV, c.HeadDim))
+        k = hax.unflatten_axis(k, "kv_heads_dim", (c.KVHeads, c.HeadDim))
+        v = hax.unflatten_axis(linear(x, self.v_proj, "embed"), "kv_heads_dim", (c.KVHeads, c.HeadDim))
         if self.q_bias is not None:
             q, k, v = q + self.q_bias, k + self.k_bias, v + self.v_bias
         if c.qk_norm == "head":  # qwen3: each head over its head_dim, after the bias
@@ -576,8 +579,7 @@ class Attention(eqx.Module):
                 keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
                 new_kv, attn = LayerKV(keys, values), _attend(q, keys, values, context, scale)
         attn = attn.rearrange(("kv_heads", "q_per_kv", "head_dim", "batch", "position")).astype(x.dtype)
-        attn = hax.auto_sharded(hax.flatten_axes(hax.auto_sharded(attn), ("kv_heads", "q_per_kv", "head_dim"), "q_heads_dim"))
-        out = linear(attn, self.o_proj, "q_heads_dim")
+        out = linear(hax.flatten_axes(attn, ("kv_heads", "q_per_kv", "head_dim"), "q_heads_dim"), self.o_proj, "q_heads_dim")
         if self.o_bias is not None:
             out = out + self.o_bias
         return out, new_kv
@@ -689,8 +691,8 @@ class Mlp(eqx.Module):
         )
 
     def __call__(self, x: NamedArray) -> NamedArray:
-        gate = hax.auto_sharded(linear(x, self.gate_proj, "embed"))  # on a global mesh: units over `model`
-        up = hax.auto_sharded(linear(x, self.up_proj, "embed"))
+        gate = linear(x, self.gate_proj, "embed")
+        up = linear(x, self.up_proj, "embed")
         return linear(swiglu(gate, up), self.down_proj, "mlp")
 
 
