@@ -68,7 +68,7 @@ import numpy as np
 from engine import checkpoint, compile_cache, cpu_attention, kernels
 from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
 from engine.decode import DecodeSpec, DecodeState, KVCache, adopt_rows, decode_chunk, new_cache, new_state, prefill_chunk
-from engine.llama import LlamaConfig, UnsupportedModelError, abstract_model, check_tensors, load_checkpoint, pages_covering
+from engine.llama import LlamaConfig, abstract_model, check_tensors, load_checkpoint, pages_covering
 from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch, plan_staging
 from engine.mesh import Layout, mesh_shape
 
@@ -548,11 +548,12 @@ class Engine:
                 f"prompts.max_prompt_tokens + sampling.max_new_tokens = {seq_len} exceeds max_position_embeddings"
                 f" {config.max_position_embeddings} in {config_path}"
             )
-        if config.sliding_window is not None and seq_len > config.sliding_window:
-            raise UnsupportedModelError(
-                f"model.path {config_path}: sliding_window {config.sliding_window} is shorter than prompt + new tokens"
-                f" ({seq_len}); sliding-window attention is not implemented"
-            )
+        window = None  # why rows need the model's sliding window: the kernels have none
+        if config.sliding_window is not None and seq_len <= config.sliding_window:
+            config = dataclasses.replace(config, sliding_window=None)  # no row reaches past it: it changes nothing
+        elif config.sliding_window is not None:
+            window = (f"{config_path} has a sliding_window of {config.sliding_window}, shorter than prompt + new tokens"
+                      f" ({seq_len})")
         if sampling.stop and tokenizer is None:
             raise ValueError("sampling.stop needs a tokenizer: pass Engine.load(..., tokenizer=...)")
 
@@ -565,7 +566,7 @@ class Engine:
             layout = Layout.local(jax.local_devices())
         devices = layout.local_devices
         attention = kernels.resolve(engine.decode_attention, platform=devices[0].platform, head_dim=config.head_dim,
-                                    dtype=dtype)
+                                    dtype=dtype, window=window)
         cache_dtype = kernels.cache_dtype(attention, platform=devices[0].platform, dtype=DTYPES[dtype],
                                           devices=len(layout.cache_sharding.device_set))
         plan = plan_batch(

@@ -7,7 +7,8 @@ heads), gated MLP, decoder layer with its norms before each part or, OLMo 2's, a
 head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read by
 engine/checkpoint.py) in the model, or a block of rows of one (Phi-3's fused projections).
 Refuses: other architectures, rope types other than default/llama3, a partial rotary. A sliding
-window is not implemented: it bounds a row's length instead (engine.py refuses longer rows).
+window (Mistral v0.1's, Phi-3 mini's) is a band of each query's mask in the engine's own (XLA)
+attention; the kernels have none, so a row longer than the window runs the XLA way (engine.py).
 It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/engine.py`).
 
     config = LlamaConfig.from_hf(json.load(f), source="/ckpt/config.json")
@@ -74,7 +75,8 @@ class LlamaConfig:
     rope_llama3: tuple[float, float, float, int] | None = None
     """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) or None."""
     sliding_window: int | None = None
-    """Mistral v0.1's or Phi-3 mini's window in tokens; the engine refuses sequences longer than it."""
+    """Mistral v0.1's or Phi-3 mini's window: a query at position p attends to the keys at
+    positions p - sliding_window + 1 to p (transformers' mask). None: every earlier position."""
     qk_norm: Literal["head", "all"] | None = None
     """The queries and keys are RMS-normed before the rotation: each head over its head_dim
     (qwen3), or all heads together over the whole projection (olmo2)."""
@@ -159,11 +161,11 @@ class LlamaConfig:
             raise refuse("rope type", rope_type, "is not supported (supported: default, llama3)")
 
         sliding_window = None
-        if model_type in ("qwen2", "qwen3"):
+        if model_type in ("qwen2", "qwen3"):  # a window over some layers only (max_window_layers)
             if cfg.get("use_sliding_window", False):
                 raise refuse("use_sliding_window", True, "is not supported (only full attention)")
-        elif cfg.get("sliding_window") is not None:
-            sliding_window = int(cfg["sliding_window"])
+        elif model_type in ("mistral", "phi3") and cfg.get("sliding_window") is not None:
+            sliding_window = int(cfg["sliding_window"])  # transformers' Llama and OLMo 2 ignore the key
 
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -570,11 +572,14 @@ class Attention(eqx.Module):
         k = k.rearrange(("batch", "kv_heads", "position", "head_dim"))
         v = v.rearrange(("batch", "kv_heads", "position", "head_dim"))
         scale = 1.0 / math.sqrt(self.config.head_dim)
+        window = c.sliding_window
+        if window is not None and isinstance(context, (DecodeStep, PrefillChunk)) and context.attention != "xla":
+            raise ValueError(f"a sliding window is attended the XLA way only, not with {context.attention!r}")
         if isinstance(context, DecodeStep):
-            attn, new_kv = self._decode(q, k, v, context, scale)
+            attn, new_kv = self._decode(q, k, v, context, scale, window)
         else:
             if isinstance(context, PrefillChunk):
-                attn, new_kv = self._prefill(q, k, v, context, scale, rotary)
+                attn, new_kv = self._prefill(q, k, v, context, scale, rotary, window)
             else:
                 keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
                 new_kv, attn = LayerKV(keys, values), _attend(q, keys, values, context, scale)
@@ -585,29 +590,33 @@ class Attention(eqx.Module):
         return out, new_kv
 
     @staticmethod
-    def _prefill(q, k, v, context: PrefillChunk, scale: float, rotary=None) -> tuple[NamedArray, PagedKV]:
+    def _prefill(q, k, v, context: PrefillChunk, scale: float, rotary=None,
+                 window: int | None = None) -> tuple[NamedArray, PagedKV]:
         """The call's keys/values written into the cache, and its attention; returns both. A fresh
         chunk attends to its own keys (causal); a later one to its cache row's first pages
         covering the call's rows (each page's rows gathered) and its own keys. With the CPU
         kernel, the write and the attention are one kernel call: any piece attends to its cache
         row in place, the piece written there (causal); with `rotary` (cos, sin), q and k come
-        unrotated and the kernel rotates them."""
+        unrotated and the kernel rotates them. With a `window`, each query reads only its last
+        `window` positions (the XLA way)."""
         if context.attention == "cpu":
             if len(context.cache.pages) != 1:
                 raise ValueError(f"the CPU kernel's prefill reads one page of the cache, not {len(context.cache.pages)}")
             attn, page = kernels.prefill_step_cpu(q, k, v, context.cache.pages[0], context.segments, scale, rotary)
             return attn, PagedKV((page,))
         cache = _write_chunk(context, k, v)
-        return Attention._attend_written(q, k, v, cache, context, scale), cache
+        return Attention._attend_written(q, k, v, cache, context, scale, window), cache
 
     @staticmethod
-    def _attend_written(q, k, v, cache: PagedKV, context: PrefillChunk, scale: float) -> NamedArray:
+    def _attend_written(q, k, v, cache: PagedKV, context: PrefillChunk, scale: float, window: int | None) -> NamedArray:
         """The XLA way's attention of a prefill chunk once `cache` holds its keys/values."""
         Batch, Pos = q.resolve_axis("batch"), q.resolve_axis("position")
         if context.fresh:
             C = Pos.size
-            mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (Batch.size, C, C)),
-                             (Batch, Pos, Axis("key_position", C)))
+            mask = jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (Batch.size, C, C))
+            if window is not None:
+                mask = mask & in_window(context.positions[:, None, :], context.positions[:, :, None], window)
+            mask = hax.named(mask, (Batch, Pos, Axis("key_position", C)))
             return _attend(q, k.rename({"position": "key_position"}), v.rename({"position": "key_position"}), mask, scale)
         read = jnp.minimum(context.segments.rows[: Batch.size], cache.pages[0].k.array.shape[0] - 1)  # a row a segment
 
@@ -617,8 +626,11 @@ class Attention(eqx.Module):
                 KPos = Axis("key_position", end - start)
                 axes = (Batch, k.resolve_axis("kv_heads"), KPos, k.resolve_axis("head_dim"))
                 keys, values = (hax.named(x.array[read], axes) for x in page)
-                mask = hax.named(start + jnp.arange(end - start)[None, None, :] <= context.positions[:, :, None],
-                                 (Batch, Pos, KPos))
+                key_positions, query_positions = start + jnp.arange(end - start)[None, None, :], context.positions[:, :, None]
+                mask = key_positions <= query_positions
+                if window is not None:
+                    mask = mask & in_window(key_positions, query_positions, window)
+                mask = hax.named(mask, (Batch, Pos, KPos))
                 parts.append((keys, values, mask, "key_position"))
             return _attend_pages(q, parts, scale)
 
@@ -627,7 +639,7 @@ class Attention(eqx.Module):
         return by_pages(context.reach, cache.ends, attend)
 
     @staticmethod
-    def _decode(q, k, v, context: DecodeStep, scale: float):
+    def _decode(q, k, v, context: DecodeStep, scale: float, window: int | None = None):
         if context.chunk is None:  # in place: the kernel's one page, carried through the decode loop
             seq_len = context.pages[0].k.resolve_axis("key_position").size
             read = jnp.where(context.lengths < seq_len, context.lengths + 1, 1)  # a row writing nothing reads one
@@ -647,9 +659,22 @@ class Attention(eqx.Module):
             return kernels.attend_pages_kernel(q, context.pages, context.lengths, chunk, context.chunk_mask, scale,
                                                sharding=context.sharding, tuning=context.kernel,
                                                attention=context.attention), chunk
-        parts = [(page.k, page.v, mask, "key_position") for page, mask in zip(context.pages, context.page_masks)]
-        parts.append((chunk.k, chunk.v, context.chunk_mask, "chunk"))  # the current position is always there
+        masks, chunk_mask = context.page_masks, context.chunk_mask
+        if window is not None:  # this step's query is at lengths + step; chunk entry s at lengths + s
+            query = (context.lengths + context.step)[:, None, None]
+            masks = tuple(mask & hax.named(in_window(start + jnp.arange(end - start)[None, None, :], query, window), mask.axes)
+                          for mask, (start, end) in zip(masks, PagedKV(context.pages).spans))
+            Chunk = chunk_mask.resolve_axis("chunk")
+            chunk_mask = chunk_mask & hax.named(in_window(jnp.arange(Chunk.size), context.step, window), (Chunk,))
+        parts = [(page.k, page.v, mask, "key_position") for page, mask in zip(context.pages, masks)]
+        parts.append((chunk.k, chunk.v, chunk_mask, "chunk"))  # the current position is always there
         return _attend_pages(q, parts, scale), chunk
+
+
+def in_window(key_positions: jax.Array, query_positions: jax.Array, window: int) -> jax.Array:
+    """True where a key is inside its query's sliding window: the query's last `window` positions,
+    its own included (earlier than the query: the causal mask's part). Broadcasts."""
+    return key_positions > query_positions - window
 
 
 def _attend(q: NamedArray, keys: NamedArray, values: NamedArray, mask: NamedArray, scale: float) -> NamedArray:

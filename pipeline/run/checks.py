@@ -71,15 +71,18 @@ def check_model(cfg: Config, positions: bool) -> None:
         return
     url = storage.join(cfg.model.path, "config.json")
     needed = cfg.prompts.max_prompt_tokens + cfg.sampling.max_new_tokens
-    # The engine attends over whole rows: a model with a sliding window runs rows up to its window.
-    limits = [("max_position_embeddings", found["max_position_embeddings"], ""),
-              ("sliding_window", found["sliding_window"], ", the longest row the engine runs for it")]
-    for key, limit, why in limits:
-        if limit is not None and needed > limit:
-            raise ConfigError(
-                f"prompts.max_prompt_tokens + sampling.max_new_tokens = {cfg.prompts.max_prompt_tokens} + "
-                f"{cfg.sampling.max_new_tokens} = {needed} exceeds the checkpoint's {key} {limit}{why} "
-                f"({url}): lower one of them to fit")
+    if needed > found["max_position_embeddings"]:
+        raise ConfigError(
+            f"prompts.max_prompt_tokens + sampling.max_new_tokens = {cfg.prompts.max_prompt_tokens} + "
+            f"{cfg.sampling.max_new_tokens} = {needed} exceeds the checkpoint's max_position_embeddings "
+            f"{found['max_position_embeddings']} ({url}): lower one of them to fit")
+    # Rows longer than a sliding window attend the engine's own way: its kernels have no window.
+    window, attention = found["sliding_window"], cfg.engine.decode_attention
+    if window is not None and needed > window and attention in ("cpu", "pallas"):
+        raise ConfigError(
+            f"engine.decode_attention {attention} attends over whole rows, but the checkpoint's sliding_window "
+            f"{window} ({url}) is shorter than prompts.max_prompt_tokens + sampling.max_new_tokens = {needed}: "
+            f"use auto or xla (the engine's own attention has the window)")
 
 
 def check_root(cfg: Config) -> None:

@@ -119,6 +119,30 @@ def phi3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mistral(tmp_path_factory):
+    """(path, torch model): Mistral with a sliding window of 8 positions (v0.1's is 4,096), shorter
+    than the tests' rows: each query attends to its last 8 positions only."""
+    from transformers import MistralConfig
+
+    return _built(tmp_path_factory, MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, sliding_window=8, tie_word_embeddings=False,
+    ))
+
+
+@pytest.fixture(scope="session")
+def phi3_windowed(tmp_path_factory):
+    """(path, torch model): `phi3` with a sliding window of 11 positions, shorter than the tests' rows."""
+    from transformers import Phi3Config
+
+    return _built(tmp_path_factory, Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, sliding_window=11, tie_word_embeddings=False,
+        pad_token_id=None,
+    ))
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     """Word-level tokenizer: id i <-> word 'x{i}y' (no word is a prefix of another), space-joined."""
     from tokenizers import Tokenizer

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, UnsupportedModelError
+from engine.config import InvalidConfig
 from engine.llama import LlamaConfig, load_checkpoint, swiglu
 from engine_testlib import VOCAB, hf_greedy
 
@@ -119,6 +120,34 @@ def test_two_models_in_one_process_each_run_their_own_programs(llama, qwen3):
                              engine=EngineConfig(batch_size=4), max_prompt_tokens=32)
         (got,) = engine.generate([GenerationRequest(0, prompt, [0])])
         assert got.token_ids == hf_greedy(hf, prompt, new), path
+
+
+@pytest.mark.parametrize("name, chunk", [("mistral", 32), ("phi3_windowed", 8)])
+def test_rows_longer_than_a_sliding_window_match_transformers(name, chunk, request):
+    """Mistral v0.1 and Phi-3 mini attend over a window (here 8 and 11 positions) shorter than the
+    rows. Prompts of up to 30 tokens: in one prefill chunk of 32 (Mistral), whose queries reach
+    back past the window inside the chunk, or in chunks of 8 (Phi-3), where a later chunk's
+    queries reach back into the chunks before it. Then 24 new tokens in decode calls of 16
+    steps, whose steps reach back into the cache and into the call's own steps. The kernels
+    have no window: auto attends the engine's own way, and asking for the CPU kernel is refused."""
+    path, hf = request.getfixturevalue(name)
+    new, window = 24, hf.config.sliding_window
+    windowed = {i: hf_greedy(hf, prompt, new) for i, prompt in enumerate(PROMPTS)}
+    hf.config.sliding_window = None
+    try:
+        whole = {i: hf_greedy(hf, prompt, new) for i, prompt in enumerate(PROMPTS)}
+    finally:
+        hf.config.sliding_window = window
+    assert sum(windowed[i] != whole[i] for i in windowed) >= 4, "the window should change what transformers makes"
+
+    settings = dict(dtype="float32", sampling=SamplingParams(max_new_tokens=new), max_prompt_tokens=32)
+    engine = Engine.load(path, engine=EngineConfig(batch_size=4, prefill_chunk_tokens=chunk), **settings)
+    assert engine.attention == "xla"
+    got = {c.prompt_index: c.token_ids for c in engine.generate(GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS))}
+    assert got == windowed
+    with pytest.raises(InvalidConfig, match=f"engine.decode_attention: cpu attends over whole rows, but .*config.json"
+                                            f" has a sliding_window of {window}, shorter than prompt \\+ new tokens \\(56\\)"):
+        Engine.load(path, engine=EngineConfig(batch_size=4, decode_attention="cpu"), **settings)
 
 
 def test_bfloat16_swiglu_rounds_as_transformers():
