@@ -68,7 +68,7 @@ import numpy as np
 from engine import checkpoint, compile_cache, cpu_attention, kernels
 from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
 from engine.decode import DecodeSpec, DecodeState, KVCache, adopt_rows, decode_chunk, new_cache, new_state, prefill_chunk
-from engine.llama import LlamaConfig, abstract_model, check_tensors, load_checkpoint, pages_covering
+from engine.llama import LlamaConfig, UnsupportedModelError, abstract_model, check_tensors, load_checkpoint, pages_covering
 from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch, plan_staging
 from engine.mesh import Layout, mesh_shape
 
@@ -548,6 +548,11 @@ class Engine:
                 f"prompts.max_prompt_tokens + sampling.max_new_tokens = {seq_len} exceeds max_position_embeddings"
                 f" {config.max_position_embeddings} in {config_path}"
             )
+        if config.longrope_rows is not None and seq_len > config.longrope_rows:
+            raise UnsupportedModelError(
+                f"model.path {config_path}: prompts.max_prompt_tokens + sampling.max_new_tokens = {seq_len} exceeds its"
+                f" longrope rotation's original_max_position_embeddings {config.longrope_rows}; past it transformers"
+                f" turns every position to the long factors, which the engine does not implement")
         window = None  # why rows need the model's sliding window: the kernels have none
         if config.sliding_window is not None and seq_len <= config.sliding_window:
             config = dataclasses.replace(config, sliding_window=None)  # no row reaches past it: it changes nothing

@@ -1,12 +1,15 @@
 """The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2, Phi-3/Phi-4) in haliax, and its checkpoint mapping.
 
 Owns: the config read from a Hugging Face `config.json` (refusing values the code does not
-implement), the blocks (RMS norm, rotary with llama3 scaling, grouped-query attention with an
+implement), the blocks (RMS norm, rotary with llama3 scaling or Phi-3's longrope, whole or over
+part of each head, grouped-query attention with an
 optional q/k/v bias and a norm of the queries and keys (Qwen3's per head, OLMo 2's over all
 heads), gated MLP, decoder layer with its norms before each part or, OLMo 2's, after), the LM
 head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read by
 engine/checkpoint.py) in the model, or a block of rows of one (Phi-3's fused projections).
-Refuses: other architectures, rope types other than default/llama3, a partial rotary. A sliding
+Refuses: other architectures, rope types other than default/llama3 (and Phi-3's longrope), a
+partial rotary outside Phi-3. Phi-3's longrope runs rows up to its original positions with its
+short factors, as transformers does (engine.py refuses longer rows). A sliding
 window (Mistral v0.1's, Phi-3 mini's) is a band of each query's mask in the engine's own (XLA)
 attention; the kernels have none, so a row longer than the window runs the XLA way (engine.py).
 It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/engine.py`).
@@ -74,6 +77,18 @@ class LlamaConfig:
     """o projection carries a bias (llama and qwen3 attention_bias only)."""
     rope_llama3: tuple[float, float, float, int] | None = None
     """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) or None."""
+    rope_short_factor: tuple[float, ...] | None = None
+    """Phi-3.5's and Phi-4-mini's `longrope`: each frequency divided by its short factor, the
+    factors transformers uses for rows up to `longrope_rows` positions."""
+    rope_attention_factor: float = 1.0
+    """longrope: cos and sin scaled by it (transformers' `attention_factor`; sqrt(1 + ln(factor) /
+    ln(original positions)) unless config.json sets it)."""
+    longrope_rows: int | None = None
+    """longrope: original_max_position_embeddings, the longest row the engine runs. Past it
+    transformers turns every position of the row, the cached ones' keys excepted, to the long
+    factors, which the engine does not implement."""
+    partial_rotary: float = 1.0
+    """Phi-4-mini's 0.75: the rotation turns the first `rotary_dim` dimensions of each head only."""
     sliding_window: int | None = None
     """Mistral v0.1's or Phi-3 mini's window: a query at position p attends to the keys at
     positions p - sliding_window + 1 to p (transformers' mask). None: every earlier position."""
@@ -86,6 +101,11 @@ class LlamaConfig:
     fused_projections: bool = False
     """phi3: the checkpoint holds q, k and v as one `qkv_proj` and gate and up as one
     `gate_up_proj`, stacked on their output rows; the model keeps them apart, read as row blocks."""
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head the rotation turns: all but with a partial rotary."""
+        return int(self.head_dim * self.partial_rotary)
 
     @property
     def norms_scale_in_float32(self) -> bool:
@@ -144,12 +164,17 @@ class LlamaConfig:
         if model_type == "olmo2" and cfg.get("attention_bias", False):
             raise refuse("attention_bias", cfg["attention_bias"], "is not supported for olmo2 (only false)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        partial_rotary = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if partial_rotary != 1.0:  # Phi-4-mini's 0.75 rotates part of each head
-            raise refuse("partial_rotary_factor", partial_rotary, "is not supported (only 1.0)")
+        partial_rotary = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+        if partial_rotary != 1.0 and model_type != "phi3":  # Phi-4-mini's 0.75 rotates part of each head
+            raise refuse("partial_rotary_factor", partial_rotary, f"is not supported for {model_type} (only phi3 rotates"
+                         " part of each head)")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if model_type == "phi3" and rope_type in ("su", "yarn"):
+            rope_type = "longrope"  # what transformers' Phi3Config reads both names as (Phi-3-128k's first configs)
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_llama3 = None
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        rope_llama3, longrope = None, {}
         if rope_type == "llama3":
             rope_llama3 = (
                 float(rope["factor"]),
@@ -157,8 +182,12 @@ class LlamaConfig:
                 float(rope["high_freq_factor"]),
                 int(rope["original_max_position_embeddings"]),
             )
+        elif rope_type == "longrope" and model_type == "phi3":
+            longrope = _longrope(cfg, rope, max_positions=max_positions, rotary_dim=int(head_dim * partial_rotary),
+                                 refuse=refuse)
         elif rope_type != "default":
-            raise refuse("rope type", rope_type, "is not supported (supported: default, llama3)")
+            supported = "default, llama3, longrope" if model_type == "phi3" else "default, llama3"
+            raise refuse("rope type", rope_type, f"is not supported for {model_type} (supported: {supported})")
 
         sliding_window = None
         if model_type in ("qwen2", "qwen3"):  # a window over some layers only (max_window_layers)
@@ -180,10 +209,10 @@ class LlamaConfig:
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             qk_norm={"qwen3": "head", "olmo2": "all"}.get(model_type),
@@ -191,8 +220,26 @@ class LlamaConfig:
             fused_projections=model_type == "phi3",
             o_bias=model_type != "qwen2" and attention_bias,
             rope_llama3=rope_llama3,
+            partial_rotary=partial_rotary,
             sliding_window=sliding_window,
+            **longrope,
         )
+
+
+def _longrope(cfg: dict[str, Any], rope: dict[str, Any], *, max_positions: int, rotary_dim: int, refuse) -> dict[str, Any]:
+    """LlamaConfig's longrope fields, as transformers 5 reads a Phi-3 config.json: the original
+    positions from the top level (4,096 when absent), the factor from the positions' ratio unless
+    `factor` is set, the attention factor from the factor unless `attention_factor` is set."""
+    original = int(cfg.get("original_max_position_embeddings") or 4096)
+    short = tuple(float(f) for f in rope.get("short_factor") or ())
+    if len(short) != rotary_dim // 2:
+        raise refuse("short_factor", list(short)[:4], f"must hold {rotary_dim // 2} factors (half the rotated"
+                     f" dimensions), not {len(short)}")
+    factor = float(rope.get("factor") or max_positions / original)
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_short_factor": short, "rope_attention_factor": float(attention), "longrope_rows": original}
 
 
 # ----------------------------------------------------------------------------------- blocks
@@ -275,9 +322,12 @@ class RmsNorm(eqx.Module):
 
 
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim / 2], with Llama 3.1's long-context rescaling when set."""
-    dim = config.head_dim
+    """Inverse frequencies [rotary_dim / 2], with Llama 3.1's long-context rescaling or
+    longrope's short factors when set."""
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if config.rope_short_factor is not None:
+        return (inv_freq / np.asarray(config.rope_short_factor, np.float64)).astype(np.float32)
     if config.rope_llama3 is None:
         return inv_freq.astype(np.float32)
     factor, low_freq_factor, high_freq_factor, old_context_len = config.rope_llama3
@@ -292,16 +342,26 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
 
 
 def rotary_tables(config: LlamaConfig, positions: NamedArray, dtype) -> tuple[NamedArray, NamedArray]:
-    """cos and sin over (positions' axes..., HeadDim), as transformers' rotate-half layout."""
-    Half = Axis("head_dim", config.head_dim // 2)
+    """cos and sin over (positions' axes..., head_dim of rotary_dim), as transformers' rotate-half
+    layout, scaled by longrope's attention factor in float32 before the cast, as transformers
+    scales them."""
+    Half = Axis("head_dim", config.rotary_dim // 2)
     inv_freq = hax.named(jnp.asarray(rope_inv_freq(config)), Half)
     angles = hax.broadcast_axis(positions.astype(jnp.float32), Half) * inv_freq
     angles = hax.concatenate("head_dim", [angles, angles])
-    return hax.cos(angles).astype(dtype), hax.sin(angles).astype(dtype)
+    cos, sin = hax.cos(angles), hax.sin(angles)
+    if config.rope_attention_factor != 1.0:
+        cos, sin = cos * config.rope_attention_factor, sin * config.rope_attention_factor
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply_rotary(x: NamedArray, cos: NamedArray, sin: NamedArray) -> NamedArray:
-    half = x.resolve_axis("head_dim").size // 2
+    """x rotated by the tables, rotate-half; with tables shorter than the head (a partial rotary),
+    its first dimensions only, the rest passed through."""
+    dim = cos.resolve_axis("head_dim").size
+    if dim < x.resolve_axis("head_dim").size:
+        return hax.concatenate("head_dim", [apply_rotary(x["head_dim", :dim], cos, sin), x["head_dim", dim:]])
+    half = dim // 2
     x1 = x["head_dim", :half]
     x2 = x["head_dim", half:]
     rotated = hax.concatenate("head_dim", [-x2, x1])
@@ -563,7 +623,8 @@ class Attention(eqx.Module):
         # them: the same bits, without the program's two passes over them a layer (bfloat16's
         # rotation is cheaper in XLA than in the kernel: docs/performance-notes.md).
         rotary = None
-        if isinstance(context, PrefillChunk) and context.attention == "cpu" and x.dtype == jnp.float32:
+        if isinstance(context, PrefillChunk) and context.attention == "cpu" and x.dtype == jnp.float32 \
+                and c.rotary_dim == c.head_dim:  # the kernel turns whole heads
             rotary = (cos, sin)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

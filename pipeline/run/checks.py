@@ -71,11 +71,16 @@ def check_model(cfg: Config, positions: bool) -> None:
         return
     url = storage.join(cfg.model.path, "config.json")
     needed = cfg.prompts.max_prompt_tokens + cfg.sampling.max_new_tokens
-    if needed > found["max_position_embeddings"]:
-        raise ConfigError(
-            f"prompts.max_prompt_tokens + sampling.max_new_tokens = {cfg.prompts.max_prompt_tokens} + "
-            f"{cfg.sampling.max_new_tokens} = {needed} exceeds the checkpoint's max_position_embeddings "
-            f"{found['max_position_embeddings']} ({url}): lower one of them to fit")
+    # Past a longrope's original positions transformers turns the whole row to its long factors,
+    # which the engine does not implement: it runs rows up to there.
+    limits = [("max_position_embeddings", found["max_position_embeddings"], ""),
+              ("original_max_position_embeddings", found["longrope_rows"], " (its longrope's short factors)")]
+    for key, limit, why in limits:
+        if limit is not None and needed > limit:
+            raise ConfigError(
+                f"prompts.max_prompt_tokens + sampling.max_new_tokens = {cfg.prompts.max_prompt_tokens} + "
+                f"{cfg.sampling.max_new_tokens} = {needed} exceeds the checkpoint's {key} {limit}{why} "
+                f"({url}): lower one of them to fit")
     # Rows longer than a sliding window attend the engine's own way: its kernels have no window.
     window, attention = found["sliding_window"], cfg.engine.decode_attention
     if window is not None and needed > window and attention in ("cpu", "pallas"):

@@ -118,6 +118,42 @@ def phi3(tmp_path_factory):
     ))
 
 
+def _longrope(rotary_dim: int, seed: int) -> dict:
+    """A longrope of random short factors (Phi-3.5's lie between 1 and 3) over `rotary_dim`
+    dimensions, and long ones the rows never reach."""
+    import numpy as np
+
+    short = np.random.RandomState(seed).uniform(1.0, 3.0, rotary_dim // 2).round(4).tolist()
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short, "long_factor": [8.0] * (rotary_dim // 2)}
+
+
+@pytest.fixture(scope="session")
+def phi3_longrope(tmp_path_factory):
+    """(path, torch model): Phi-3.5-mini's rotation, longrope, on `phi3`: 64 original positions of
+    512 (so cos and sin scaled by sqrt(1 + ln 8 / ln 64)), each frequency over its short factor."""
+    from transformers import Phi3Config
+
+    return _built(tmp_path_factory, Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=64,
+        rope_parameters=_longrope(8, seed=1), tie_word_embeddings=False, pad_token_id=None,
+    ))
+
+
+@pytest.fixture(scope="session")
+def phi4_mini(tmp_path_factory):
+    """(path, torch model): Phi-4-mini's rotation: longrope over the first 3/4 of each head's 16
+    dimensions (12), the rest passed through; tied embeddings."""
+    from transformers import Phi3Config
+
+    return _built(tmp_path_factory, Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=64,
+        rope_parameters={**_longrope(12, seed=2), "partial_rotary_factor": 0.75}, tie_word_embeddings=True,
+        pad_token_id=None,
+    ))
+
+
 @pytest.fixture(scope="session")
 def mistral(tmp_path_factory):
     """(path, torch model): Mistral with a sliding window of 8 positions (v0.1's is 4,096), shorter

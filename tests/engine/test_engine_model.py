@@ -37,7 +37,7 @@ def _our_logits(model, ids: np.ndarray) -> np.ndarray:
     return np.asarray(model.logits(hidden).rearrange(("batch", "position", "vocab")).array)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini"])
 def test_logits_match_transformers(name, request):
     path, hf = request.getfixturevalue(name)
     config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
@@ -50,7 +50,7 @@ def test_logits_match_transformers(name, request):
     np.testing.assert_allclose(ours, expected, atol=LOGIT_TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini"])
 def test_greedy_matches_transformers_generate(name, request):
     """Six prompts of mixed lengths through 4 slots: exercises buckets and slot refill too."""
     path, hf = request.getfixturevalue(name)
@@ -74,7 +74,7 @@ def test_greedy_matches_transformers_generate(name, request):
     assert engine.stats.compilations <= 4, engine.stats  # init, decode, first and later prefill chunks
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini"])
 def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     """Our bfloat16 logits are about as far from the float32 ones as transformers' own bfloat16
     model's: both round the same weights, in different orders, so their largest errors differ
@@ -198,24 +198,63 @@ def test_unsupported_architecture_is_refused(llama, tmp_path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    # Phi-4-mini rotates 3/4 of each head, in transformers 5's rope_parameters or a v4 config's top level.
+    # Only Phi-3's attention rotates part of each head (Phi-4-mini's 0.75), in transformers 5's
+    # rope_parameters or a v4 config's top level.
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
-     "partial_rotary_factor 0.75 is not supported"),
-    ({"partial_rotary_factor": 0.5, "rope_parameters": None}, "partial_rotary_factor 0.5 is not supported"),
-    # Phi-3-mini-128k and Phi-3.5-mini stretch their rope.
+     "partial_rotary_factor 0.75 is not supported for llama"),
+    ({"partial_rotary_factor": 0.5, "rope_parameters": None}, "partial_rotary_factor 0.5 is not supported for llama"),
+    # Phi-3's longrope belongs to Phi-3.
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [1.0]}},
-     "rope type 'longrope' is not supported"),
+     r"rope type 'longrope' is not supported for llama \(supported: default, llama3\)"),
 ])
-def test_phi3_variants_the_engine_does_not_implement_are_refused(phi3, edit, message):
-    data = {**json.load(open(f"{phi3[0]}/config.json")), **edit}
+def test_rotations_the_engine_does_not_implement_are_refused(llama, edit, message):
+    data = {**json.load(open(f"{llama[0]}/config.json")), **edit}
     with pytest.raises(UnsupportedModelError, match=f"config.json: {message}"):
-        LlamaConfig.from_hf(data)
+        LlamaConfig.from_hf(data, source="config.json")
+
+
+def test_a_longrope_of_the_wrong_length_is_refused(phi3_longrope):
+    data = json.load(open(f"{phi3_longrope[0]}/config.json"))
+    data["rope_parameters"] = {**data["rope_parameters"], "short_factor": [1.0] * 3}
+    with pytest.raises(UnsupportedModelError, match=r"short_factor \[1.0, 1.0, 1.0\] must hold 4 factors \(half the "
+                                                    r"rotated dimensions\), not 3"):
+        LlamaConfig.from_hf(data, source="config.json")
+
+
+def test_rows_longer_than_a_longropes_original_positions_are_refused(phi3_longrope):
+    """Past its original positions (here 64) transformers turns a whole row to the long factors:
+    the engine runs rows up to there, and says so before reading a weight."""
+    with pytest.raises(UnsupportedModelError, match=r"config.json: prompts.max_prompt_tokens \+ sampling.max_new_tokens = "
+                                                    r"65 exceeds its longrope rotation's original_max_position_embeddings 64"):
+        Engine.load(phi3_longrope[0], dtype="float32", sampling=SamplingParams(max_new_tokens=33),
+                    engine=EngineConfig(batch_size=1), max_prompt_tokens=32)
 
 
 def test_unimplemented_rope_type_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
     with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported"):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
+
+
+def test_the_pipeline_refuses_rows_past_a_longrope_before_any_step(phi3_longrope, tokenizer, config_for, tmp_path):
+    """The same limit in the pre-flight check: exit 2 and one line, before tokenize."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from pipeline.pod import preemption
+
+    folder = tmp_path / "phi35"
+    shutil.copytree(phi3_longrope[0], folder)
+    tokenizer.save_pretrained(folder)
+    config = config_for(model=str(folder), prompts={"max_prompt_tokens": 40}, sampling={"max_new_tokens": 30})
+    preemption.reset()
+    result = CliRunner().invoke(app, ["run", "all", "--config", config])
+    assert result.exit_code == 2, result.output
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        "error: prompts.max_prompt_tokens + sampling.max_new_tokens = 40 + 30 = 70 exceeds the checkpoint's "
+        f"original_max_position_embeddings 64 (its longrope's short factors) ({folder}/config.json): lower one of "
+        "them to fit"]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_checkpoint_index_cannot_name_files_outside_the_model_folder(tmp_path):
