@@ -358,7 +358,7 @@ def _llama_config(folder: _Folder):
     if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") for a in architectures):
         raise NotACheckpoint(f"model.path {folder.url}: architectures {architectures!r} in config.json is not a "
                              f"causal LM (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                             f"Qwen3ForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM)")
+                             f"Qwen3ForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM)")
     try:
         config = LlamaConfig.from_hf(data, source=url)
     except UnsupportedModelError as err:

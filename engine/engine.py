@@ -554,9 +554,10 @@ class Engine:
                 f" longrope rotation's original_max_position_embeddings {config.longrope_rows}; past it transformers"
                 f" turns every position to the long factors, which the engine does not implement")
         window = None  # why rows need the model's sliding window: the kernels have none
-        if config.sliding_window is not None and seq_len <= config.sliding_window:
+        windowed = any(config.window_of(i) is not None for i in range(config.num_hidden_layers))
+        if windowed and seq_len <= config.sliding_window:
             config = dataclasses.replace(config, sliding_window=None)  # no row reaches past it: it changes nothing
-        elif config.sliding_window is not None:
+        elif windowed:
             window = (f"{config_path} has a sliding_window of {config.sliding_window}, shorter than prompt + new tokens"
                       f" ({seq_len})")
         if sampling.stop and tokenizer is None:

@@ -1,16 +1,17 @@
-"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2, Phi-3/Phi-4) in haliax, and its checkpoint mapping.
+"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Gemma 3 text) in haliax, and its checkpoint mapping.
 
 Owns: the config read from a Hugging Face `config.json` (refusing values the code does not
 implement), the blocks (RMS norm, rotary with llama3 scaling or Phi-3's longrope, whole or over
 part of each head, grouped-query attention with an
 optional q/k/v bias and a norm of the queries and keys (Qwen3's per head, OLMo 2's over all
-heads), gated MLP, decoder layer with its norms before each part or, OLMo 2's, after), the LM
+heads), gated MLP (SiLU, Gemma's tanh GELU), decoder layer with its norms before each part,
+OLMo 2's after, Gemma's both), the LM
 head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read by
 engine/checkpoint.py) in the model, or a block of rows of one (Phi-3's fused projections).
 Refuses: other architectures, rope types other than default/llama3 (and Phi-3's longrope), a
 partial rotary outside Phi-3. Phi-3's longrope runs rows up to its original positions with its
 short factors, as transformers does (engine.py refuses longer rows). A sliding
-window (Mistral v0.1's, Phi-3 mini's) is a band of each query's mask in the engine's own (XLA)
+window (Mistral v0.1's, Phi-3 mini's, Gemma 3's local layers') is a band of each query's mask in the engine's own (XLA)
 attention; the kernels have none, so a row longer than the window runs the XLA way (engine.py).
 It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/engine.py`).
 
@@ -39,7 +40,7 @@ from haliax import Axis, NamedArray
 from engine import checkpoint, cpu_attention, kernels
 from engine.jax_compat import hax
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma3_text", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
 
 
 class UnsupportedModelError(ValueError):
@@ -56,10 +57,10 @@ class LoadStopped(Exception):
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    """llama, mistral, olmo2, phi3, qwen2 or qwen3: the weight names are the same; qwen2 adds q/k/v
-    biases, qwen3 and olmo2 norms of the queries and keys (`qk_norm`), olmo2 norms after each
-    part of a layer instead of before (`post_norm`), phi3 saves q/k/v and gate/up fused
-    (`fused_projections`)."""
+    """gemma3_text, llama, mistral, olmo2, phi3, qwen2 or qwen3: the weight names are the same;
+    qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of the queries and keys
+    (`qk_norm`), olmo2 norms after each part of a layer instead of before (`post_norm`), gemma3_text
+    both (`gemma`), phi3 saves q/k/v and gate/up fused (`fused_projections`)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -101,6 +102,16 @@ class LlamaConfig:
     fused_projections: bool = False
     """phi3: the checkpoint holds q, k and v as one `qkv_proj` and gate and up as one
     `gate_up_proj`, stacked on their output rows; the model keeps them apart, read as row blocks."""
+    windowed_layers: tuple[bool, ...] | None = None
+    """Which layers attend over `sliding_window` (Gemma 3's five local layers of six); None:
+    every layer, where the model has a window."""
+    local_rope_theta: float | None = None
+    """Gemma 3: the windowed layers' rotary base (`rope_local_base_freq`); the others' is rope_theta."""
+    gemma: bool = False
+    """Gemma 3's differences: four norms a layer (around attention and around the MLP), each
+    scaling by 1 + its weight in float32; the embeddings times sqrt(hidden_size) in the model's
+    dtype; a tanh GELU in the MLP; attention scaled by query_pre_attn_scalar ** -0.5."""
+    query_pre_attn_scalar: float | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -109,8 +120,25 @@ class LlamaConfig:
 
     @property
     def norms_scale_in_float32(self) -> bool:
-        """olmo2's norms scale by their weight in float32 before rounding (`RmsNorm`)."""
-        return self.model_type == "olmo2"
+        """olmo2's and Gemma's norms scale by their weight in float32 before rounding (`RmsNorm`)."""
+        return self.model_type == "olmo2" or self.gemma
+
+    @property
+    def attention_scale(self) -> float:
+        """What the queries' scores are scaled by: 1 / sqrt(head_dim), Gemma's 1 / sqrt(query_pre_attn_scalar)."""
+        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends over, or None (every earlier position)."""
+        if self.sliding_window is None or (self.windowed_layers is not None and not self.windowed_layers[layer]):
+            return None
+        return self.sliding_window
+
+    def rope_theta_of(self, layer: int) -> float:
+        """Layer `layer`'s rotary base: Gemma 3's windowed layers have their own."""
+        if self.local_rope_theta is not None and self.windowed_layers is not None and self.windowed_layers[layer]:
+            return self.local_rope_theta
+        return self.rope_theta
 
     @property
     def Embed(self) -> Axis:
@@ -155,8 +183,15 @@ class LlamaConfig:
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise refuse("model_type", model_type, f"is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise refuse("hidden_act", cfg["hidden_act"], "is not supported (only silu)")
+        gemma = model_type == "gemma3_text"
+        activation_key = "hidden_activation" if gemma else "hidden_act"
+        activation = cfg.get(activation_key, "gelu_pytorch_tanh" if gemma else "silu")
+        if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise refuse(activation_key, activation, "is not supported (only gelu_pytorch_tanh)" if gemma else
+                         "is not supported (only silu)")
+        for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+            if cfg.get(key):  # Gemma 2's caps; EmbeddingGemma's attention both ways
+                raise refuse(key, cfg[key], "is not supported (only null)")
         if cfg.get("mlp_bias", False):
             raise refuse("mlp_bias", cfg["mlp_bias"], "is not supported (only false)")
         if cfg.get("quantization_config"):
@@ -164,6 +199,10 @@ class LlamaConfig:
         if model_type == "olmo2" and cfg.get("attention_bias", False):
             raise refuse("attention_bias", cfg["attention_bias"], "is not supported for olmo2 (only false)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        windowed_layers, local_rope_theta = None, None
+        if gemma:
+            rope, local_rope_theta = _gemma_rope(cfg, refuse)
+            windowed_layers = _gemma_windowed_layers(cfg, refuse)
         partial_rotary = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
         if partial_rotary != 1.0 and model_type != "phi3":  # Phi-4-mini's 0.75 rotates part of each head
             raise refuse("partial_rotary_factor", partial_rotary, f"is not supported for {model_type} (only phi3 rotates"
@@ -173,7 +212,7 @@ class LlamaConfig:
             rope_type = "longrope"  # what transformers' Phi3Config reads both names as (Phi-3-128k's first configs)
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         max_positions = int(cfg.get("max_position_embeddings", 2048))
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or (256 if gemma else cfg["hidden_size"] // cfg["num_attention_heads"]))
         rope_llama3, longrope = None, {}
         if rope_type == "llama3":
             rope_llama3 = (
@@ -195,6 +234,8 @@ class LlamaConfig:
                 raise refuse("use_sliding_window", True, "is not supported (only full attention)")
         elif model_type in ("mistral", "phi3") and cfg.get("sliding_window") is not None:
             sliding_window = int(cfg["sliding_window"])  # transformers' Llama and OLMo 2 ignore the key
+        elif gemma:
+            sliding_window = int(cfg.get("sliding_window") or 4096)
 
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -211,11 +252,15 @@ class LlamaConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            gemma=gemma,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
+            windowed_layers=windowed_layers,
+            local_rope_theta=local_rope_theta,
             rope_theta=rope_theta,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            qk_norm={"qwen3": "head", "olmo2": "all"}.get(model_type),
+            qk_norm={"qwen3": "head", "olmo2": "all", "gemma3_text": "head"}.get(model_type),
             post_norm=model_type == "olmo2",
             fused_projections=model_type == "phi3",
             o_bias=model_type != "qwen2" and attention_bias,
@@ -224,6 +269,34 @@ class LlamaConfig:
             sliding_window=sliding_window,
             **longrope,
         )
+
+
+def _gemma_rope(cfg: dict[str, Any], refuse) -> tuple[dict[str, Any], float]:
+    """Gemma 3's rotations: (the global layers' rope parameters, the windowed layers' base), from
+    transformers 5's `rope_parameters` per layer type or an older config's rope_theta,
+    rope_scaling and rope_local_base_freq. Only the default rotation is implemented (the 4B
+    and larger checkpoints' global layers scale theirs linearly)."""
+    params = cfg.get("rope_parameters") or {}
+    full = params.get("full_attention") or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e6)}
+    local = params.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+    for part in (full, local):
+        rope_type = part.get("rope_type", part.get("type", "default"))
+        if rope_type != "default":
+            raise refuse("rope type", rope_type, "is not supported for gemma3_text (supported: default)")
+    return {"rope_theta": full.get("rope_theta", 1e6)}, float(local.get("rope_theta", 1e4))
+
+
+def _gemma_windowed_layers(cfg: dict[str, Any], refuse) -> tuple[bool, ...]:
+    """Which of Gemma 3's layers are windowed: its `layer_types`, else every layer but each
+    `sliding_window_pattern`-th (6), as transformers reads an older config."""
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        return tuple(bool((i + 1) % pattern) for i in range(layers))
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise refuse("layer_types", types, f"must name sliding_attention or full_attention for each of the {layers} layers")
+    return tuple(kind == "sliding_attention" for kind in types)
 
 
 def _longrope(cfg: dict[str, Any], rope: dict[str, Any], *, max_positions: int, rotary_dim: int, refuse) -> dict[str, Any]:
@@ -304,12 +377,15 @@ class RmsNorm(eqx.Module):
     weight: NamedArray
     eps: float = eqx.field(static=True)
     scale_in_float32: bool = eqx.field(static=True, default=False)
-    """olmo2's order: scaled by the weight in float32, then rounded to x's dtype once; else
-    Llama's: rounded, then scaled in x's dtype (the same in float32, not in bfloat16)."""
+    """olmo2's and Gemma's order: scaled by the weight in float32, then rounded to x's dtype once;
+    else Llama's: rounded, then scaled in x's dtype (the same in float32, not in bfloat16)."""
+    offset: float = eqx.field(static=True, default=0.0)
+    """Gemma's 1: the scale is offset + weight (in float32), its checkpoint's weights saved as offsets."""
 
     @staticmethod
-    def init(axis: Axis, eps: float, scale_in_float32: bool = False) -> "RmsNorm":
-        return RmsNorm(hax.ones(axis), eps, scale_in_float32)
+    def init(axis: Axis, config: "LlamaConfig") -> "RmsNorm":
+        """A norm over `axis` in the config's model's manner."""
+        return RmsNorm(hax.ones(axis), config.rms_norm_eps, config.norms_scale_in_float32, 1.0 if config.gemma else 0.0)
 
     def __call__(self, x: NamedArray) -> NamedArray:
         # As transformers: normalise in float32, then scale and cast back in the model's order.
@@ -317,15 +393,16 @@ class RmsNorm(eqx.Module):
         var = hax.mean(x32 * x32, axis=self.weight.axes[0].name)
         normed = x32 * hax.rsqrt(var + self.eps)
         if self.scale_in_float32:
-            return (self.weight.astype(jnp.float32) * normed).astype(x.dtype)
+            scale = self.weight.astype(jnp.float32)
+            return ((scale + self.offset if self.offset else scale) * normed).astype(x.dtype)
         return self.weight * normed.astype(x.dtype)
 
 
-def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies [rotary_dim / 2], with Llama 3.1's long-context rescaling or
-    longrope's short factors when set."""
+def rope_inv_freq(config: LlamaConfig, theta: float | None = None) -> np.ndarray:
+    """Inverse frequencies [rotary_dim / 2] of base `theta` (rope_theta), with Llama 3.1's
+    long-context rescaling or longrope's short factors when set."""
     dim = config.rotary_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    inv_freq = 1.0 / ((theta or config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if config.rope_short_factor is not None:
         return (inv_freq / np.asarray(config.rope_short_factor, np.float64)).astype(np.float32)
     if config.rope_llama3 is None:
@@ -341,12 +418,13 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def rotary_tables(config: LlamaConfig, positions: NamedArray, dtype) -> tuple[NamedArray, NamedArray]:
+def rotary_tables(config: LlamaConfig, positions: NamedArray, dtype,
+                  theta: float | None = None) -> tuple[NamedArray, NamedArray]:
     """cos and sin over (positions' axes..., head_dim of rotary_dim), as transformers' rotate-half
-    layout, scaled by longrope's attention factor in float32 before the cast, as transformers
-    scales them."""
+    layout, of base `theta` (rope_theta), scaled by longrope's attention factor in float32 before
+    the cast, as transformers scales them."""
     Half = Axis("head_dim", config.rotary_dim // 2)
-    inv_freq = hax.named(jnp.asarray(rope_inv_freq(config)), Half)
+    inv_freq = hax.named(jnp.asarray(rope_inv_freq(config, theta)), Half)
     angles = hax.broadcast_axis(positions.astype(jnp.float32), Half) * inv_freq
     angles = hax.concatenate("head_dim", [angles, angles])
     cos, sin = hax.cos(angles), hax.sin(angles)
@@ -550,7 +628,7 @@ def _qk_norm(config: LlamaConfig, flat: Axis) -> RmsNorm | None:
     if config.qk_norm is None:
         return None
     axis = config.HeadDim if config.qk_norm == "head" else flat
-    return RmsNorm.init(axis, config.rms_norm_eps, config.norms_scale_in_float32)
+    return RmsNorm.init(axis, config)
 
 
 class Attention(eqx.Module):
@@ -571,9 +649,11 @@ class Attention(eqx.Module):
     o_bias: NamedArray | None
     q_norm: RmsNorm | None = None  # qwen3: (HeadDim,), each head; olmo2: (QHeadsDim,), all heads
     k_norm: RmsNorm | None = None  # qwen3: (HeadDim,); olmo2: (KVHeadsDim,)
+    window: int | None = eqx.field(static=True, default=None)
+    """This layer's sliding window (`LlamaConfig.window_of`), or None."""
 
     @staticmethod
-    def init(config: LlamaConfig, *, key: jax.Array) -> "Attention":
+    def init(config: LlamaConfig, *, key: jax.Array, layer: int = 0) -> "Attention":
         c = config
         k_q, k_k, k_v, k_o = jax.random.split(key, 4)
         q_axes = (c.KVHeads, c.QPerKV, c.HeadDim)
@@ -590,13 +670,15 @@ class Attention(eqx.Module):
             o_bias=hax.zeros(c.Embed) if c.o_bias else None,
             q_norm=_qk_norm(c, c.QHeadsDim),
             k_norm=_qk_norm(c, c.KVHeadsDim),
+            window=c.window_of(layer),
         )
 
     def __call__(self, x: NamedArray, cos: NamedArray, sin: NamedArray, context) -> tuple[NamedArray, LayerKV]:
         """x (Embed, Batch, Pos); returns (output, keys/values), by the kind of `context`:
 
         - a mask (Batch, Pos, KPos), True where a query may attend (prefill without a cache):
-          keys are this call's own positions, returned as a fresh LayerKV.
+          keys are this call's own positions, in order, returned as a fresh LayerKV; a windowed
+          layer also leaves out the keys before each query's window.
         - PrefillChunk: the chunk's keys/values are written into the cache rows it names, then
           it attends over its row of the cache (or, fresh, over the chunk alone); returns the
           updated PagedKV.
@@ -632,8 +714,8 @@ class Attention(eqx.Module):
         q = q.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim"))
         k = k.rearrange(("batch", "kv_heads", "position", "head_dim"))
         v = v.rearrange(("batch", "kv_heads", "position", "head_dim"))
-        scale = 1.0 / math.sqrt(self.config.head_dim)
-        window = c.sliding_window
+        scale = c.attention_scale
+        window = self.window
         if window is not None and isinstance(context, (DecodeStep, PrefillChunk)) and context.attention != "xla":
             raise ValueError(f"a sliding window is attended the XLA way only, not with {context.attention!r}")
         if isinstance(context, DecodeStep):
@@ -643,7 +725,11 @@ class Attention(eqx.Module):
                 attn, new_kv = self._prefill(q, k, v, context, scale, rotary, window)
             else:
                 keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
-                new_kv, attn = LayerKV(keys, values), _attend(q, keys, values, context, scale)
+                mask = context
+                if window is not None:  # the call's positions in order: a key's index is its position
+                    index = jnp.arange(mask.resolve_axis("position").size)
+                    mask = mask & hax.named(in_window(index[None, :], index[:, None], window), ("position", "key_position"))
+                new_kv, attn = LayerKV(keys, values), _attend(q, keys, values, mask, scale)
         attn = attn.rearrange(("kv_heads", "q_per_kv", "head_dim", "batch", "position")).astype(x.dtype)
         out = linear(hax.flatten_axes(attn, ("kv_heads", "q_per_kv", "head_dim"), "q_heads_dim"), self.o_proj, "q_heads_dim")
         if self.o_bias is not None:
@@ -774,12 +860,16 @@ class Mlp(eqx.Module):
             _normal(k_gate, (c.Mlp, c.Embed)),
             _normal(k_up, (c.Mlp, c.Embed)),
             _normal(k_down, (c.Embed, c.Mlp)),
+            gelu=c.gemma,
         )
+
+    gelu: bool = eqx.field(static=True, default=False)
+    """Gemma's tanh GELU instead of the SiLU."""
 
     def __call__(self, x: NamedArray) -> NamedArray:
         gate = linear(x, self.gate_proj, "embed")
         up = linear(x, self.up_proj, "embed")
-        return linear(swiglu(gate, up), self.down_proj, "mlp")
+        return linear(geglu(gate, up) if self.gelu else swiglu(gate, up), self.down_proj, "mlp")
 
 
 def swiglu(gate: NamedArray, up: NamedArray) -> NamedArray:
@@ -792,31 +882,45 @@ def swiglu(gate: NamedArray, up: NamedArray) -> NamedArray:
     return hax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
 
 
+def geglu(gate: NamedArray, up: NamedArray) -> NamedArray:
+    """gelu(gate) * up with the tanh GELU (transformers' gelu_pytorch_tanh), computed in float32
+    and rounded once, as `swiglu`."""
+    return hax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype) * up
+
+
 class DecoderLayer(eqx.Module):
     """Attention, then the MLP, each added to the residual. Llama's norms come before each part
     (input_layernorm, post_attention_layernorm: the MLP's input, as transformers names it);
     olmo2's after (post_attention_layernorm on attention's output, post_feedforward_layernorm
-    on the MLP's), with no input_layernorm."""
+    on the MLP's), with no input_layernorm; Gemma's both before and after each (input_layernorm,
+    post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm)."""
 
     input_layernorm: RmsNorm | None
     self_attn: Attention
     post_attention_layernorm: RmsNorm
     mlp: Mlp
     post_feedforward_layernorm: RmsNorm | None = None
+    pre_feedforward_layernorm: RmsNorm | None = None
 
     @staticmethod
-    def init(config: LlamaConfig, *, key: jax.Array) -> "DecoderLayer":
+    def init(config: LlamaConfig, *, key: jax.Array, layer: int = 0) -> "DecoderLayer":
         k_attn, k_mlp = jax.random.split(key)
-        norm = functools.partial(RmsNorm.init, config.Embed, config.rms_norm_eps, config.norms_scale_in_float32)
+        norm = functools.partial(RmsNorm.init, config.Embed, config)
         return DecoderLayer(
             None if config.post_norm else norm(),
-            Attention.init(config, key=k_attn),
+            Attention.init(config, key=k_attn, layer=layer),
             norm(),
             Mlp.init(config, key=k_mlp),
-            norm() if config.post_norm else None,
+            norm() if config.post_norm or config.gemma else None,
+            norm() if config.gemma else None,
         )
 
     def __call__(self, x, cos, sin, context):
+        if self.pre_feedforward_layernorm is not None:  # gemma
+            attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, context)
+            x = x + self.post_attention_layernorm(attn)
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x, new_kv
         if self.post_feedforward_layernorm is not None:  # olmo2
             attn, new_kv = self.self_attn(x, cos, sin, context)
             x = x + self.post_attention_layernorm(attn)
@@ -855,8 +959,8 @@ class LlamaLM(eqx.Module):
         return LlamaLM(
             config=config,
             embed_tokens=_normal(k_embed, (config.Vocab, config.Embed)),
-            layers=tuple(DecoderLayer.init(config, key=k) for k in layer_keys),
-            norm=RmsNorm.init(config.Embed, config.rms_norm_eps, config.norms_scale_in_float32),
+            layers=tuple(DecoderLayer.init(config, key=k, layer=i) for i, k in enumerate(layer_keys)),
+            norm=RmsNorm.init(config.Embed, config),
             lm_head=None if config.tie_word_embeddings else _normal(k_head, (config.Vocab, config.Embed)),
         )
 
@@ -867,11 +971,17 @@ class LlamaLM(eqx.Module):
         each layer's fresh keys/values), or one PrefillChunk / DecodeStep per layer."""
         # auto_sharded: on a global mesh (engine/mesh.py) keeps rows on the data axis between
         # layers, so FSDP gathers weights instead of splitting activations; a no-op otherwise.
-        x = hax.auto_sharded(embed(self.embed_tokens, tokens).rearrange(("embed", ...)))  # feature first: `linear`
-        cos, sin = rotary_tables(self.config, positions, x.dtype)
+        c = self.config
+        x = embed(self.embed_tokens, tokens).rearrange(("embed", ...))  # feature first: `linear`
+        if c.gemma:  # sqrt(hidden) as a float32, rounded to the model's dtype, as transformers scales
+            x = x * jnp.asarray(np.float32(math.sqrt(c.hidden_size))).astype(x.dtype)
+        x = hax.auto_sharded(x)
+        thetas = sorted({c.rope_theta_of(i) for i in range(len(self.layers))})
+        tables = {theta: rotary_tables(c, positions, x.dtype, theta) for theta in thetas}
         per_layer = isinstance(context, (tuple, list))
         new_kvs = []
         for i, layer in enumerate(self.layers):
+            cos, sin = tables[c.rope_theta_of(i)]
             x, kv = _run_layer(layer, x, cos, sin, context[i] if per_layer else context)
             new_kvs.append(kv)
         return self.norm(x), tuple(new_kvs)
@@ -927,6 +1037,8 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
             return lambda m, L=layer: getattr(L(m).mlp, name)
 
         norms = ("post_attention", "post_feedforward") if config.post_norm else ("input", "post_attention")
+        if config.gemma:
+            norms = ("input", "post_attention", "pre_feedforward", "post_feedforward")
         mapping += [Saved(p + f"{name}_layernorm.weight", lambda m, L=layer, n=name: getattr(L(m), f"{n}_layernorm").weight)
                     for name in norms]
         if config.fused_projections:  # phi3: gate then up, and q then k then v, each one tensor's rows

@@ -154,6 +154,33 @@ def phi4_mini(tmp_path_factory):
     ))
 
 
+def _gemma3(tmp_path_factory, sliding_window: int):
+    from transformers import Gemma3TextConfig
+
+    return _built(tmp_path_factory, Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=512,
+        pad_token_id=None, bos_token_id=None,
+    ))
+
+
+@pytest.fixture(scope="session")
+def gemma3(tmp_path_factory):
+    """(path, torch model): Gemma 3 (text): four norms a layer scaling by 1 + weight, scaled
+    embeddings, a tanh GELU, per-head query and key norms, attention scaled by
+    query_pre_attn_scalar (24, not head_dim's 16), tied embeddings, and two layers of three
+    attending over a window of 8 positions with their own rotary base (10,000 against 1,000,000)."""
+    return _gemma3(tmp_path_factory, sliding_window=8)
+
+
+@pytest.fixture(scope="session")
+def gemma3_wide(tmp_path_factory):
+    """(path, torch model): `gemma3` with a window longer than the tests' rows: the engine's
+    kernels run it (a row's window changes nothing), each layer with its own rotary tables."""
+    return _gemma3(tmp_path_factory, sliding_window=256)
+
+
 @pytest.fixture(scope="session")
 def mistral(tmp_path_factory):
     """(path, torch model): Mistral with a sliding window of 8 positions (v0.1's is 4,096), shorter

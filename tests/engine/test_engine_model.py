@@ -37,7 +37,7 @@ def _our_logits(model, ids: np.ndarray) -> np.ndarray:
     return np.asarray(model.logits(hidden).rearrange(("batch", "position", "vocab")).array)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma3", "gemma3_wide"])
 def test_logits_match_transformers(name, request):
     path, hf = request.getfixturevalue(name)
     config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
@@ -50,7 +50,7 @@ def test_logits_match_transformers(name, request):
     np.testing.assert_allclose(ours, expected, atol=LOGIT_TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma3", "gemma3_wide"])
 def test_greedy_matches_transformers_generate(name, request):
     """Six prompts of mixed lengths through 4 slots: exercises buckets and slot refill too."""
     path, hf = request.getfixturevalue(name)
@@ -74,26 +74,29 @@ def test_greedy_matches_transformers_generate(name, request):
     assert engine.stats.compilations <= 4, engine.stats  # init, decode, first and later prefill chunks
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma3", "gemma3_wide"])
 def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     """Our bfloat16 logits are about as far from the float32 ones as transformers' own bfloat16
-    model's: both round the same weights, in different orders, so their largest errors differ
-    a little (measured: ours 0.34 and 0.23, transformers' 0.34 and 0.29, about 5 % of the
-    largest logit; ours were 0.35 and 0.25 while the SiLU rounded each step, `swiglu`). qwen2's
-    embeddings are tied: its LM head is the embedding table."""
+    model's: both round the same weights, in different orders. Over three rows of 24 tokens the
+    mean errors' ratio, ours over theirs, measured 0.82-1.10 across the models, and the largest
+    errors' 0.81-1.36 (a single logit: Gemma's four norms a layer scatter them most). The mean
+    is the sharper test: Gemma's norm scale 1 + weight rounded to bfloat16 before it scales
+    gave 1.28-1.36 there, and its largest errors 0.87-1.23. qwen2's and Gemma's embeddings are
+    tied: the LM head is the embedding table."""
     path, hf = request.getfixturevalue(name)
     config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
     model = load_checkpoint(path, config, dtype=jnp.bfloat16)
-    ids = np.random.RandomState(1).randint(0, VOCAB, (1, 24))
+    ids = np.random.RandomState(1).randint(0, VOCAB, (3, 24))
     with torch.no_grad():
         expected = hf(torch.tensor(ids)).logits.numpy()
         peer = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor(ids)).logits.float().numpy()
-    peer_error = np.abs(peer - expected).max()
-    assert peer_error > 0.01 * np.abs(expected).max(), "bfloat16 should round visibly"
-    assert np.abs(_our_logits(model, ids) - expected).max() <= 1.25 * peer_error
+    peer_error, ours_error = np.abs(peer - expected), np.abs(_our_logits(model, ids) - expected)
+    assert peer_error.max() > 0.01 * np.abs(expected).max(), "bfloat16 should round visibly"
+    assert ours_error.mean() <= 1.15 * peer_error.mean()
+    assert ours_error.max() <= 1.5 * peer_error.max()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi4_mini", "gemma3"])
 def test_the_pipelines_check_accepts_each_supported_checkpoint(name, request, tokenizer, tmp_path):
     """The pre-flight check (`pipeline run` calls it before any step) expects every tensor the
     loader reads with transformers' shape: qwen3's head norms are head_dim long, not hidden, and
@@ -105,7 +108,7 @@ def test_the_pipelines_check_accepts_each_supported_checkpoint(name, request, to
     shutil.copytree(path, folder)
     tokenizer.save_pretrained(folder)
     found = check_checkpoint(str(folder))
-    assert found["model_type"] == name
+    assert found["model_type"] == hf.config.model_type
     assert found["tensors"] == len(hf.state_dict()) - hf.config.tie_word_embeddings  # a tied head is not saved
 
 
@@ -192,7 +195,7 @@ def _edited_checkpoint(src: str, dst, **config_values) -> str:
 
 def test_unsupported_architecture_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "gpt2", model_type="gpt2")
-    supported = r"\(supported: llama, mistral, olmo2, phi3, qwen2, qwen3\)"
+    supported = r"\(supported: gemma3_text, llama, mistral, olmo2, phi3, qwen2, qwen3\)"
     with pytest.raises(UnsupportedModelError, match=r"config.json: model_type 'gpt2' is not supported " + supported):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
 
