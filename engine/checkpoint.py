@@ -355,10 +355,13 @@ def _llama_config(folder: _Folder):
         raise NotACheckpoint(f"model.path {folder.url} has no config.json ({HINT})")
     data = folder.read_json(CONFIG_FILE)
     architectures = data.get("architectures") or []
-    if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") for a in architectures):
+    # Gemma 3's image-and-text checkpoints hold a causal LM: its text model runs alone.
+    if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") and
+                                                  a != "Gemma3ForConditionalGeneration" for a in architectures):
         raise NotACheckpoint(f"model.path {folder.url}: architectures {architectures!r} in config.json is not a "
                              f"causal LM (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                             f"Qwen3ForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM)")
+                             f"Qwen3ForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, "
+                             f"Gemma3ForConditionalGeneration's text model)")
     try:
         config = LlamaConfig.from_hf(data, source=url)
     except UnsupportedModelError as err:

@@ -107,6 +107,11 @@ class LlamaConfig:
     every layer, where the model has a window."""
     local_rope_theta: float | None = None
     """Gemma 3: the windowed layers' rotary base (`rope_local_base_freq`); the others' is rope_theta."""
+    rope_linear_factor: float | None = None
+    """Gemma 3 4B and larger: the global layers' frequencies divided by it (a `linear` rope)."""
+    weights_prefix: str = ""
+    """Before every tensor's name: `language_model.` for the text model of Gemma 3's image-and-text
+    checkpoints (Gemma3ForConditionalGeneration)."""
     gemma: bool = False
     """Gemma 3's differences: four norms a layer (around attention and around the MLP), each
     scaling by 1 + its weight in float32; the embeddings times sqrt(hidden_size) in the model's
@@ -134,11 +139,12 @@ class LlamaConfig:
             return None
         return self.sliding_window
 
-    def rope_theta_of(self, layer: int) -> float:
-        """Layer `layer`'s rotary base: Gemma 3's windowed layers have their own."""
+    def rope_of(self, layer: int) -> tuple[float, float | None]:
+        """Layer `layer`'s rotation: (base, linear factor). Gemma 3's windowed layers have a base
+        of their own and no factor."""
         if self.local_rope_theta is not None and self.windowed_layers is not None and self.windowed_layers[layer]:
-            return self.local_rope_theta
-        return self.rope_theta
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_linear_factor
 
     @property
     def Embed(self) -> Axis:
@@ -181,8 +187,16 @@ class LlamaConfig:
             return UnsupportedModelError(f"model.path {source}: {key} {value!r} {why}")
 
         model_type = cfg.get("model_type")
+        weights_prefix = ""
+        if model_type == "gemma3":  # Gemma3ForConditionalGeneration: its text model, without the image tower
+            cfg = {**cfg.get("text_config", {}), "model_type": "gemma3_text",
+                   "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+            model_type, weights_prefix = "gemma3_text", "language_model."
+        if model_type == "gemma3_text":  # the Hub's configs leave out transformers' defaults
+            cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise refuse("model_type", model_type, f"is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise refuse("model_type", model_type, f"is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)},"
+                         " gemma3's text model)")
         gemma = model_type == "gemma3_text"
         activation_key = "hidden_activation" if gemma else "hidden_act"
         activation = cfg.get(activation_key, "gelu_pytorch_tanh" if gemma else "silu")
@@ -199,9 +213,9 @@ class LlamaConfig:
         if model_type == "olmo2" and cfg.get("attention_bias", False):
             raise refuse("attention_bias", cfg["attention_bias"], "is not supported for olmo2 (only false)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        windowed_layers, local_rope_theta = None, None
+        windowed_layers, local_rope_theta, linear_factor = None, None, None
         if gemma:
-            rope, local_rope_theta = _gemma_rope(cfg, refuse)
+            rope, local_rope_theta, linear_factor = _gemma_rope(cfg, refuse)
             windowed_layers = _gemma_windowed_layers(cfg, refuse)
         partial_rotary = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
         if partial_rotary != 1.0 and model_type != "phi3":  # Phi-4-mini's 0.75 rotates part of each head
@@ -256,6 +270,8 @@ class LlamaConfig:
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
             windowed_layers=windowed_layers,
             local_rope_theta=local_rope_theta,
+            rope_linear_factor=linear_factor,
+            weights_prefix=weights_prefix,
             rope_theta=rope_theta,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
@@ -271,19 +287,27 @@ class LlamaConfig:
         )
 
 
-def _gemma_rope(cfg: dict[str, Any], refuse) -> tuple[dict[str, Any], float]:
-    """Gemma 3's rotations: (the global layers' rope parameters, the windowed layers' base), from
-    transformers 5's `rope_parameters` per layer type or an older config's rope_theta,
-    rope_scaling and rope_local_base_freq. Only the default rotation is implemented (the 4B
-    and larger checkpoints' global layers scale theirs linearly)."""
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
+}
+"""transformers' Gemma3TextConfig defaults, which the Hub's Gemma 3 configs leave out."""
+
+
+def _gemma_rope(cfg: dict[str, Any], refuse) -> tuple[dict[str, Any], float, float | None]:
+    """Gemma 3's rotations: (the global layers' rope parameters, the windowed layers' base, the
+    global layers' linear factor: 8 from 4B on), from transformers 5's `rope_parameters` per
+    layer type or an older config's rope_theta, rope_scaling and rope_local_base_freq."""
     params = cfg.get("rope_parameters") or {}
     full = params.get("full_attention") or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e6)}
     local = params.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 1e4)}
-    for part in (full, local):
+    for part, allowed in ((full, ("default", "linear")), (local, ("default",))):
         rope_type = part.get("rope_type", part.get("type", "default"))
-        if rope_type != "default":
-            raise refuse("rope type", rope_type, "is not supported for gemma3_text (supported: default)")
-    return {"rope_theta": full.get("rope_theta", 1e6)}, float(local.get("rope_theta", 1e4))
+        if rope_type not in allowed:
+            raise refuse("rope type", rope_type, f"is not supported for gemma3_text (supported: {', '.join(allowed)})")
+    linear = float(full["factor"]) if full.get("rope_type", full.get("type")) == "linear" else None
+    return {"rope_theta": full.get("rope_theta", 1e6)}, float(local.get("rope_theta", 1e4)), linear
 
 
 def _gemma_windowed_layers(cfg: dict[str, Any], refuse) -> tuple[bool, ...]:
@@ -398,11 +422,15 @@ class RmsNorm(eqx.Module):
         return self.weight * normed.astype(x.dtype)
 
 
-def rope_inv_freq(config: LlamaConfig, theta: float | None = None) -> np.ndarray:
-    """Inverse frequencies [rotary_dim / 2] of base `theta` (rope_theta), with Llama 3.1's
-    long-context rescaling or longrope's short factors when set."""
+def rope_inv_freq(config: LlamaConfig, rope: tuple[float, float | None] | None = None) -> np.ndarray:
+    """Inverse frequencies [rotary_dim / 2] of a layer's rotation (`LlamaConfig.rope_of`; base
+    rope_theta by default), with Llama 3.1's long-context rescaling or longrope's short factors
+    when set."""
     dim = config.rotary_dim
-    inv_freq = 1.0 / ((theta or config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    theta, linear = rope or (config.rope_theta, None)
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if linear is not None:
+        inv_freq = inv_freq / linear
     if config.rope_short_factor is not None:
         return (inv_freq / np.asarray(config.rope_short_factor, np.float64)).astype(np.float32)
     if config.rope_llama3 is None:
@@ -419,12 +447,12 @@ def rope_inv_freq(config: LlamaConfig, theta: float | None = None) -> np.ndarray
 
 
 def rotary_tables(config: LlamaConfig, positions: NamedArray, dtype,
-                  theta: float | None = None) -> tuple[NamedArray, NamedArray]:
+                  rope: tuple[float, float | None] | None = None) -> tuple[NamedArray, NamedArray]:
     """cos and sin over (positions' axes..., head_dim of rotary_dim), as transformers' rotate-half
-    layout, of base `theta` (rope_theta), scaled by longrope's attention factor in float32 before
-    the cast, as transformers scales them."""
+    layout, of a layer's rotation (`rope_inv_freq`), scaled by longrope's attention factor in
+    float32 before the cast, as transformers scales them."""
     Half = Axis("head_dim", config.rotary_dim // 2)
-    inv_freq = hax.named(jnp.asarray(rope_inv_freq(config, theta)), Half)
+    inv_freq = hax.named(jnp.asarray(rope_inv_freq(config, rope)), Half)
     angles = hax.broadcast_axis(positions.astype(jnp.float32), Half) * inv_freq
     angles = hax.concatenate("head_dim", [angles, angles])
     cos, sin = hax.cos(angles), hax.sin(angles)
@@ -976,12 +1004,12 @@ class LlamaLM(eqx.Module):
         if c.gemma:  # sqrt(hidden) as a float32, rounded to the model's dtype, as transformers scales
             x = x * jnp.asarray(np.float32(math.sqrt(c.hidden_size))).astype(x.dtype)
         x = hax.auto_sharded(x)
-        thetas = sorted({c.rope_theta_of(i) for i in range(len(self.layers))})
-        tables = {theta: rotary_tables(c, positions, x.dtype, theta) for theta in thetas}
+        ropes = dict.fromkeys(c.rope_of(i) for i in range(len(self.layers)))
+        tables = {rope: rotary_tables(c, positions, x.dtype, rope) for rope in ropes}
         per_layer = isinstance(context, (tuple, list))
         new_kvs = []
         for i, layer in enumerate(self.layers):
-            cos, sin = tables[c.rope_theta_of(i)]
+            cos, sin = tables[c.rope_of(i)]
             x, kv = _run_layer(layer, x, cos, sin, context[i] if per_layer else context)
             new_kvs.append(kv)
         return self.norm(x), tuple(new_kvs)
@@ -1062,7 +1090,7 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
     mapping.append(Saved("model.norm.weight", lambda m: m.norm.weight))
     if not config.tie_word_embeddings:
         mapping.append(Saved("lm_head.weight", lambda m: m.lm_head))
-    return mapping
+    return [saved._replace(name=config.weights_prefix + saved.name) for saved in mapping]
 
 
 def saved_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -362,7 +362,8 @@ def _load_engine(cfg: Config, todo: list[_ShardTodo]):
 
     with checkpoint_errors():
         tokenizer = load_tokenizer(cfg.model.path)
-        vocab = read_config(cfg.model.path).get("vocab_size")
+        config = read_config(cfg.model.path)
+        vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")  # or Gemma 3's text model's
     if isinstance(vocab, int):  # else Engine.load names what config.json lacks
         for t in todo:  # before Engine.load starts compiling: a run that cannot start compiles nothing
             top = t.max_token_id()

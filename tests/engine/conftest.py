@@ -42,12 +42,12 @@ def _randomize(model, std: float = 0.3) -> None:
                 p.normal_(0.0, std)
 
 
-def _built(tmp_path_factory, config) -> tuple[str, object]:
+def _built(tmp_path_factory, config, model_class=None) -> tuple[str, object]:
     """(path, torch model): a random-weight causal LM of `config`'s architecture, saved with no
     EOS id, so that every row makes exactly its new tokens."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = (model_class(config) if model_class else AutoModelForCausalLM.from_config(config)).eval()
     _randomize(model)
     model.generation_config.eos_token_id = None
     model.config.eos_token_id = None
@@ -163,6 +163,26 @@ def _gemma3(tmp_path_factory, sliding_window: int):
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=512,
         pad_token_id=None, bos_token_id=None,
     ))
+
+
+@pytest.fixture(scope="session")
+def gemma3_image_text(tmp_path_factory):
+    """(path, torch model): Gemma 3 4B's layout, an image-and-text Gemma3ForConditionalGeneration
+    (a tiny SigLIP image tower beside the text model, its tensors under `language_model.`), whose
+    global layers scale their rotation linearly (factor 8); the engine runs its text model."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=512,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, pad_token_id=None, bos_token_id=None,
+    )
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB + 2,
+                          boi_token_index=VOCAB, eoi_token_index=VOCAB + 1)
+    return _built(tmp_path_factory, config, Gemma3ForConditionalGeneration)
 
 
 @pytest.fixture(scope="session")

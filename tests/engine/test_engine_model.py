@@ -37,7 +37,7 @@ def _our_logits(model, ids: np.ndarray) -> np.ndarray:
     return np.asarray(model.logits(hidden).rearrange(("batch", "position", "vocab")).array)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma3", "gemma3_wide"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma3", "gemma3_wide", "gemma3_image_text"])
 def test_logits_match_transformers(name, request):
     path, hf = request.getfixturevalue(name)
     config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
@@ -50,7 +50,7 @@ def test_logits_match_transformers(name, request):
     np.testing.assert_allclose(ours, expected, atol=LOGIT_TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma3", "gemma3_wide"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma3", "gemma3_wide", "gemma3_image_text"])
 def test_greedy_matches_transformers_generate(name, request):
     """Six prompts of mixed lengths through 4 slots: exercises buckets and slot refill too."""
     path, hf = request.getfixturevalue(name)
@@ -74,7 +74,7 @@ def test_greedy_matches_transformers_generate(name, request):
     assert engine.stats.compilations <= 4, engine.stats  # init, decode, first and later prefill chunks
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma3", "gemma3_wide"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma3", "gemma3_wide", "gemma3_image_text"])
 def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     """Our bfloat16 logits are about as far from the float32 ones as transformers' own bfloat16
     model's: both round the same weights, in different orders. Over three rows of 24 tokens the
@@ -96,7 +96,7 @@ def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     assert ours_error.max() <= 1.5 * peer_error.max()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi4_mini", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi4_mini", "gemma3", "gemma3_image_text"])
 def test_the_pipelines_check_accepts_each_supported_checkpoint(name, request, tokenizer, tmp_path):
     """The pre-flight check (`pipeline run` calls it before any step) expects every tensor the
     loader reads with transformers' shape: qwen3's head norms are head_dim long, not hidden, and
@@ -108,7 +108,7 @@ def test_the_pipelines_check_accepts_each_supported_checkpoint(name, request, to
     shutil.copytree(path, folder)
     tokenizer.save_pretrained(folder)
     found = check_checkpoint(str(folder))
-    assert found["model_type"] == hf.config.model_type
+    assert found["model_type"] == hf.config.get_text_config().model_type  # an image-and-text model: its text model
     assert found["tensors"] == len(hf.state_dict()) - hf.config.tie_word_embeddings  # a tied head is not saved
 
 
@@ -195,7 +195,7 @@ def _edited_checkpoint(src: str, dst, **config_values) -> str:
 
 def test_unsupported_architecture_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "gpt2", model_type="gpt2")
-    supported = r"\(supported: gemma3_text, llama, mistral, olmo2, phi3, qwen2, qwen3\)"
+    supported = r"\(supported: gemma3_text, llama, mistral, olmo2, phi3, qwen2, qwen3, gemma3's text model\)"
     with pytest.raises(UnsupportedModelError, match=r"config.json: model_type 'gpt2' is not supported " + supported):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
 
@@ -237,6 +237,24 @@ def test_unimplemented_rope_type_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
     with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported"):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
+
+
+def test_a_gemma3_image_text_config_that_leaves_out_transformers_defaults():
+    """The Hub's Gemma 3 4B config.json names only what differs from transformers' defaults: the
+    text model's heads, head size, windows and rotations come from those defaults."""
+    config = LlamaConfig.from_hf({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model"},
+    })
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.vocab_size) == (8, 4, 256, 262_208)
+    assert config.attention_scale == 256 ** -0.5 and config.tie_word_embeddings
+    assert [i for i in range(34) if config.window_of(i) is None] == [5, 11, 17, 23, 29]  # one global layer in six
+    assert {config.window_of(i) for i in range(34)} == {None, 1024}
+    assert (config.rope_of(0), config.rope_of(5)) == ((10_000.0, None), (1_000_000.0, 8.0))
+    assert config.weights_prefix == "language_model."
 
 
 def test_the_pipeline_refuses_rows_past_a_longrope_before_any_step(phi3_longrope, tokenizer, config_for, tmp_path):
