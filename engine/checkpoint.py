@@ -342,7 +342,8 @@ def check_checkpoint(url: str) -> dict[str, Any]:
                                    f"config.json implies {list(shape)}")
     return {"model_type": config.model_type, "files": files, "tensors": len(tensors),
             "layers": config.num_hidden_layers, "max_position_embeddings": config.max_position_embeddings,
-            "sliding_window": config.sliding_window, "longrope_rows": config.longrope_rows}
+            "sliding_window": config.sliding_window, "longrope_rows": config.longrope_rows,
+            "attn_logit_softcapping": config.attn_logit_softcapping}
 
 
 def _llama_config(folder: _Folder):
@@ -360,7 +361,7 @@ def _llama_config(folder: _Folder):
                                                   a != "Gemma3ForConditionalGeneration" for a in architectures):
         raise NotACheckpoint(f"model.path {folder.url}: architectures {architectures!r} in config.json is not a "
                              f"causal LM (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                             f"Qwen3ForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, "
+                             f"Qwen3ForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
                              f"Gemma3ForConditionalGeneration's text model)")
     try:
         config = LlamaConfig.from_hf(data, source=url)

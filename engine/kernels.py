@@ -97,7 +97,7 @@ TUNING = KernelTuning()
 """What an engine runs (read by Engine.load into its DecodeSpec)."""
 
 
-def resolve(setting: str, *, platform: str, head_dim: int, dtype: str, window: str | None = None) -> str:
+def resolve(setting: str, *, platform: str, head_dim: int, dtype: str, xla_only: str | None = None) -> str:
     """'xla', 'pallas' or 'cpu' for `engine.decode_attention`. auto: on GPUs JAX's Pallas kernel
     in a 16-bit dtype (float32 keeps the engine's own attention, whose products are held to
     float32 precision) when the heads suit it; on CPUs the engine's C++ kernel
@@ -105,13 +105,13 @@ def resolve(setting: str, *, platform: str, head_dim: int, dtype: str, window: s
     is Triton's: its blocks span a whole head, so head_dim must be a power of two of at least 16
     on a GPU; `pallas` is refused on other accelerators and for other head sizes (on the CPU
     Pallas' interpreter runs any, for checks). `cpu` is refused off the CPU and where the kernel
-    cannot be built. Neither kernel has a sliding window: `window`, why rows need one (the model
-    attends only to each query's last positions and a row is longer), makes auto the engine's
-    own attention and refuses the kernels."""
-    if window is not None:
+    cannot be built. Neither kernel has a sliding window or capped scores: `xla_only`, why the
+    model's rows need them (a window shorter than a row, Gemma 2's caps), makes auto the
+    engine's own attention and refuses the kernels."""
+    if xla_only is not None:
         if setting in ("cpu", "pallas"):
-            raise InvalidConfig(f"engine.decode_attention: {setting} attends over whole rows, but {window}"
-                                " (use auto or xla: the engine's own attention has the window)")
+            raise InvalidConfig(f"engine.decode_attention: {setting} attends over whole rows with plain scores, but"
+                                f" {xla_only} (use auto or xla: the engine's own attention has both)")
         return "xla"
     fits = head_dim >= _MIN_BLOCK and head_dim & (head_dim - 1) == 0
     if setting == "cpu":

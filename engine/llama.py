@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Gemma 3 text) in haliax, and its checkpoint mapping.
+"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Gemma 2 and 3) in haliax, and its checkpoint mapping.
 
 Owns: the config read from a Hugging Face `config.json` (refusing values the code does not
 implement), the blocks (RMS norm, rotary with llama3 scaling or Phi-3's longrope, whole or over
@@ -11,8 +11,9 @@ engine/checkpoint.py) in the model, or a block of rows of one (Phi-3's fused pro
 Refuses: other architectures, rope types other than default/llama3 (and Phi-3's longrope), a
 partial rotary outside Phi-3. Phi-3's longrope runs rows up to its original positions with its
 short factors, as transformers does (engine.py refuses longer rows). A sliding
-window (Mistral v0.1's, Phi-3 mini's, Gemma 3's local layers') is a band of each query's mask in the engine's own (XLA)
-attention; the kernels have none, so a row longer than the window runs the XLA way (engine.py).
+window (Mistral v0.1's, Phi-3 mini's, the Gemmas' local layers') is a band of each query's mask in
+the engine's own (XLA) attention, and so are Gemma 2's capped scores; the kernels have neither,
+so a row longer than the window, or a capped model, runs the XLA way (engine.py).
 It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/engine.py`).
 
     config = LlamaConfig.from_hf(json.load(f), source="/ckpt/config.json")
@@ -40,7 +41,7 @@ from haliax import Axis, NamedArray
 from engine import checkpoint, cpu_attention, kernels
 from engine.jax_compat import hax
 
-SUPPORTED_MODEL_TYPES = ("gemma3_text", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
 
 
 class UnsupportedModelError(ValueError):
@@ -57,10 +58,10 @@ class LoadStopped(Exception):
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    """gemma3_text, llama, mistral, olmo2, phi3, qwen2 or qwen3: the weight names are the same;
-    qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of the queries and keys
-    (`qk_norm`), olmo2 norms after each part of a layer instead of before (`post_norm`), gemma3_text
-    both (`gemma`), phi3 saves q/k/v and gate/up fused (`fused_projections`)."""
+    """gemma2, gemma3_text, llama, mistral, olmo2, phi3, qwen2 or qwen3: the weight names are the
+    same; qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of the queries and keys
+    (`qk_norm`), olmo2 norms after each part of a layer instead of before (`post_norm`), the
+    Gemmas both (`gemma`), phi3 saves q/k/v and gate/up fused (`fused_projections`)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -113,10 +114,14 @@ class LlamaConfig:
     """Before every tensor's name: `language_model.` for the text model of Gemma 3's image-and-text
     checkpoints (Gemma3ForConditionalGeneration)."""
     gemma: bool = False
-    """Gemma 3's differences: four norms a layer (around attention and around the MLP), each
+    """Gemma 2's and 3's differences: four norms a layer (around attention and around the MLP), each
     scaling by 1 + its weight in float32; the embeddings times sqrt(hidden_size) in the model's
     dtype; a tanh GELU in the MLP; attention scaled by query_pre_attn_scalar ** -0.5."""
     query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    """Gemma 2: each attention score s becomes cap * tanh(s / cap) (the engine's own attention only)."""
+    final_logit_softcapping: float | None = None
+    """Gemma 2: each logit becomes cap * tanh(logit / cap)."""
 
     @property
     def rotary_dim(self) -> int:
@@ -192,19 +197,20 @@ class LlamaConfig:
             cfg = {**cfg.get("text_config", {}), "model_type": "gemma3_text",
                    "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
             model_type, weights_prefix = "gemma3_text", "language_model."
-        if model_type == "gemma3_text":  # the Hub's configs leave out transformers' defaults
-            cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
+        if model_type in GEMMA_DEFAULTS:  # the Hub's configs leave out transformers' defaults
+            cfg = {**GEMMA_DEFAULTS[model_type], **cfg}
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise refuse("model_type", model_type, f"is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)},"
                          " gemma3's text model)")
-        gemma = model_type == "gemma3_text"
+        gemma = model_type in ("gemma2", "gemma3_text")
         activation_key = "hidden_activation" if gemma else "hidden_act"
         activation = cfg.get(activation_key, "gelu_pytorch_tanh" if gemma else "silu")
         if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
             raise refuse(activation_key, activation, "is not supported (only gelu_pytorch_tanh)" if gemma else
                          "is not supported (only silu)")
-        for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
-            if cfg.get(key):  # Gemma 2's caps; EmbeddingGemma's attention both ways
+        caps = ("attn_logit_softcapping", "final_logit_softcapping") if model_type != "gemma2" else ()
+        for key in (*caps, "use_bidirectional_attention"):
+            if cfg.get(key):  # caps outside Gemma 2; EmbeddingGemma's attention both ways
                 raise refuse(key, cfg[key], "is not supported (only null)")
         if cfg.get("mlp_bias", False):
             raise refuse("mlp_bias", cfg["mlp_bias"], "is not supported (only false)")
@@ -214,9 +220,10 @@ class LlamaConfig:
             raise refuse("attention_bias", cfg["attention_bias"], "is not supported for olmo2 (only false)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         windowed_layers, local_rope_theta, linear_factor = None, None, None
-        if gemma:
+        if model_type == "gemma3_text":
             rope, local_rope_theta, linear_factor = _gemma_rope(cfg, refuse)
-            windowed_layers = _gemma_windowed_layers(cfg, refuse)
+        if gemma:
+            windowed_layers = _gemma_windowed_layers(cfg, refuse, pattern=6 if model_type == "gemma3_text" else 2)
         partial_rotary = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
         if partial_rotary != 1.0 and model_type != "phi3":  # Phi-4-mini's 0.75 rotates part of each head
             raise refuse("partial_rotary_factor", partial_rotary, f"is not supported for {model_type} (only phi3 rotates"
@@ -226,7 +233,7 @@ class LlamaConfig:
             rope_type = "longrope"  # what transformers' Phi3Config reads both names as (Phi-3-128k's first configs)
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         max_positions = int(cfg.get("max_position_embeddings", 2048))
-        head_dim = int(cfg.get("head_dim") or (256 if gemma else cfg["hidden_size"] // cfg["num_attention_heads"]))
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
         rope_llama3, longrope = None, {}
         if rope_type == "llama3":
             rope_llama3 = (
@@ -249,7 +256,7 @@ class LlamaConfig:
         elif model_type in ("mistral", "phi3") and cfg.get("sliding_window") is not None:
             sliding_window = int(cfg["sliding_window"])  # transformers' Llama and OLMo 2 ignore the key
         elif gemma:
-            sliding_window = int(cfg.get("sliding_window") or 4096)
+            sliding_window = int(cfg["sliding_window"])
 
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -267,7 +274,9 @@ class LlamaConfig:
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             gemma=gemma,
-            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
+            query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if model_type == "gemma2" else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if model_type == "gemma2" else None,
             windowed_layers=windowed_layers,
             local_rope_theta=local_rope_theta,
             rope_linear_factor=linear_factor,
@@ -287,12 +296,15 @@ class LlamaConfig:
         )
 
 
-GEMMA3_TEXT_DEFAULTS = {
-    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
-    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
+_GEMMA = {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+          "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+          "sliding_window": 4096, "tie_word_embeddings": True}
+GEMMA_DEFAULTS = {
+    "gemma2": {**_GEMMA, "vocab_size": 256_000, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0},
+    "gemma3_text": {**_GEMMA, "vocab_size": 262_208, "max_position_embeddings": 131_072},
 }
-"""transformers' Gemma3TextConfig defaults, which the Hub's Gemma 3 configs leave out."""
+"""transformers' Gemma2Config and Gemma3TextConfig defaults, which the Hub's configs may leave out."""
 
 
 def _gemma_rope(cfg: dict[str, Any], refuse) -> tuple[dict[str, Any], float, float | None]:
@@ -310,13 +322,14 @@ def _gemma_rope(cfg: dict[str, Any], refuse) -> tuple[dict[str, Any], float, flo
     return {"rope_theta": full.get("rope_theta", 1e6)}, float(local.get("rope_theta", 1e4)), linear
 
 
-def _gemma_windowed_layers(cfg: dict[str, Any], refuse) -> tuple[bool, ...]:
-    """Which of Gemma 3's layers are windowed: its `layer_types`, else every layer but each
-    `sliding_window_pattern`-th (6), as transformers reads an older config."""
+def _gemma_windowed_layers(cfg: dict[str, Any], refuse, pattern: int) -> tuple[bool, ...]:
+    """Which of a Gemma's layers are windowed: its `layer_types`, else every layer but each
+    `sliding_window_pattern`-th (Gemma 3's 6; Gemma 2's 2: every other), as transformers reads
+    an older config."""
     layers = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
     if types is None:
-        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or pattern)
         return tuple(bool((i + 1) % pattern) for i in range(layers))
     if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
         raise refuse("layer_types", types, f"must name sliding_attention or full_attention for each of the {layers} layers")
@@ -547,7 +560,14 @@ class PagedKV(NamedTuple):
         return PagedKV(tuple(pages))
 
 
-def _attend_pages(q: NamedArray, parts, scale: float) -> NamedArray:
+def _scores(q: NamedArray, keys: NamedArray, scale: float, softcap: float | None) -> NamedArray:
+    """float32 scores of q over keys (dot over head_dim, times scale), Gemma 2's capped: cap *
+    tanh(s / cap), as transformers caps them."""
+    s = hax.dot(q, keys, axis="head_dim", preferred_element_type=jnp.float32) * scale
+    return s if softcap is None else hax.tanh(s / softcap) * softcap
+
+
+def _attend_pages(q: NamedArray, parts, scale: float, softcap: float | None = None) -> NamedArray:
     """Softmax attention of q over several key sets, each (keys, values, mask, key axis name),
     without concatenating them: a page's scores, weights and weighted values are its own, and
     the parts are combined in a fixed order. A part whose mask is all False for a row adds exact
@@ -562,7 +582,7 @@ def _attend_pages(q: NamedArray, parts, scale: float) -> NamedArray:
     scores = []
     for keys, _, mask, axis in parts:
         q_part, keys = jax.lax.optimization_barrier((q, keys))
-        s = hax.dot(q_part, keys, axis="head_dim", preferred_element_type=jnp.float32) * scale
+        s = _scores(q_part, keys, scale, softcap)
         scores.append(hax.where(mask, s, -jnp.inf))
     top = functools.reduce(hax.maximum, [hax.max(s, axis=axis) for s, (*_, axis) in zip(scores, parts)])
     total, attn = None, None
@@ -743,21 +763,21 @@ class Attention(eqx.Module):
         k = k.rearrange(("batch", "kv_heads", "position", "head_dim"))
         v = v.rearrange(("batch", "kv_heads", "position", "head_dim"))
         scale = c.attention_scale
-        window = self.window
-        if window is not None and isinstance(context, (DecodeStep, PrefillChunk)) and context.attention != "xla":
-            raise ValueError(f"a sliding window is attended the XLA way only, not with {context.attention!r}")
+        window, softcap = self.window, c.attn_logit_softcapping
+        if (window or softcap) and isinstance(context, (DecodeStep, PrefillChunk)) and context.attention != "xla":
+            raise ValueError(f"a sliding window or capped scores are attended the XLA way only, not with {context.attention!r}")
         if isinstance(context, DecodeStep):
-            attn, new_kv = self._decode(q, k, v, context, scale, window)
+            attn, new_kv = self._decode(q, k, v, context, scale, window, softcap)
         else:
             if isinstance(context, PrefillChunk):
-                attn, new_kv = self._prefill(q, k, v, context, scale, rotary, window)
+                attn, new_kv = self._prefill(q, k, v, context, scale, rotary, window, softcap)
             else:
                 keys, values = k.rename({"position": "key_position"}), v.rename({"position": "key_position"})
                 mask = context
                 if window is not None:  # the call's positions in order: a key's index is its position
                     index = jnp.arange(mask.resolve_axis("position").size)
                     mask = mask & hax.named(in_window(index[None, :], index[:, None], window), ("position", "key_position"))
-                new_kv, attn = LayerKV(keys, values), _attend(q, keys, values, mask, scale)
+                new_kv, attn = LayerKV(keys, values), _attend(q, keys, values, mask, scale, softcap)
         attn = attn.rearrange(("kv_heads", "q_per_kv", "head_dim", "batch", "position")).astype(x.dtype)
         out = linear(hax.flatten_axes(attn, ("kv_heads", "q_per_kv", "head_dim"), "q_heads_dim"), self.o_proj, "q_heads_dim")
         if self.o_bias is not None:
@@ -765,25 +785,26 @@ class Attention(eqx.Module):
         return out, new_kv
 
     @staticmethod
-    def _prefill(q, k, v, context: PrefillChunk, scale: float, rotary=None,
-                 window: int | None = None) -> tuple[NamedArray, PagedKV]:
+    def _prefill(q, k, v, context: PrefillChunk, scale: float, rotary=None, window: int | None = None,
+                 softcap: float | None = None) -> tuple[NamedArray, PagedKV]:
         """The call's keys/values written into the cache, and its attention; returns both. A fresh
         chunk attends to its own keys (causal); a later one to its cache row's first pages
         covering the call's rows (each page's rows gathered) and its own keys. With the CPU
         kernel, the write and the attention are one kernel call: any piece attends to its cache
         row in place, the piece written there (causal); with `rotary` (cos, sin), q and k come
         unrotated and the kernel rotates them. With a `window`, each query reads only its last
-        `window` positions (the XLA way)."""
+        `window` positions; with a `softcap`, its scores are capped (the XLA way)."""
         if context.attention == "cpu":
             if len(context.cache.pages) != 1:
                 raise ValueError(f"the CPU kernel's prefill reads one page of the cache, not {len(context.cache.pages)}")
             attn, page = kernels.prefill_step_cpu(q, k, v, context.cache.pages[0], context.segments, scale, rotary)
             return attn, PagedKV((page,))
         cache = _write_chunk(context, k, v)
-        return Attention._attend_written(q, k, v, cache, context, scale, window), cache
+        return Attention._attend_written(q, k, v, cache, context, scale, window, softcap), cache
 
     @staticmethod
-    def _attend_written(q, k, v, cache: PagedKV, context: PrefillChunk, scale: float, window: int | None) -> NamedArray:
+    def _attend_written(q, k, v, cache: PagedKV, context: PrefillChunk, scale: float, window: int | None,
+                        softcap: float | None) -> NamedArray:
         """The XLA way's attention of a prefill chunk once `cache` holds its keys/values."""
         Batch, Pos = q.resolve_axis("batch"), q.resolve_axis("position")
         if context.fresh:
@@ -792,7 +813,8 @@ class Attention(eqx.Module):
             if window is not None:
                 mask = mask & in_window(context.positions[:, None, :], context.positions[:, :, None], window)
             mask = hax.named(mask, (Batch, Pos, Axis("key_position", C)))
-            return _attend(q, k.rename({"position": "key_position"}), v.rename({"position": "key_position"}), mask, scale)
+            return _attend(q, k.rename({"position": "key_position"}), v.rename({"position": "key_position"}), mask, scale,
+                           softcap)
         read = jnp.minimum(context.segments.rows[: Batch.size], cache.pages[0].k.array.shape[0] - 1)  # a row a segment
 
         def attend(count: int):
@@ -807,14 +829,14 @@ class Attention(eqx.Module):
                     mask = mask & in_window(key_positions, query_positions, window)
                 mask = hax.named(mask, (Batch, Pos, KPos))
                 parts.append((keys, values, mask, "key_position"))
-            return _attend_pages(q, parts, scale)
+            return _attend_pages(q, parts, scale, softcap)
 
         # Every page count is a branch, as in decode: the calls of later chunks, earliest first
         # (Engine._prefill), mostly need fewer than all.
         return by_pages(context.reach, cache.ends, attend)
 
     @staticmethod
-    def _decode(q, k, v, context: DecodeStep, scale: float, window: int | None = None):
+    def _decode(q, k, v, context: DecodeStep, scale: float, window: int | None = None, softcap: float | None = None):
         if context.chunk is None:  # in place: the kernel's one page, carried through the decode loop
             seq_len = context.pages[0].k.resolve_axis("key_position").size
             read = jnp.where(context.lengths < seq_len, context.lengths + 1, 1)  # a row writing nothing reads one
@@ -843,7 +865,7 @@ class Attention(eqx.Module):
             chunk_mask = chunk_mask & hax.named(in_window(jnp.arange(Chunk.size), context.step, window), (Chunk,))
         parts = [(page.k, page.v, mask, "key_position") for page, mask in zip(context.pages, masks)]
         parts.append((chunk.k, chunk.v, chunk_mask, "chunk"))  # the current position is always there
-        return _attend_pages(q, parts, scale), chunk
+        return _attend_pages(q, parts, scale, softcap), chunk
 
 
 def in_window(key_positions: jax.Array, query_positions: jax.Array, window: int) -> jax.Array:
@@ -852,10 +874,11 @@ def in_window(key_positions: jax.Array, query_positions: jax.Array, window: int)
     return key_positions > query_positions - window
 
 
-def _attend(q: NamedArray, keys: NamedArray, values: NamedArray, mask: NamedArray, scale: float) -> NamedArray:
+def _attend(q: NamedArray, keys: NamedArray, values: NamedArray, mask: NamedArray, scale: float,
+            softcap: float | None = None) -> NamedArray:
     """Softmax attention of q over keys/values (batch, kv_heads, key_position, head_dim) where
     mask (batch, position, key_position) is True."""
-    scores = hax.dot(q, keys, axis="head_dim", preferred_element_type=jnp.float32) * scale
+    scores = _scores(q, keys, scale, softcap)
     scores = hax.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = hax.nn.softmax(scores, axis="key_position").astype(values.dtype)
     return hax.dot(probs, values, axis="key_position", preferred_element_type=jnp.float32)
@@ -1019,7 +1042,9 @@ class LlamaLM(eqx.Module):
         every projection (`linear`); the sampler takes the vocabulary first."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         # On a global mesh each device makes its own part of the vocabulary (engine/mesh.py).
-        return hax.auto_sharded(hax.dot(head, hidden, axis="embed", preferred_element_type=jnp.float32))
+        logits = hax.auto_sharded(hax.dot(head, hidden, axis="embed", preferred_element_type=jnp.float32))
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else hax.tanh(logits / cap) * cap
 
 
 @functools.lru_cache(maxsize=8)

@@ -81,13 +81,21 @@ def check_model(cfg: Config, positions: bool) -> None:
                 f"prompts.max_prompt_tokens + sampling.max_new_tokens = {cfg.prompts.max_prompt_tokens} + "
                 f"{cfg.sampling.max_new_tokens} = {needed} exceeds the checkpoint's {key} {limit}{why} "
                 f"({url}): lower one of them to fit")
-    # Rows longer than a sliding window attend the engine's own way: its kernels have no window.
+    # Rows longer than a sliding window, and capped scores, attend the engine's own way: its
+    # kernels have neither.
     window, attention = found["sliding_window"], cfg.engine.decode_attention
-    if window is not None and needed > window and attention in ("cpu", "pallas"):
+    if attention not in ("cpu", "pallas"):
+        return
+    if window is not None and needed > window:
         raise ConfigError(
             f"engine.decode_attention {attention} attends over whole rows, but the checkpoint's sliding_window "
             f"{window} ({url}) is shorter than prompts.max_prompt_tokens + sampling.max_new_tokens = {needed}: "
             f"use auto or xla (the engine's own attention has the window)")
+    if found["attn_logit_softcapping"] is not None:
+        raise ConfigError(
+            f"engine.decode_attention {attention} has plain attention scores, but the checkpoint caps them "
+            f"(attn_logit_softcapping {found['attn_logit_softcapping']}, {url}): use auto or xla (the engine's own "
+            f"attention caps them)")
 
 
 def check_root(cfg: Config) -> None:

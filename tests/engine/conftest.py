@@ -166,6 +166,20 @@ def _gemma3(tmp_path_factory, sliding_window: int):
 
 
 @pytest.fixture(scope="session")
+def gemma2(tmp_path_factory):
+    """(path, torch model): Gemma 2: Gemma 3's norms, embeddings and GELU without its query and
+    key norms, every other layer over a window of 8 positions, one rotary base, and attention
+    scores and logits capped (cap * tanh(x / cap); here 5 and 10, low enough to bend them)."""
+    from transformers import Gemma2Config
+
+    return _built(tmp_path_factory, Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8, max_position_embeddings=512,
+        attn_logit_softcapping=5.0, final_logit_softcapping=10.0, pad_token_id=None, bos_token_id=None,
+    ))
+
+
+@pytest.fixture(scope="session")
 def gemma3_image_text(tmp_path_factory):
     """(path, torch model): Gemma 3 4B's layout, an image-and-text Gemma3ForConditionalGeneration
     (a tiny SigLIP image tower beside the text model, its tensors under `language_model.`), whose

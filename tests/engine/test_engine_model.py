@@ -37,7 +37,7 @@ def _our_logits(model, ids: np.ndarray) -> np.ndarray:
     return np.asarray(model.logits(hidden).rearrange(("batch", "position", "vocab")).array)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma3", "gemma3_wide", "gemma3_image_text"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma2", "gemma3", "gemma3_wide", "gemma3_image_text"])
 def test_logits_match_transformers(name, request):
     path, hf = request.getfixturevalue(name)
     config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
@@ -50,7 +50,7 @@ def test_logits_match_transformers(name, request):
     np.testing.assert_allclose(ours, expected, atol=LOGIT_TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma3", "gemma3_wide", "gemma3_image_text"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma2", "gemma3", "gemma3_wide", "gemma3_image_text"])
 def test_greedy_matches_transformers_generate(name, request):
     """Six prompts of mixed lengths through 4 slots: exercises buckets and slot refill too."""
     path, hf = request.getfixturevalue(name)
@@ -74,7 +74,7 @@ def test_greedy_matches_transformers_generate(name, request):
     assert engine.stats.compilations <= 4, engine.stats  # init, decode, first and later prefill chunks
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma3", "gemma3_wide", "gemma3_image_text"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma2", "gemma3", "gemma3_wide", "gemma3_image_text"])
 def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     """Our bfloat16 logits are about as far from the float32 ones as transformers' own bfloat16
     model's: both round the same weights, in different orders. Over three rows of 24 tokens the
@@ -96,7 +96,7 @@ def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     assert ours_error.max() <= 1.5 * peer_error.max()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi4_mini", "gemma3", "gemma3_image_text"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi4_mini", "gemma2", "gemma3", "gemma3_image_text"])
 def test_the_pipelines_check_accepts_each_supported_checkpoint(name, request, tokenizer, tmp_path):
     """The pre-flight check (`pipeline run` calls it before any step) expects every tensor the
     loader reads with transformers' shape: qwen3's head norms are head_dim long, not hidden, and
@@ -148,8 +148,9 @@ def test_rows_longer_than_a_sliding_window_match_transformers(name, chunk, reque
     assert engine.attention == "xla"
     got = {c.prompt_index: c.token_ids for c in engine.generate(GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS))}
     assert got == windowed
-    with pytest.raises(InvalidConfig, match=f"engine.decode_attention: cpu attends over whole rows, but .*config.json"
-                                            f" has a sliding_window of {window}, shorter than prompt \\+ new tokens \\(56\\)"):
+    refusal = (f"engine.decode_attention: cpu attends over whole rows with plain scores, but .*config.json has a "
+               f"sliding_window of {window}, shorter than prompt \\+ new tokens \\(56\\)")
+    with pytest.raises(InvalidConfig, match=refusal):
         Engine.load(path, engine=EngineConfig(batch_size=4, decode_attention="cpu"), **settings)
 
 
@@ -195,7 +196,7 @@ def _edited_checkpoint(src: str, dst, **config_values) -> str:
 
 def test_unsupported_architecture_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "gpt2", model_type="gpt2")
-    supported = r"\(supported: gemma3_text, llama, mistral, olmo2, phi3, qwen2, qwen3, gemma3's text model\)"
+    supported = r"\(supported: gemma2, gemma3_text, llama, mistral, olmo2, phi3, qwen2, qwen3, gemma3's text model\)"
     with pytest.raises(UnsupportedModelError, match=r"config.json: model_type 'gpt2' is not supported " + supported):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
 
@@ -257,25 +258,42 @@ def test_a_gemma3_image_text_config_that_leaves_out_transformers_defaults():
     assert config.weights_prefix == "language_model."
 
 
-def test_the_pipeline_refuses_rows_past_a_longrope_before_any_step(phi3_longrope, tokenizer, config_for, tmp_path):
-    """The same limit in the pre-flight check: exit 2 and one line, before tokenize."""
+def _refused_before_any_step(checkpoint: str, tokenizer, config_for, tmp_path, **sections) -> list[str]:
+    """`pipeline run all` of the checkpoint (with a tokenizer) under `sections`: exit 2, nothing
+    under run.root; returns its error lines."""
     from typer.testing import CliRunner
 
     from pipeline.cli import app
     from pipeline.pod import preemption
 
-    folder = tmp_path / "phi35"
-    shutil.copytree(phi3_longrope[0], folder)
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(checkpoint, folder)
     tokenizer.save_pretrained(folder)
-    config = config_for(model=str(folder), prompts={"max_prompt_tokens": 40}, sampling={"max_new_tokens": 30})
+    config = config_for(model=str(folder), **sections)
     preemption.reset()
     result = CliRunner().invoke(app, ["run", "all", "--config", config])
     assert result.exit_code == 2, result.output
-    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
-        "error: prompts.max_prompt_tokens + sampling.max_new_tokens = 40 + 30 = 70 exceeds the checkpoint's "
-        f"original_max_position_embeddings 64 (its longrope's short factors) ({folder}/config.json): lower one of "
-        "them to fit"]
     assert not (tmp_path / "runs").exists()
+    return [line.replace(str(folder), "CHECKPOINT") for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+def test_the_pipeline_refuses_rows_past_a_longrope_before_any_step(phi3_longrope, tokenizer, config_for, tmp_path):
+    """The longrope's limit in the pre-flight check: exit 2 and one line, before tokenize."""
+    lines = _refused_before_any_step(phi3_longrope[0], tokenizer, config_for, tmp_path,
+                                     prompts={"max_prompt_tokens": 40}, sampling={"max_new_tokens": 30})
+    assert lines == ["error: prompts.max_prompt_tokens + sampling.max_new_tokens = 40 + 30 = 70 exceeds the checkpoint's "
+                     "original_max_position_embeddings 64 (its longrope's short factors) (CHECKPOINT/config.json): lower "
+                     "one of them to fit"]
+
+
+def test_the_pipeline_refuses_a_kernel_for_capped_scores_before_any_step(gemma2, tokenizer, config_for, tmp_path):
+    """Gemma 2's capped attention scores run the engine's own attention: asking for the CPU
+    kernel is refused before tokenize (rows within the window, so the cap alone is why)."""
+    lines = _refused_before_any_step(gemma2[0], tokenizer, config_for, tmp_path, prompts={"max_prompt_tokens": 4},
+                                     sampling={"max_new_tokens": 4}, engine={"decode_attention": "cpu"})
+    assert lines == ["error: engine.decode_attention cpu has plain attention scores, but the checkpoint caps them "
+                     "(attn_logit_softcapping 5.0, CHECKPOINT/config.json): use auto or xla (the engine's own attention "
+                     "caps them)"]
 
 
 def test_checkpoint_index_cannot_name_files_outside_the_model_folder(tmp_path):
