@@ -104,8 +104,8 @@ class LlamaConfig:
     """phi3: the checkpoint holds q, k and v as one `qkv_proj` and gate and up as one
     `gate_up_proj`, stacked on their output rows; the model keeps them apart, read as row blocks."""
     windowed_layers: tuple[bool, ...] | None = None
-    """Which layers attend over `sliding_window` (Gemma 3's five local layers of six); None:
-    every layer, where the model has a window."""
+    """Which layers attend over `sliding_window` (Gemma 3's five local layers of six, Qwen's from
+    max_window_layers on); None: every layer, where the model has a window."""
     local_rope_theta: float | None = None
     """Gemma 3: the windowed layers' rotary base (`rope_local_base_freq`); the others' is rope_theta."""
     rope_linear_factor: float | None = None
@@ -222,8 +222,10 @@ class LlamaConfig:
         windowed_layers, local_rope_theta, linear_factor = None, None, None
         if model_type == "gemma3_text":
             rope, local_rope_theta, linear_factor = _gemma_rope(cfg, refuse)
-        if gemma:
-            windowed_layers = _gemma_windowed_layers(cfg, refuse, pattern=6 if model_type == "gemma3_text" else 2)
+        if gemma:  # all but each sliding_window_pattern-th layer (Gemma 3's 6; Gemma 2's 2: every other)
+            pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or
+                          (6 if model_type == "gemma3_text" else 2))
+            windowed_layers = _windowed_layers(cfg, refuse, lambda i: bool((i + 1) % pattern))
         partial_rotary = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
         if partial_rotary != 1.0 and model_type != "phi3":  # Phi-4-mini's 0.75 rotates part of each head
             raise refuse("partial_rotary_factor", partial_rotary, f"is not supported for {model_type} (only phi3 rotates"
@@ -250,9 +252,10 @@ class LlamaConfig:
             raise refuse("rope type", rope_type, f"is not supported for {model_type} (supported: {supported})")
 
         sliding_window = None
-        if model_type in ("qwen2", "qwen3"):  # a window over some layers only (max_window_layers)
-            if cfg.get("use_sliding_window", False):
-                raise refuse("use_sliding_window", True, "is not supported (only full attention)")
+        if model_type in ("qwen2", "qwen3"):  # a window over the layers from max_window_layers on
+            if cfg.get("use_sliding_window", False) and cfg.get("sliding_window", 4096) is not None:
+                sliding_window, first = int(cfg.get("sliding_window") or 4096), int(cfg.get("max_window_layers", 28))
+                windowed_layers = _windowed_layers(cfg, refuse, lambda i: i >= first)
         elif model_type in ("mistral", "phi3") and cfg.get("sliding_window") is not None:
             sliding_window = int(cfg["sliding_window"])  # transformers' Llama and OLMo 2 ignore the key
         elif gemma:
@@ -322,15 +325,13 @@ def _gemma_rope(cfg: dict[str, Any], refuse) -> tuple[dict[str, Any], float, flo
     return {"rope_theta": full.get("rope_theta", 1e6)}, float(local.get("rope_theta", 1e4)), linear
 
 
-def _gemma_windowed_layers(cfg: dict[str, Any], refuse, pattern: int) -> tuple[bool, ...]:
-    """Which of a Gemma's layers are windowed: its `layer_types`, else every layer but each
-    `sliding_window_pattern`-th (Gemma 3's 6; Gemma 2's 2: every other), as transformers reads
-    an older config."""
+def _windowed_layers(cfg: dict[str, Any], refuse, windowed: Callable[[int], bool]) -> tuple[bool, ...]:
+    """Which layers attend over the sliding window: config.json's `layer_types`, else those
+    `windowed` says (how transformers reads a config without them)."""
     layers = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
     if types is None:
-        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or pattern)
-        return tuple(bool((i + 1) % pattern) for i in range(layers))
+        return tuple(windowed(i) for i in range(layers))
     if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
         raise refuse("layer_types", types, f"must name sliding_attention or full_attention for each of the {layers} layers")
     return tuple(kind == "sliding_attention" for kind in types)

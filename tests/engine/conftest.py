@@ -82,6 +82,19 @@ def qwen2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen2_windowed(tmp_path_factory):
+    """(path, torch model): `qwen2` with use_sliding_window: the layers from max_window_layers (1)
+    on attend over a window of 8 positions, the first over every earlier one."""
+    from transformers import Qwen2Config
+
+    return _built(tmp_path_factory, Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, use_sliding_window=True,
+        sliding_window=8, max_window_layers=1,
+    ))
+
+
+@pytest.fixture(scope="session")
 def qwen3(tmp_path_factory):
     """(path, torch model): Qwen3 with an RMS norm of each query and key head, and heads of 16
     dimensions where the hidden size over the heads would give 8."""

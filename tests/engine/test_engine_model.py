@@ -37,7 +37,7 @@ def _our_logits(model, ids: np.ndarray) -> np.ndarray:
     return np.asarray(model.logits(hidden).rearrange(("batch", "position", "vocab")).array)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma2", "gemma3", "gemma3_wide", "gemma3_image_text"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma2", "gemma3", "gemma3_wide", "gemma3_image_text", "qwen2_windowed"])
 def test_logits_match_transformers(name, request):
     path, hf = request.getfixturevalue(name)
     config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
@@ -50,7 +50,7 @@ def test_logits_match_transformers(name, request):
     np.testing.assert_allclose(ours, expected, atol=LOGIT_TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma2", "gemma3", "gemma3_wide", "gemma3_image_text"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma2", "gemma3", "gemma3_wide", "gemma3_image_text", "qwen2_windowed"])
 def test_greedy_matches_transformers_generate(name, request):
     """Six prompts of mixed lengths through 4 slots: exercises buckets and slot refill too."""
     path, hf = request.getfixturevalue(name)
@@ -275,6 +275,21 @@ def _refused_before_any_step(checkpoint: str, tokenizer, config_for, tmp_path, *
     assert result.exit_code == 2, result.output
     assert not (tmp_path / "runs").exists()
     return [line.replace(str(folder), "CHECKPOINT") for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("model_type, extra, windowed", [
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}, [2, 3]),
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 2}, []),
+    ("gemma2", {"sliding_window": 8}, [0, 2]),
+    ("gemma3_text", {"sliding_window": 8, "sliding_window_pattern": 2}, [0, 2]),
+])
+def test_which_layers_a_config_without_layer_types_windows(llama, model_type, extra, windowed):
+    """Configs written before transformers 5 name no layer_types: Qwen windows the layers from
+    max_window_layers on (with use_sliding_window), the Gemmas all but each pattern-th."""
+    data = {**json.load(open(f"{llama[0]}/config.json")), "model_type": model_type, "num_hidden_layers": 4, **extra}
+    data.pop("layer_types", None)
+    config = LlamaConfig.from_hf(data)
+    assert [i for i in range(4) if config.window_of(i) == 8] == windowed
 
 
 def test_the_pipeline_refuses_rows_past_a_longrope_before_any_step(phi3_longrope, tokenizer, config_for, tmp_path):
