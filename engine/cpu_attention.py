@@ -203,7 +203,7 @@ def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: ja
 
 
 def decode_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
-                write_at: jax.Array, lengths: jax.Array, scale: float):
+                write_at: jax.Array, lengths: jax.Array, scale: float, window: int | None = None):
     """A decode step's attention over a page of the cache whose rows are the batch's, with the
     step's keys/values written into it first, in one call: new_keys/new_values [batch, kv_heads,
     head_dim] go to position write_at [batch] of each row (none out of range: a row that writes
@@ -211,13 +211,16 @@ def decode_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.
     with normalize. Returns (attention [batch, kv_heads, group, head_dim] float32, keys, values):
     the page written in place (XLA aliases it to the call's result; a page still read elsewhere
     is copied first). keys/values are float32 or `BFLOAT16_BITS`, as the engine stores them; the
-    new ones are rounded to that (`as_stored`)."""
+    new ones are rounded to that (`as_stored`). window: each row reads only its last `window`
+    positions (a sliding window; None: all)."""
     return _write_and_attend(STEP_TARGET, "a decode step", q, keys, values, new_keys, new_values,
-                             write_at.astype(jnp.int32), lengths.astype(jnp.int32), scale=np.float32(scale))
+                             write_at.astype(jnp.int32), lengths.astype(jnp.int32), scale=np.float32(scale),
+                             window=np.int64(window or 0))
 
 
 def prefill_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array, new_values: jax.Array,
-                 segments, scale: float, rotary: tuple[jax.Array, jax.Array] | None = None):
+                 segments, scale: float, rotary: tuple[jax.Array, jax.Array] | None = None,
+                 window: int | None = None):
     """A packed prefill call's keys/values written into the page and its attention, normalized, in
     one call. Its tokens are one row of positions holding pieces of prompts, feature first (as the
     engine's activations): q [kv_heads, q_per_kv, head_dim, positions], new_keys/new_values
@@ -233,7 +236,8 @@ def prefill_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax
 
     rotary (cos, sin), each [head_dim, positions] float32: q and new_keys (float32, over a float32
     page) are not rotated yet, and the call rotates them first as `engine.llama.apply_rotary`
-    does, to the same bits, instead of the program's two passes over them a layer."""
+    does, to the same bits, instead of the program's two passes over them a layer. window: each
+    query reads only its last `window` positions (a sliding window; None: all)."""
     rows, starts, offsets, counts = (jnp.asarray(x, jnp.int32) for x in segments)
     cos = sin = jnp.zeros((0,), jnp.float32)  # none: q and new_keys come rotated
     if rotary is not None:
@@ -241,7 +245,8 @@ def prefill_step(q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax
             raise ValueError("a prefill call rotates float32 queries and keys over a float32 page, with float32 tables")
         cos, sin = rotary
     return _write_and_attend(PREFILL_TARGET, "a prefill call", q, keys, values, new_keys, new_values,
-                             rows.reshape(len(starts), -1), starts, offsets, counts, cos, sin, scale=np.float32(scale))
+                             rows.reshape(len(starts), -1), starts, offsets, counts, cos, sin, scale=np.float32(scale),
+                             window=np.int64(window or 0))
 
 
 def _write_and_attend(target: str, what: str, q: jax.Array, keys: jax.Array, values: jax.Array, new_keys: jax.Array,

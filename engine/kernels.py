@@ -97,7 +97,8 @@ TUNING = KernelTuning()
 """What an engine runs (read by Engine.load into its DecodeSpec)."""
 
 
-def resolve(setting: str, *, platform: str, head_dim: int, dtype: str, xla_only: str | None = None) -> str:
+def resolve(setting: str, *, platform: str, head_dim: int, dtype: str, windowed: str | None = None,
+            capped: str | None = None) -> str:
     """'xla', 'pallas' or 'cpu' for `engine.decode_attention`. auto: on GPUs JAX's Pallas kernel
     in a 16-bit dtype (float32 keeps the engine's own attention, whose products are held to
     float32 precision) when the heads suit it; on CPUs the engine's C++ kernel
@@ -105,14 +106,21 @@ def resolve(setting: str, *, platform: str, head_dim: int, dtype: str, xla_only:
     is Triton's: its blocks span a whole head, so head_dim must be a power of two of at least 16
     on a GPU; `pallas` is refused on other accelerators and for other head sizes (on the CPU
     Pallas' interpreter runs any, for checks). `cpu` is refused off the CPU and where the kernel
-    cannot be built. Neither kernel has a sliding window or capped scores: `xla_only`, why the
-    model's rows need them (a window shorter than a row, Gemma 2's caps), makes auto the
-    engine's own attention and refuses the kernels."""
-    if xla_only is not None:
+    cannot be built. `windowed`, why the rows need a sliding window (one shorter than a row),
+    refuses Pallas, which has none (auto: the engine's own attention on a GPU; the CPU kernel has
+    one). `capped`, why the scores are capped (Gemma 2), refuses both kernels: auto is the
+    engine's own attention."""
+    if capped is not None:
         if setting in ("cpu", "pallas"):
-            raise InvalidConfig(f"engine.decode_attention: {setting} attends over whole rows with plain scores, but"
-                                f" {xla_only} (use auto or xla: the engine's own attention has both)")
+            raise InvalidConfig(f"engine.decode_attention: {setting} has plain attention scores, but {capped}"
+                                " (use auto or xla: the engine's own attention caps them)")
         return "xla"
+    if windowed is not None:
+        if setting == "pallas":
+            raise InvalidConfig(f"engine.decode_attention: pallas attends over whole rows, but {windowed} (use auto,"
+                                " xla or, on a CPU, cpu: they have the window)")
+        if setting == "auto" and platform != "cpu":
+            return "xla"
     fits = head_dim >= _MIN_BLOCK and head_dim & (head_dim - 1) == 0
     if setting == "cpu":
         if platform != "cpu":
@@ -265,15 +273,16 @@ def _as_step(out: jax.Array, q: NamedArray) -> NamedArray:
 
 
 def attend_step_cpu(q: NamedArray, page, k: NamedArray, v: NamedArray, write_at: jax.Array, lengths: jax.Array,
-                    scale: float, *, sharding: NamedSharding | None = None):
+                    scale: float, *, sharding: NamedSharding | None = None, window: int | None = None):
     """A decode step with `engine.decode_attention: cpu` over the one-page cache `page` (LayerKV,
     keys/values batch, kv_heads, key_position, head_dim): the step's keys/values k, v (batch,
     kv_heads, position, head_dim) are written at write_at [batch] (past the page: none) and q
     (batch, position, kv_heads, q_per_kv, head_dim) attends over each row's first lengths [batch]
     positions, in one kernel call a layer (`cpu_attention.decode_step`: the page written in
     place, the softmax normalized inside). Returns (attention float32, the page). Over several
-    devices (`sharding`, the cache's) each runs the call on its own rows and heads."""
-    step = functools.partial(cpu_attention.decode_step, scale=scale)
+    devices (`sharding`, the cache's) each runs the call on its own rows and heads. window: each
+    row reads only its last `window` positions (a sliding window)."""
+    step = functools.partial(cpu_attention.decode_step, scale=scale, window=window)
     specs = _device_specs(sharding)
     if specs:
         by_head, by_row = specs
@@ -324,7 +333,7 @@ def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, att
 
 
 def prefill_step_cpu(q: NamedArray, k: NamedArray, v: NamedArray, page, segments, scale: float,
-                     rotary: tuple[NamedArray, NamedArray] | None = None):
+                     rotary: tuple[NamedArray, NamedArray] | None = None, window: int | None = None):
     """A prefill call with `engine.decode_attention: cpu` in one kernel call a layer: its keys and
     values k, v (batch, kv_heads, position, head_dim) written into the one-page cache `page`
     (LayerKV: slots, kv_heads, key_position, head_dim), then its queries q (batch, position,
@@ -337,7 +346,8 @@ def prefill_step_cpu(q: NamedArray, k: NamedArray, v: NamedArray, page, segments
     not split over devices). Returns (attention, float32: the same as `engine.llama._attend_pages`
     over the cache row up to each query's position; the page, written in place). rotary (cos,
     sin), each (batch, position, head_dim), float32: q and k are not rotated yet, and the kernel
-    rotates them as `engine.llama.apply_rotary` would, to the same bits."""
+    rotates them as `engine.llama.apply_rotary` would, to the same bits. window: each query reads
+    only its last `window` positions (a sliding window)."""
     # Feature first, as the projections leave q, k and v and the output projection takes the
     # result: the kernel reads and writes each (head, dimension)'s row of the call's positions.
     axes = ("kv_heads", "q_per_kv", "head_dim", "batch", "position")
@@ -349,6 +359,6 @@ def prefill_step_cpu(q: NamedArray, k: NamedArray, v: NamedArray, page, segments
     if rotary is not None:  # q and k not rotated yet: the kernel rotates them (tables feature first)
         rotary = tuple(x.rearrange(("head_dim", "batch", "position")).array.reshape(dim, batch * chunk) for x in rotary)
     out, keys, values = cpu_attention.prefill_step(q.array.reshape(heads, per_kv, dim, batch * chunk), page.k.array,
-                                                   page.v.array, k, v, rows, scale, rotary)
+                                                   page.v.array, k, v, rows, scale, rotary, window)
     return (hax.named(out.reshape(q.array.shape), tuple(q.resolve_axis(a) for a in axes)),
             type(page)(hax.named(keys, page.k.axes), hax.named(values, page.v.axes)))

@@ -765,8 +765,10 @@ class Attention(eqx.Module):
         v = v.rearrange(("batch", "kv_heads", "position", "head_dim"))
         scale = c.attention_scale
         window, softcap = self.window, c.attn_logit_softcapping
-        if (window or softcap) and isinstance(context, (DecodeStep, PrefillChunk)) and context.attention != "xla":
-            raise ValueError(f"a sliding window or capped scores are attended the XLA way only, not with {context.attention!r}")
+        kernel = context.attention if isinstance(context, (DecodeStep, PrefillChunk)) else "xla"
+        if (softcap and kernel != "xla") or (window and kernel == "pallas"):
+            raise ValueError(f"capped scores are attended the XLA way, a sliding window the XLA way or the CPU kernel's;"
+                             f" not with {kernel!r}")
         if isinstance(context, DecodeStep):
             attn, new_kv = self._decode(q, k, v, context, scale, window, softcap)
         else:
@@ -798,7 +800,8 @@ class Attention(eqx.Module):
         if context.attention == "cpu":
             if len(context.cache.pages) != 1:
                 raise ValueError(f"the CPU kernel's prefill reads one page of the cache, not {len(context.cache.pages)}")
-            attn, page = kernels.prefill_step_cpu(q, k, v, context.cache.pages[0], context.segments, scale, rotary)
+            attn, page = kernels.prefill_step_cpu(q, k, v, context.cache.pages[0], context.segments, scale, rotary,
+                                                  window)
             return attn, PagedKV((page,))
         cache = _write_chunk(context, k, v)
         return Attention._attend_written(q, k, v, cache, context, scale, window, softcap), cache
@@ -843,7 +846,7 @@ class Attention(eqx.Module):
             read = jnp.where(context.lengths < seq_len, context.lengths + 1, 1)  # a row writing nothing reads one
             if context.attention == "cpu":  # the write and the attention in one call
                 return kernels.attend_step_cpu(q, context.pages[0], k, v, context.lengths, read, scale,
-                                               sharding=context.sharding)
+                                               sharding=context.sharding, window=window)
             page = PagedKV(context.pages).write(jnp.arange(context.lengths.shape[0])[:, None], context.lengths[:, None],
                                                 jnp.swapaxes(k.array, 1, 2), jnp.swapaxes(v.array, 1, 2)).pages[0]
             return kernels.attend_pages_kernel(q, (page,), read, None, None, scale, sharding=context.sharding,
@@ -854,6 +857,8 @@ class Attention(eqx.Module):
             for old, new in ((chunk.k, k), (chunk.v, v))
         ))
         if context.attention in ("pallas", "cpu"):
+            if window is not None:  # the kernels' page residuals have no window; the CPU's step in place has
+                raise ValueError("a sliding window is attended over the chunk buffer the XLA way only")
             return kernels.attend_pages_kernel(q, context.pages, context.lengths, chunk, context.chunk_mask, scale,
                                                sharding=context.sharding, tuning=context.kernel,
                                                attention=context.attention), chunk

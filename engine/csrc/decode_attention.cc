@@ -106,6 +106,7 @@ struct Job {
   bool normalize = false;  // o / l instead of o, as the softmax's result (0 where l is 0)
   int64_t kv_heads, group, positions, head_dim, cache_rows;
   int64_t causal;  // queries per position of a causal prefill chunk; 0: every query reads lengths[row]
+  int64_t window = 0;  // a sliding window: each query reads only its last `window` positions; 0: none
   float scale;
   int64_t pairs;  // rows (or segments) x kv_heads
   int64_t parts;  // contiguous runs of pairs, one per thread at most
@@ -113,10 +114,12 @@ struct Job {
   std::atomic<int64_t> finished{0};
 };
 
-// Positions query g reads: all n, or causally `first + g / causal + 1` of them (at most n).
+// Positions query g reads: all n, or causally `first + g / causal + 1` of them (at most n); with a
+// sliding window, only the last `window` of those, from begin(g) on.
 struct Reach {
-  int64_t n, first, causal;
+  int64_t n, first, causal, window = 0;
   int64_t operator()(int64_t g) const { return causal > 0 ? std::min(n, first + g / causal + 1) : n; }
+  int64_t begin(int64_t g) const { return window > 0 ? std::max<int64_t>(0, (*this)(g) - window) : 0; }
 };
 
 // One KV head of one row: `group` queries over their first reach(g) positions. D fixed at compile
@@ -126,10 +129,10 @@ void attend(const float* q, const T* k, const T* v, Reach reach, int64_t group, 
             float* o, float* l, float* m, float* scores) {
   const int64_t dim = D > 0 ? D : d_runtime;
   for (int64_t g = 0; g < group; ++g) {
-    const int64_t n = reach(g);
+    const int64_t n = reach(g), from = reach.begin(g);
     const float* qg = q + g * dim;
     float* s = scores + g * reach.n;
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = from; t < n; ++t) {
       const T* kt = k + t * dim;
       float dot = 0.0f;
 #pragma GCC unroll 16
@@ -137,9 +140,9 @@ void attend(const float* q, const T* k, const T* v, Reach reach, int64_t group, 
       s[t] = dot * scale;
     }
     float top = -FLT_MAX;
-    for (int64_t t = 0; t < n; ++t) top = s[t] > top ? s[t] : top;
+    for (int64_t t = from; t < n; ++t) top = s[t] > top ? s[t] : top;
     float sum = 0.0f;
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = from; t < n; ++t) {
       s[t] = expf(s[t] - top);
       sum += s[t];
     }
@@ -148,7 +151,7 @@ void attend(const float* q, const T* k, const T* v, Reach reach, int64_t group, 
     float* og = o + g * dim;
     if constexpr (D > 0) {
       float acc[D] = {};
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = from; t < n; ++t) {
         const float e = s[t];
         const T* vt = v + t * D;
 #pragma GCC unroll 16
@@ -157,7 +160,7 @@ void attend(const float* q, const T* k, const T* v, Reach reach, int64_t group, 
       for (int64_t d = 0; d < D; ++d) og[d] = acc[d];
     } else {
       for (int64_t d = 0; d < dim; ++d) og[d] = 0.0f;
-      for (int64_t t = 0; t < n; ++t)
+      for (int64_t t = from; t < n; ++t)
         for (int64_t d = 0; d < dim; ++d) og[d] += s[t] * widen(v[t * dim + d]);
     }
   }
@@ -201,8 +204,9 @@ __attribute__((noinline)) void attend_blocks(const float* qt, const float* k, co
                                              float* s, float* top, float* sum) {
   for (int64_t b = 0; b < width; b += MANY) {
     const int64_t keys = reach(std::min(b + MANY, group) - 1);  // reach grows with the query
+    const int64_t from = reach.begin(b);  // and so does a window's first key
     const float* qb = qt + b * dim;
-    int64_t t = 0;
+    int64_t t = from;
     for (; t + KEYS <= keys; t += KEYS) {
       Queries acc[KEYS] = {};
       for (int64_t d = 0; d < dim; ++d) {
@@ -216,10 +220,12 @@ __attribute__((noinline)) void attend_blocks(const float* qt, const float* k, co
       for (int64_t d = 0; d < dim; ++d) acc += load(qb + d * MANY) * k[t * dim + d];
       store(s + t * MANY, acc * scale);
     }
-    for (int64_t g = b; g < std::min(b + MANY, group); ++g)
+    for (int64_t g = b; g < std::min(b + MANY, group); ++g) {
       for (t = reach(g); t < keys; ++t) s[t * MANY + g - b] = -INFINITY;
-    Queries best = load(s);
-    for (t = 1; t < keys; ++t) {
+      for (t = from; t < reach.begin(g); ++t) s[t * MANY + g - b] = -INFINITY;
+    }
+    Queries best = load(s + from * MANY);
+    for (t = from + 1; t < keys; ++t) {
       const Queries st = load(s + t * MANY);
       best = st > best ? st : best;
     }
@@ -228,7 +234,7 @@ __attribute__((noinline)) void attend_blocks(const float* qt, const float* k, co
     // compiled as when this loop ran over every query at once: the same exponentials, bit for bit.
     const int64_t end = std::min(b + MANY, width);
     for (int64_t g = b; g < end; ++g) sum[g] = 0.0f;
-    for (t = 0; t < keys; ++t)
+    for (t = from; t < keys; ++t)
       for (int64_t g = b; g < end; ++g) {
         s[t * MANY + g - b] = expf(s[t * MANY + g - b] - top[g]);
         sum[g] += s[t * MANY + g - b];
@@ -237,7 +243,7 @@ __attribute__((noinline)) void attend_blocks(const float* qt, const float* k, co
     for (int64_t d0 = 0; d0 < dim; d0 += VALUE_DIMS) {
       const int64_t dims = std::min(VALUE_DIMS, dim - d0);
       Queries acc[VALUE_DIMS] = {};
-      for (t = 0; t < keys; ++t) {
+      for (t = from; t < keys; ++t) {
         const Queries e = load(s + t * MANY);
         const float* vt = v + t * dim + d0;
         for (int64_t i = 0; i < VALUE_DIMS; ++i)
@@ -317,7 +323,7 @@ void residuals(const Job& job, int64_t pair, Span queries, std::vector<float>& s
   const int64_t first = std::max<int64_t>(0, job.lengths[row]);
   int64_t n = job.causal > 0 ? first + (G - 1) / job.causal + 1 : first;
   n = cache_row < 0 || cache_row >= job.cache_rows ? 0 : std::min(n, P);
-  const Reach reach{n, first, job.causal};
+  const Reach reach{n, first, job.causal, job.window};
   const float* q = job.q + queries.first * D;
   const int64_t at = n > 0 ? (cache_row * job.kv_heads + head) * P * D : 0;
   const T* k = static_cast<const T*>(job.keys) + at;
@@ -471,7 +477,7 @@ void prefill_pair(const Job& job, int64_t pair, std::vector<float>& work) {
   for (int64_t i = 0; i < job.samples; ++i)
     write_columns<T>(job, rows[i], head, first, keys, keys_stride, job.offsets[segment], count);
   const int64_t n = cache_row < 0 || cache_row >= job.cache_rows ? 0 : std::min(first + count, job.positions);
-  const Reach reach{n, first, 1};
+  const Reach reach{n, first, 1, job.window};
   const int64_t at = n > 0 ? (cache_row * job.kv_heads + head) * job.positions * D : 0;
   const T* k = static_cast<const T*>(job.keys) + at;
   const T* v = static_cast<const T*>(job.values) + at;
@@ -615,10 +621,11 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 // normalized. The page's keys and values are returned, aliased to the arguments: written in place.
 ffi::Error DecodeStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
                       ffi::AnyBuffer new_keys, ffi::AnyBuffer new_values, ffi::Buffer<ffi::S32> write_at,
-                      ffi::Buffer<ffi::S32> lengths, float scale, ffi::ResultBuffer<ffi::F32> o,
+                      ffi::Buffer<ffi::S32> lengths, float scale, int64_t window, ffi::ResultBuffer<ffi::F32> o,
                       ffi::Result<ffi::AnyBuffer> keys_out, ffi::Result<ffi::AnyBuffer> values_out) {
   auto job = std::make_shared<Job>();
   if (auto error = describe_rows(*job, q, keys, values, lengths, scale, 0, 1); error.failure()) return error;
+  job->window = window;
   auto qd = q.dimensions(), nd = new_keys.dimensions();
   auto vd = new_values.dimensions();
   if (keys.dimensions()[0] != qd[0] || nd.size() != 3 || nd[0] != qd[0] || nd[1] != qd[1] || nd[2] != qd[3] ||
@@ -653,7 +660,7 @@ ffi::Error DecodeStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
 ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
                             ffi::AnyBuffer new_keys, ffi::AnyBuffer new_values, ffi::Buffer<ffi::S32> rows,
                             ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> counts,
-                            ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, float scale,
+                            ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, float scale, int64_t window,
                             ffi::ResultBuffer<ffi::F32> o, ffi::Result<ffi::AnyBuffer> keys_out,
                             ffi::Result<ffi::AnyBuffer> values_out) {
   static constexpr char expected[] =
@@ -670,6 +677,7 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   if (auto error = describe(*job, q, qd[0], qd[1], qd[2], expected, keys, values, starts, scale, 0, 1, segments);
       error.failure())
     return error;
+  job->window = window;
   if (auto error = describe_writes(*job, keys, new_keys, new_values, keys_out, values_out,
                                    "prefill attention: the new keys and values must be stored as the page is");
       error.failure())
@@ -736,6 +744,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelineDecodeStep, DecodeStep,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // write_at
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("window")  // 0: none
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o, normalized
                                   .Ret<ffi::AnyBuffer>()  // keys, aliased to the argument
                                   .Ret<ffi::AnyBuffer>());  // values
@@ -751,6 +760,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PipelinePrefillAttention, PrefillAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // cos [head_dim, positions], or empty: no rotation
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sin
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("window")  // 0: none
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o, normalized
                                   .Ret<ffi::AnyBuffer>()  // keys, aliased to the argument
                                   .Ret<ffi::AnyBuffer>());  // values

@@ -125,14 +125,16 @@ def test_two_models_in_one_process_each_run_their_own_programs(llama, qwen3):
         assert got.token_ids == hf_greedy(hf, prompt, new), path
 
 
+@pytest.mark.parametrize("attention", ["auto", "xla"])
 @pytest.mark.parametrize("name, chunk", [("mistral", 32), ("phi3_windowed", 8)])
-def test_rows_longer_than_a_sliding_window_match_transformers(name, chunk, request):
+def test_rows_longer_than_a_sliding_window_match_transformers(name, chunk, attention, request):
     """Mistral v0.1 and Phi-3 mini attend over a window (here 8 and 11 positions) shorter than the
-    rows. Prompts of up to 30 tokens: in one prefill chunk of 32 (Mistral), whose queries reach
-    back past the window inside the chunk, or in chunks of 8 (Phi-3), where a later chunk's
-    queries reach back into the chunks before it. Then 24 new tokens in decode calls of 16
-    steps, whose steps reach back into the cache and into the call's own steps. The kernels
-    have no window: auto attends the engine's own way, and asking for the CPU kernel is refused."""
+    rows. Prompts of up to 30 tokens in prefill calls of 32 tokens (Mistral), whose queries reach
+    back past the window inside a call, or of 8 (Phi-3), where a prompt's later pieces reach back
+    into the pieces before them. Then 24 new tokens in decode calls of 16 steps, whose steps
+    reach back into the cache (and, the XLA way, into the call's own steps). Both ways have the
+    window: the CPU kernel (auto here) and the engine's own attention; Pallas has none, and
+    asking for it is refused."""
     path, hf = request.getfixturevalue(name)
     new, window = 24, hf.config.sliding_window
     windowed = {i: hf_greedy(hf, prompt, new) for i, prompt in enumerate(PROMPTS)}
@@ -144,14 +146,15 @@ def test_rows_longer_than_a_sliding_window_match_transformers(name, chunk, reque
     assert sum(windowed[i] != whole[i] for i in windowed) >= 4, "the window should change what transformers makes"
 
     settings = dict(dtype="float32", sampling=SamplingParams(max_new_tokens=new), max_prompt_tokens=32)
-    engine = Engine.load(path, engine=EngineConfig(batch_size=4, prefill_chunk_tokens=chunk), **settings)
-    assert engine.attention == "xla"
+    engine = Engine.load(path, engine=EngineConfig(batch_size=4, prefill_chunk_tokens=chunk, prefill_tokens=chunk,
+                                                   decode_attention=attention), **settings)
+    assert engine.attention == ("cpu" if attention == "auto" else "xla")
     got = {c.prompt_index: c.token_ids for c in engine.generate(GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS))}
     assert got == windowed
-    refusal = (f"engine.decode_attention: cpu attends over whole rows with plain scores, but .*config.json has a "
-               f"sliding_window of {window}, shorter than prompt \\+ new tokens \\(56\\)")
+    refusal = (f"engine.decode_attention: pallas attends over whole rows, but .*config.json has a sliding_window of "
+               f"{window}, shorter than prompt \\+ new tokens \\(56\\)")
     with pytest.raises(InvalidConfig, match=refusal):
-        Engine.load(path, engine=EngineConfig(batch_size=4, decode_attention="cpu"), **settings)
+        Engine.load(path, engine=EngineConfig(batch_size=4, decode_attention="pallas"), **settings)
 
 
 def test_bfloat16_swiglu_rounds_as_transformers():
