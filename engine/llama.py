@@ -11,9 +11,10 @@ engine/checkpoint.py) in the model, or a block of rows of one (Phi-3's fused pro
 Refuses: other architectures, rope types other than default/llama3 (and Phi-3's longrope), a
 partial rotary outside Phi-3. Phi-3's longrope runs rows up to its original positions with its
 short factors, as transformers does (engine.py refuses longer rows). A sliding
-window (Mistral v0.1's, Phi-3 mini's, the Gemmas' local layers') is a band of each query's mask in
-the engine's own (XLA) attention, and so are Gemma 2's capped scores; the kernels have neither,
-so a row longer than the window, or a capped model, runs the XLA way (engine.py).
+window (Mistral v0.1's, Phi-3 mini's, the Gemmas' local layers', Qwen's) is a band of each query's
+mask in the engine's own (XLA) attention, and each query's first key in the CPU kernel; Pallas
+has none, so on a GPU a row longer than the window runs the XLA way (engine.py). Gemma 2's
+capped scores run the XLA way on every device.
 It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/engine.py`).
 
     config = LlamaConfig.from_hf(json.load(f), source="/ckpt/config.json")

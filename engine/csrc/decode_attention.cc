@@ -15,7 +15,9 @@
 // them a position, and lengths[row] is where the chunk starts):
 //   scores = scale * q . keys, m = max(scores),
 //   e = exp(scores - m), l = sum(e), o = sum(e * values)
-// returned unnormalized with the softmax residuals (o, l, m), the same contract as the Pallas
+// With a sliding window (a decode step's and a prefill call's `window` attribute, 0 for none),
+// each query reads only the last `window` of its positions, itself included.
+// Returned unnormalized with the softmax residuals (o, l, m), the same contract as the Pallas
 // path's `engine.kernels.page_residuals`, so pages and the decode chunk's buffer combine the
 // same way; or, with `normalize` (and always in a decode step), o / l. A row with nothing
 // written gives o = l = 0 and m = the float32 minimum.
