@@ -99,9 +99,9 @@ def test_sharded_bfloat16_picks_transformers_top_tokens(llama, sharded):
     # Phi-3 saves q/k/v as one tensor: each device reads its rows of the k block, which starts
     # part way down the fused tensor.
     ("phi3", "self_attn.k_proj", "P('model', 'data')"),
-    # Gemma 3 attends over a window of 8 in two layers of three (the rows are longer: the
-    # engine's own attention), each layer type with its rotary tables; its norms after attention
-    # and around the MLP are sharded as any norm.
+    # Gemma 3 attends over a window of 8 in two layers of three (the rows are longer: the CPU
+    # kernel's window, run on each device), each layer type with its rotary tables; its norms
+    # after attention and around the MLP are sharded as any norm.
     ("gemma3", "pre_feedforward_layernorm.weight", "P('data',)"),
 ])
 def test_an_architecture_with_its_heads_split_gives_the_tokens_of_one_device(name, weight, spec, request):
