@@ -167,15 +167,24 @@ def phi4_mini(tmp_path_factory):
     ))
 
 
-def _gemma3(tmp_path_factory, sliding_window: int):
+_GEMMA_SHAPE = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, max_position_embeddings=512, pad_token_id=None,
+    bos_token_id=None,
+)
+"""The Gemma fixtures' shape: query_pre_attn_scalar (24) other than head_dim (16), so the scale is tested."""
+
+
+def _gemma3_text(sliding_window: int, **values):
+    """Gemma 3's text model in `_GEMMA_SHAPE`, its first and last of three layers windowed."""
     from transformers import Gemma3TextConfig
 
-    return _built(tmp_path_factory, Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=sliding_window,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=512,
-        pad_token_id=None, bos_token_id=None,
-    ))
+    return Gemma3TextConfig(**_GEMMA_SHAPE, sliding_window=sliding_window,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"], **values)
+
+
+def _gemma3(tmp_path_factory, sliding_window: int):
+    return _built(tmp_path_factory, _gemma3_text(sliding_window))
 
 
 @pytest.fixture(scope="session")
@@ -185,11 +194,8 @@ def gemma2(tmp_path_factory):
     scores and logits capped (cap * tanh(x / cap); here 5 and 10, low enough to bend them)."""
     from transformers import Gemma2Config
 
-    return _built(tmp_path_factory, Gemma2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8, max_position_embeddings=512,
-        attn_logit_softcapping=5.0, final_logit_softcapping=10.0, pad_token_id=None, bos_token_id=None,
-    ))
+    return _built(tmp_path_factory, Gemma2Config(**_GEMMA_SHAPE, sliding_window=8, attn_logit_softcapping=5.0,
+                                                 final_logit_softcapping=10.0))
 
 
 @pytest.fixture(scope="session")
@@ -197,14 +203,9 @@ def gemma3_image_text(tmp_path_factory):
     """(path, torch model): Gemma 3 4B's layout, an image-and-text Gemma3ForConditionalGeneration
     (a tiny SigLIP image tower beside the text model, its tensors under `language_model.`), whose
     global layers scale their rotation linearly (factor 8); the engine runs its text model."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
-    text = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=512,
-        rope_scaling={"rope_type": "linear", "factor": 8.0}, pad_token_id=None, bos_token_id=None,
-    )
+    text = _gemma3_text(sliding_window=8, rope_scaling={"rope_type": "linear", "factor": 8.0})
     vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                 image_size=28, patch_size=14)
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB + 2,
