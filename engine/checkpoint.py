@@ -342,7 +342,7 @@ def check_checkpoint(url: str) -> dict[str, Any]:
                                    f"config.json implies {list(shape)}")
     return {"model_type": config.model_type, "files": files, "tensors": len(tensors),
             "layers": config.num_hidden_layers, "max_position_embeddings": config.max_position_embeddings,
-            "sliding_window": config.sliding_window, "longrope_rows": config.longrope_rows,
+            "longrope_rows": config.longrope_rows,
             "attn_logit_softcapping": config.attn_logit_softcapping}
 
 

@@ -148,9 +148,8 @@ class EngineConfig:
     kernel (built on first use with the machine's compiler), each row read to its own length, its
     rows spread over the CPU's threads. auto: pallas on GPUs in bfloat16 or float16 when head_dim
     is a power of two >= 16, cpu on CPUs where the kernel builds, else xla (engine/kernels.py).
-    Pallas has no sliding window: rows longer than a model's window (Mistral v0.1's, Phi-3
-    mini's, the Gemmas', Qwen's) run xla under auto on a GPU, and pallas is refused for them (cpu
-    has the window). Neither kernel caps scores: Gemma 2 runs xla, and pallas or cpu is refused."""
+    Every way has the sliding window (Mistral v0.1's, Phi-3 mini's, the Gemmas', Qwen's). Neither
+    kernel caps scores: Gemma 2 runs xla, and pallas or cpu is refused."""
 
     def __post_init__(self):
         require(self.decode_attention in ("auto", "xla", "pallas", "cpu"), "engine.decode_attention", self.decode_attention,

@@ -553,13 +553,9 @@ class Engine:
                 f"model.path {config_path}: prompts.max_prompt_tokens + sampling.max_new_tokens = {seq_len} exceeds its"
                 f" longrope rotation's original_max_position_embeddings {config.longrope_rows}; past it transformers"
                 f" turns every position to the long factors, which the engine does not implement")
-        windowed = capped = None  # why rows need a window, capped scores: what Pallas has neither of, the CPU kernel no caps
-        if any(config.window_of(i) is not None for i in range(config.num_hidden_layers)):
-            if seq_len <= config.sliding_window:
-                config = dataclasses.replace(config, sliding_window=None)  # no row reaches past it: it changes nothing
-            else:
-                windowed = (f"{config_path} has a sliding_window of {config.sliding_window}, shorter than prompt + new"
-                            f" tokens ({seq_len})")
+        if config.sliding_window is not None and seq_len <= config.sliding_window:
+            config = dataclasses.replace(config, sliding_window=None)  # no row reaches past it: it changes nothing
+        capped = None  # why the scores are capped, which neither kernel does
         if config.attn_logit_softcapping is not None:
             capped = f"{config_path} caps them (attn_logit_softcapping {config.attn_logit_softcapping})"
         if sampling.stop and tokenizer is None:
@@ -574,7 +570,7 @@ class Engine:
             layout = Layout.local(jax.local_devices())
         devices = layout.local_devices
         attention = kernels.resolve(engine.decode_attention, platform=devices[0].platform, head_dim=config.head_dim,
-                                    dtype=dtype, windowed=windowed, capped=capped)
+                                    dtype=dtype, capped=capped)
         cache_dtype = kernels.cache_dtype(attention, platform=devices[0].platform, dtype=DTYPES[dtype],
                                           devices=len(layout.cache_sharding.device_set))
         plan = plan_batch(

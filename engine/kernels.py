@@ -3,7 +3,8 @@
 Owns: the choice between the engine's own attention (XLA operations: per cache page the scores,
 the softmax and the weighted values, over every position of the pages that hold the longest live
 row) and the library's fused kernel (`jax.experimental.pallas.ops.gpu.decode_attention`), which
-reads each row's cache only up to that row's length, in place, and skips the blocks past it;
+reads each row's cache only up to that row's length, in place, and skips the blocks past it
+(with a sliding window, from the window's first position: the kernel's start index);
 and the kernel's use over the engine's pages: one call per page (with the kernel the engine
 keeps its cache in one page, `KernelTuning.pages`: one call a layer), combined with the decode
 chunk's buffer by their softmax residuals (the running maximum and sum of each part).
@@ -97,8 +98,7 @@ TUNING = KernelTuning()
 """What an engine runs (read by Engine.load into its DecodeSpec)."""
 
 
-def resolve(setting: str, *, platform: str, head_dim: int, dtype: str, windowed: str | None = None,
-            capped: str | None = None) -> str:
+def resolve(setting: str, *, platform: str, head_dim: int, dtype: str, capped: str | None = None) -> str:
     """'xla', 'pallas' or 'cpu' for `engine.decode_attention`. auto: on GPUs JAX's Pallas kernel
     in a 16-bit dtype (float32 keeps the engine's own attention, whose products are held to
     float32 precision) when the heads suit it; on CPUs the engine's C++ kernel
@@ -106,21 +106,13 @@ def resolve(setting: str, *, platform: str, head_dim: int, dtype: str, windowed:
     is Triton's: its blocks span a whole head, so head_dim must be a power of two of at least 16
     on a GPU; `pallas` is refused on other accelerators and for other head sizes (on the CPU
     Pallas' interpreter runs any, for checks). `cpu` is refused off the CPU and where the kernel
-    cannot be built. `windowed`, why the rows need a sliding window (one shorter than a row),
-    refuses Pallas, which has none (auto: the engine's own attention on a GPU; the CPU kernel has
-    one). `capped`, why the scores are capped (Gemma 2), refuses both kernels: auto is the
-    engine's own attention."""
+    cannot be built. Every way has the sliding window. `capped`, why the scores are capped (Gemma
+    2), refuses both kernels: auto is the engine's own attention."""
     if capped is not None:
         if setting in ("cpu", "pallas"):
             raise InvalidConfig(f"engine.decode_attention: {setting} has plain attention scores, but {capped}"
                                 " (use auto or xla: the engine's own attention caps them)")
         return "xla"
-    if windowed is not None:
-        if setting == "pallas":
-            raise InvalidConfig(f"engine.decode_attention: pallas attends over whole rows, but {windowed} (use auto,"
-                                " xla or, on a CPU, cpu: they have the window)")
-        if setting == "auto" and platform != "cpu":
-            return "xla"
     fits = head_dim >= _MIN_BLOCK and head_dim & (head_dim - 1) == 0
     if setting == "cpu":
         if platform != "cpu":
@@ -184,12 +176,15 @@ def kernel_blocks(page_len: int, programs: int, tuning: KernelTuning = KernelTun
 
 
 def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array, scale: float, *,
-                   blocks: tuple[int, int], tuning: KernelTuning = KernelTuning()):
+                   blocks: tuple[int, int], tuning: KernelTuning = KernelTuning(), begin: jax.Array | None = None):
     """One page through the kernel, read in `blocks` = (k_splits, block_k): q [batch, kv_heads,
     group, head_dim], keys/values [batch, kv_heads, page_len, head_dim], lengths [batch]
-    (positions of the page each row has written). Returns (o, l, m): the unnormalized weighted
-    values [batch, kv_heads, group, head_dim] float32 and the softmax's sum and maximum [batch,
-    kv_heads, group]; a row with nothing written gives o = l = 0 and m = float32 min."""
+    (positions of the page each row has written), begin [batch] (the first of them each row
+    reads: a sliding window's; None: 0). Returns (o, l, m): the unnormalized weighted values
+    [batch, kv_heads, group, head_dim] float32 and the softmax's sum and maximum [batch, kv_heads,
+    group]; a row with nothing to read gives o = l = 0 and m = float32 min. The kernel masks the
+    positions before `begin` in the blocks it reads and skips its splits of the page that hold
+    none of a row's positions."""
     from jax.experimental.pallas.ops.gpu import decode_attention  # imported here: experimental, GPU-only
 
     q = q.astype(keys.dtype)  # a bfloat16 model over the CPU's float32 cache
@@ -200,7 +195,11 @@ def page_residuals(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: ja
         num_warps=tuning.num_warps, num_stages=tuning.num_stages, grid=None, interpret=jax.default_backend() == "cpu", debug=False,
         return_residuals=True, normalize_output=False)
     n = jnp.broadcast_to(lengths[:, None], (batch, kv_heads))
-    o, (l, m) = jax.vmap(jax.vmap(lambda q, k, v, n: inner(q, k, v, None, n)))(q, keys, values, n)
+    if begin is None:
+        o, (l, m) = jax.vmap(jax.vmap(lambda q, k, v, n: inner(q, k, v, None, n)))(q, keys, values, n)
+    else:
+        b = jnp.broadcast_to(begin[:, None], (batch, kv_heads))
+        o, (l, m) = jax.vmap(jax.vmap(inner))(q, keys, values, b, n)
     return o.astype(jnp.float32), l, m
 
 
@@ -226,13 +225,15 @@ def combine(parts) -> jax.Array:
 
 def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_mask: NamedArray | None, scale: float, *,
                         sharding: NamedSharding | None = None, tuning: KernelTuning | None = None,
-                        attention: str = "pallas") -> NamedArray:
+                        attention: str = "pallas", first: jax.Array | None = None) -> NamedArray:
     """A decode step's attention (q one position: batch, position, kv_heads, q_per_kv, head_dim)
     over the cache `pages` (LayerKVs, keys/values batch, kv_heads, key_position, head_dim), each
     row up to its `lengths` [batch] positions written, and over the chunk buffer's keys/values
     (batch, kv_heads, chunk, head_dim) where chunk_mask (batch, position, chunk) is True: a
-    prefix of the chunk, its steps so far (chunk None: the cache alone). The same result as
-    `engine.llama._attend_pages` over those parts, float32.
+    prefix of the chunk, its steps so far (chunk None: the cache alone). `first` [batch]: the
+    first position each row reads, its sliding window's (the chunk's entry s is position
+    lengths + s; None: 0; pallas only). The same result as `engine.llama._attend_pages` over
+    those parts, float32.
 
     `sharding` is the cache's (rows over `data`, KV heads over `model` on a global mesh): over
     several devices each runs the kernel on its own rows and heads (`jax.shard_map`), since XLA
@@ -240,13 +241,15 @@ def attend_pages_kernel(q: NamedArray, pages, lengths: jax.Array, chunk, chunk_m
     engine's `DecodeSpec.kernel`; None: `TUNING`)."""
     kv = [(page.k.array, page.v.array) for page in pages]
     args = (q["position", 0].rearrange(_STEP_AXES).array, kv, lengths)
+    chunk_args = (None, None)
     if chunk is not None:
-        args += ((chunk.k.array, chunk.v.array), chunk_mask["position", 0].rearrange(("batch", "chunk")).array)
+        chunk_args = ((chunk.k.array, chunk.v.array), chunk_mask["position", 0].rearrange(("batch", "chunk")).array)
+    args += chunk_args + (first,)
     attend = functools.partial(_attend_arrays, scale=scale, tuning=tuning or TUNING, attention=attention)
     specs = _device_specs(sharding)
     if specs:
         by_head, by_row = specs
-        attend = jax.shard_map(attend, mesh=sharding.mesh, in_specs=(by_head, by_head, by_row, by_head, by_row)[:len(args)],
+        attend = jax.shard_map(attend, mesh=sharding.mesh, in_specs=(by_head, by_head, by_row, by_head, by_row, by_row),
                                out_specs=by_head, check_vma=False)
     return _as_step(attend(*args), q)
 
@@ -293,43 +296,59 @@ def attend_step_cpu(q: NamedArray, page, k: NamedArray, v: NamedArray, write_at:
     return _as_step(out, q), type(page)(hax.named(keys, page.k.axes), hax.named(values, page.v.axes))
 
 
-def _attend_arrays(q, pages, lengths, chunk=None, mask=None, *, scale: float, tuning: KernelTuning,
+def _attend_arrays(q, pages, lengths, chunk=None, mask=None, first=None, *, scale: float, tuning: KernelTuning,
                    attention: str = "pallas") -> jax.Array:
     """attend_pages_kernel on one device's arrays: q [batch, kv_heads, group, head_dim], pages
     [(keys, values)] and chunk (keys, values) [batch, kv_heads, positions, head_dim] or None,
-    lengths [batch], mask [batch, chunk]. Returns [batch, kv_heads, group, head_dim] float32."""
-    parts = _pages_residuals(q, pages, lengths, scale, tuning, attention)
-    if chunk is not None and tuning.chunk_kernel and attention == "pallas":
+    lengths [batch], mask [batch, chunk], first [batch] or None. Returns [batch, kv_heads, group,
+    head_dim] float32."""
+    if first is not None and attention == "cpu":
+        raise ValueError("the CPU kernel's sliding window is its step in place (attend_step_cpu)")
+    parts = _pages_residuals(q, pages, lengths, scale, tuning, attention, first)
+    if chunk is None:
+        return combine(parts)
+    steps = chunk[0].shape[2]
+    begin = None if first is None else jnp.clip(first - lengths, 0, steps)  # the chunk's entry s is position lengths + s
+    if tuning.chunk_kernel and attention == "pallas":
         # the chunk's written positions are a prefix: its length per row
-        parts.append(_residuals(q, *chunk, jnp.sum(mask, axis=1, dtype=jnp.int32), scale, tuning))
-    elif chunk is not None:
+        parts.append(_residuals(q, *chunk, jnp.sum(mask, axis=1, dtype=jnp.int32), scale, tuning, begin=begin))
+    else:
         if attention == "cpu":  # in float32, as the kernel reads the pages (a bfloat16 cache: the same values)
             chunk = tuple(x.astype(jnp.float32) for x in chunk)
+        if begin is not None:
+            mask = mask & (jnp.arange(steps)[None, :] >= begin[:, None])
         parts.append(xla_residuals(q, *chunk, mask[:, None, None, :], scale))
     return combine(parts)
 
 
-def _pages_residuals(q, pages, lengths, scale: float, tuning: KernelTuning, attention: str) -> list:
+def _pages_residuals(q, pages, lengths, scale: float, tuning: KernelTuning, attention: str, first=None) -> list:
     """(o, l, m) of each page [(keys, values)], in order, each row read to its first `lengths`
-    [batch] positions of the cache (a page holds its share of them)."""
+    [batch] positions of the cache (a page holds its share of them), from its `first` [batch]
+    (None: 0)."""
     parts, start = [], 0
     for keys, values in pages:
         page_len = keys.shape[2]
-        parts.append(_residuals(q, keys, values, jnp.clip(lengths - start, 0, page_len), scale, tuning, attention))
+        begin = None if first is None else jnp.clip(first - start, 0, page_len)
+        parts.append(_residuals(q, keys, values, jnp.clip(lengths - start, 0, page_len), scale, tuning, attention, begin))
         start += page_len
     return parts
 
 
-def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, attention: str = "pallas"):
+def _residuals(q, keys, values, written, scale: float, tuning: KernelTuning, attention: str = "pallas", begin=None):
     """(o, l, m) of keys/values [batch, kv_heads, positions, head_dim], each row's first
-    `written` [batch] positions: by the CPU kernel (attention cpu, `cpu_attention.page_residuals`),
-    else by the Pallas kernel where it can read them (`kernel_blocks`), else by XLA operations."""
+    `written` [batch] positions from its `begin` [batch] on (None: 0): by the CPU kernel
+    (attention cpu, `cpu_attention.page_residuals`; no begin), else by the Pallas kernel where it
+    can read them (`kernel_blocks`), else by XLA operations."""
     if attention == "cpu":
         return cpu_attention.page_residuals(q, keys, values, written, scale)
     blocks = kernel_blocks(keys.shape[2], q.shape[0] * q.shape[1], tuning)
     if blocks is None:
-        return xla_residuals(q, keys, values, (jnp.arange(keys.shape[2])[None, :] < written[:, None])[:, None, None, :], scale)
-    return page_residuals(q, keys, values, written, scale, blocks=blocks, tuning=tuning)
+        index = jnp.arange(keys.shape[2])[None, :]
+        read = index < written[:, None]
+        if begin is not None:
+            read = read & (index >= begin[:, None])
+        return xla_residuals(q, keys, values, read[:, None, None, :], scale)
+    return page_residuals(q, keys, values, written, scale, blocks=blocks, tuning=tuning, begin=begin)
 
 
 def prefill_step_cpu(q: NamedArray, k: NamedArray, v: NamedArray, page, segments, scale: float,

@@ -12,9 +12,9 @@ Refuses: other architectures, rope types other than default/llama3 (and Phi-3's 
 partial rotary outside Phi-3. Phi-3's longrope runs rows up to its original positions with its
 short factors, as transformers does (engine.py refuses longer rows). A sliding
 window (Mistral v0.1's, Phi-3 mini's, the Gemmas' local layers', Qwen's) is a band of each query's
-mask in the engine's own (XLA) attention, and each query's first key in the CPU kernel; Pallas
-has none, so on a GPU a row longer than the window runs the XLA way (engine.py). Gemma 2's
-capped scores run the XLA way on every device.
+mask in the engine's own (XLA) attention, and each query's first key in the kernels (the CPU
+kernel's, and the start index JAX's Pallas kernel takes). Gemma 2's capped scores run the XLA
+way on every device.
 It knows nothing about batching or sampling (see `engine/sampler.py`, `engine/engine.py`).
 
     config = LlamaConfig.from_hf(json.load(f), source="/ckpt/config.json")
@@ -767,9 +767,8 @@ class Attention(eqx.Module):
         scale = c.attention_scale
         window, softcap = self.window, c.attn_logit_softcapping
         kernel = context.attention if isinstance(context, (DecodeStep, PrefillChunk)) else "xla"
-        if (softcap and kernel != "xla") or (window and kernel == "pallas"):
-            raise ValueError(f"capped scores are attended the XLA way, a sliding window the XLA way or the CPU kernel's;"
-                             f" not with {kernel!r}")
+        if softcap and kernel != "xla":
+            raise ValueError(f"capped scores are attended the XLA way, not with {kernel!r}")
         if isinstance(context, DecodeStep):
             attn, new_kv = self._decode(q, k, v, context, scale, window, softcap)
         else:
@@ -850,19 +849,20 @@ class Attention(eqx.Module):
                                                sharding=context.sharding, window=window)
             page = PagedKV(context.pages).write(jnp.arange(context.lengths.shape[0])[:, None], context.lengths[:, None],
                                                 jnp.swapaxes(k.array, 1, 2), jnp.swapaxes(v.array, 1, 2)).pages[0]
+            first = None if window is None else jnp.maximum(read - window, 0)  # the query is the last position read
             return kernels.attend_pages_kernel(q, (page,), read, None, None, scale, sharding=context.sharding,
-                                               tuning=context.kernel, attention=context.attention), page
+                                               tuning=context.kernel, attention=context.attention, first=first), page
         chunk = context.chunk
         chunk = LayerKV(*(
             hax.named(jax.lax.dynamic_update_slice(old.array, new.array.astype(old.dtype), (0, 0, context.step, 0)), old.axes)
             for old, new in ((chunk.k, k), (chunk.v, v))
         ))
         if context.attention in ("pallas", "cpu"):
-            if window is not None:  # the kernels' page residuals have no window; the CPU's step in place has
-                raise ValueError("a sliding window is attended over the chunk buffer the XLA way only")
+            # this step's query is at lengths + step: its window's first position lengths + step + 1 - window
+            first = None if window is None else jnp.maximum(context.lengths + context.step + 1 - window, 0)
             return kernels.attend_pages_kernel(q, context.pages, context.lengths, chunk, context.chunk_mask, scale,
                                                sharding=context.sharding, tuning=context.kernel,
-                                               attention=context.attention), chunk
+                                               attention=context.attention, first=first), chunk
         masks, chunk_mask = context.page_masks, context.chunk_mask
         if window is not None:  # this step's query is at lengths + step; chunk entry s at lengths + s
             query = (context.lengths + context.step)[:, None, None]

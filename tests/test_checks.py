@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -53,22 +52,6 @@ def test_prompt_plus_completion_longer_than_the_checkpoints_positions(config_for
     assert line == (f"error: prompts.max_prompt_tokens + sampling.max_new_tokens = {positions - 10} + 20 = "
                     f"{positions + 10} exceeds the checkpoint's max_position_embeddings {positions} "
                     f"({demo_model}/config.json): lower one of them to fit")
-
-
-def test_pallas_asked_for_rows_longer_than_the_checkpoints_sliding_window(config_for, tmp_path, demo_model):
-    """Mistral v0.1 and Phi-3 mini attend over a window shorter than their positions. Rows longer
-    than it attend the engine's own way or the CPU kernel's; JAX's Pallas kernel has no window,
-    so asking for it is refused before tokenize, not at generate."""
-    model = tmp_path / "windowed"
-    shutil.copytree(demo_model, model)
-    data = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**data, "model_type": "mistral", "sliding_window": 100}))
-    config = config_for(model=str(model), prompts={"max_prompt_tokens": 90}, sampling={"max_new_tokens": 20},
-                        engine={"decode_attention": "pallas"})
-    line = refused(run("run", "all", "--config", config), tmp_path / "runs")
-    assert line == ("error: engine.decode_attention pallas attends over whole rows, but the checkpoint's sliding_window "
-                    f"100 ({model}/config.json) is shorter than prompts.max_prompt_tokens + sampling.max_new_tokens "
-                    "= 110: use auto, xla or, on a CPU, cpu (they have the window)")
 
 
 def test_run_root_that_cannot_be_written(config_for, tmp_path):

@@ -81,17 +81,9 @@ def check_model(cfg: Config, positions: bool) -> None:
                 f"prompts.max_prompt_tokens + sampling.max_new_tokens = {cfg.prompts.max_prompt_tokens} + "
                 f"{cfg.sampling.max_new_tokens} = {needed} exceeds the checkpoint's {key} {limit}{why} "
                 f"({url}): lower one of them to fit")
-    # Pallas has no sliding window, and neither kernel capped scores: such rows attend the
-    # engine's own way (or, windowed, the CPU kernel's).
-    window, attention = found["sliding_window"], cfg.engine.decode_attention
-    if attention not in ("cpu", "pallas"):
-        return
-    if window is not None and needed > window and attention == "pallas":
-        raise ConfigError(
-            f"engine.decode_attention pallas attends over whole rows, but the checkpoint's sliding_window "
-            f"{window} ({url}) is shorter than prompts.max_prompt_tokens + sampling.max_new_tokens = {needed}: "
-            f"use auto, xla or, on a CPU, cpu (they have the window)")
-    if found["attn_logit_softcapping"] is not None:
+    # Neither kernel caps scores: capped scores attend the engine's own way.
+    attention = cfg.engine.decode_attention
+    if attention in ("cpu", "pallas") and found["attn_logit_softcapping"] is not None:
         raise ConfigError(
             f"engine.decode_attention {attention} has plain attention scores, but the checkpoint caps them "
             f"(attn_logit_softcapping {found['attn_logit_softcapping']}, {url}): use auto or xla (the engine's own "

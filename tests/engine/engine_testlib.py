@@ -48,12 +48,13 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 def ragged_attention_case(*, batch: int, kv_heads: int, group: int, head_dim: int, page_lens: tuple[int, ...],
-                          steps: int, lengths: list[int], seed: int = 0):
+                          steps: int, lengths: list[int], seed: int = 0, first: list[int] | None = None):
     """A decode step's attention inputs, random: q (batch, position, kv_heads, q_per_kv, head_dim),
     cache pages of `page_lens` positions, a chunk buffer of `steps` with its first 3 steps
-    written, and rows that wrote `lengths` positions of the pages. Returns (q, pages, chunk,
-    chunk_mask, lengths, want): want is the engine's own attention over them (`_attend_pages`,
-    batch, position, kv_heads, q_per_kv, head_dim)."""
+    written, and rows that wrote `lengths` positions of the pages, each reading from its `first`
+    position on (a sliding window's; the chunk's entry s is position lengths + s; None: 0).
+    Returns (q, pages, chunk, chunk_mask, lengths, want): want is the engine's own attention over
+    them (`_attend_pages`, batch, position, kv_heads, q_per_kv, head_dim)."""
     import math
 
     import jax
@@ -76,11 +77,14 @@ def ragged_attention_case(*, batch: int, kv_heads: int, group: int, head_dim: in
     chunk_mask = hax.named(jnp.broadcast_to(jnp.arange(steps) <= 2, (batch, 1, steps)), (Batch, Pos, Chunk))
     q = normal(Batch, Pos, KVHeads, QPerKV, HeadDim)
     lengths = jnp.asarray(lengths, jnp.int32)
+    begin = jnp.zeros_like(lengths) if first is None else jnp.asarray(first, jnp.int32)
     parts, start = [], 0
     for page, n in zip(pages, page_lens):
-        written = hax.named((start + jnp.arange(n))[None, None, :] < lengths[:, None, None], (Batch, Pos, Axis("key_position", n)))
-        parts.append((page.k, page.v, written, "key_position"))
+        position = (start + jnp.arange(n))[None, None, :]
+        read = (position < lengths[:, None, None]) & (position >= begin[:, None, None])
+        parts.append((page.k, page.v, hax.named(read, (Batch, Pos, Axis("key_position", n))), "key_position"))
         start += n
-    parts.append((chunk.k, chunk.v, chunk_mask, "chunk"))
+    in_chunk = (lengths[:, None, None] + jnp.arange(steps)[None, None, :]) >= begin[:, None, None]
+    parts.append((chunk.k, chunk.v, chunk_mask & hax.named(in_chunk, (Batch, Pos, Chunk)), "chunk"))
     want = _attend_pages(q, parts, 1 / math.sqrt(head_dim)).rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim"))
     return q, pages, chunk, chunk_mask, lengths, want.array

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, UnsupportedModelError
-from engine.config import InvalidConfig
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, UnsupportedModelError, kernels
+from engine.kernels import KernelTuning
 from engine.llama import LlamaConfig, load_checkpoint, swiglu
 from engine_testlib import VOCAB, hf_greedy
 
@@ -53,9 +53,21 @@ def test_logits_match_transformers(name, request):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma2", "gemma3", "gemma3_wide", "gemma3_image_text", "qwen2_windowed"])
 def test_greedy_matches_transformers_generate(name, request):
     """Six prompts of mixed lengths through 4 slots: exercises buckets and slot refill too."""
-    path, hf = request.getfixturevalue(name)
+    _greedy_matches_transformers(*request.getfixturevalue(name), attention="auto")
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2_windowed"])
+def test_windowed_and_whole_layers_through_the_pallas_kernel(name, request):
+    """Gemma 3's and Qwen's layers differ: some attend over a window of 8 positions, others over
+    every earlier one. Through JAX's Pallas kernel (its interpreter here) each layer reads its own
+    span, and the tokens are transformers'."""
+    _greedy_matches_transformers(*request.getfixturevalue(name), attention="pallas")
+
+
+def _greedy_matches_transformers(path, hf, attention: str):
     new = 24
-    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=new), engine=EngineConfig(batch_size=4), max_prompt_tokens=32)
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=new), max_prompt_tokens=32,
+                         engine=EngineConfig(batch_size=4, decode_attention=attention))
     got = {c.prompt_index: c for c in engine.generate(GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS))}
     assert sorted(got) == list(range(len(PROMPTS)))
     compared = 0
@@ -125,16 +137,17 @@ def test_two_models_in_one_process_each_run_their_own_programs(llama, qwen3):
         assert got.token_ids == hf_greedy(hf, prompt, new), path
 
 
-@pytest.mark.parametrize("attention", ["auto", "xla"])
+@pytest.mark.parametrize("attention", ["auto", "xla", "pallas"])
 @pytest.mark.parametrize("name, chunk", [("mistral", 32), ("phi3_windowed", 8)])
-def test_rows_longer_than_a_sliding_window_match_transformers(name, chunk, attention, request):
+def test_rows_longer_than_a_sliding_window_match_transformers(name, chunk, attention, request, monkeypatch):
     """Mistral v0.1 and Phi-3 mini attend over a window (here 8 and 11 positions) shorter than the
     rows. Prompts of up to 30 tokens in prefill calls of 32 tokens (Mistral), whose queries reach
     back past the window inside a call, or of 8 (Phi-3), where a prompt's later pieces reach back
     into the pieces before them. Then 24 new tokens in decode calls of 16 steps, whose steps
-    reach back into the cache (and, the XLA way, into the call's own steps). Both ways have the
-    window: the CPU kernel (auto here) and the engine's own attention; Pallas has none, and
-    asking for it is refused."""
+    reach back into the cache (and, the XLA way and Pallas', into the call's own steps). Every way
+    has the window: the CPU kernel (auto here), the engine's own attention, and JAX's Pallas
+    kernel (its start index; Pallas' interpreter here), also with each step written into the
+    cache in place (no chunk buffer)."""
     path, hf = request.getfixturevalue(name)
     new, window = 24, hf.config.sliding_window
     windowed = {i: hf_greedy(hf, prompt, new) for i, prompt in enumerate(PROMPTS)}
@@ -145,16 +158,17 @@ def test_rows_longer_than_a_sliding_window_match_transformers(name, chunk, atten
         hf.config.sliding_window = window
     assert sum(windowed[i] != whole[i] for i in windowed) >= 4, "the window should change what transformers makes"
 
-    settings = dict(dtype="float32", sampling=SamplingParams(max_new_tokens=new), max_prompt_tokens=32)
-    engine = Engine.load(path, engine=EngineConfig(batch_size=4, prefill_chunk_tokens=chunk, prefill_tokens=chunk,
-                                                   decode_attention=attention), **settings)
-    assert engine.attention == ("cpu" if attention == "auto" else "xla")
-    got = {c.prompt_index: c.token_ids for c in engine.generate(GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS))}
-    assert got == windowed
-    refusal = (f"engine.decode_attention: pallas attends over whole rows, but .*config.json has a sliding_window of "
-               f"{window}, shorter than prompt \\+ new tokens \\(56\\)")
-    with pytest.raises(InvalidConfig, match=refusal):
-        Engine.load(path, engine=EngineConfig(batch_size=4, decode_attention="pallas"), **settings)
+    def run():
+        engine = Engine.load(path, engine=EngineConfig(batch_size=4, prefill_chunk_tokens=chunk, prefill_tokens=chunk,
+                                                       decode_attention=attention),
+                             dtype="float32", sampling=SamplingParams(max_new_tokens=new), max_prompt_tokens=32)
+        assert engine.attention == ("cpu" if attention == "auto" else attention)
+        return {c.prompt_index: c.token_ids for c in engine.generate(GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS))}
+
+    assert run() == windowed
+    if attention == "pallas":
+        monkeypatch.setattr(kernels, "TUNING", KernelTuning(in_place=1))  # read by Engine.load
+        assert run() == windowed
 
 
 def test_bfloat16_swiglu_rounds_as_transformers():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from unittest import mock
 
 import jax
@@ -23,19 +24,28 @@ from engine.kernels import KernelTuning, attend_pages_kernel, kernel_blocks, res
 from engine_testlib import VOCAB, ragged_attention_case, run_on_forced_devices
 
 
-@pytest.mark.parametrize("steps, tuning", [(4, KernelTuning()), (16, KernelTuning(chunk_kernel=1))])
-def test_kernel_attention_matches_the_engines_over_ragged_rows(steps, tuning):
+@pytest.mark.parametrize("steps, tuning, window", [(4, KernelTuning(), None), (16, KernelTuning(chunk_kernel=1), None),
+                                                   (4, KernelTuning(), 12), (16, KernelTuning(chunk_kernel=1), 12),
+                                                   (16, KernelTuning(chunk_kernel=1), 2)])
+def test_kernel_attention_matches_the_engines_over_ragged_rows(steps, tuning, window):
     """Pages of 32 and 16 positions (the kernel's) and of 10 (attended the XLA way), rows of
     lengths 0..58 (some with nothing in a page), two query heads per KV head, and a chunk buffer
     with its first 3 steps written (4 steps: by XLA operations; 16, tuned so: by the kernel too):
-    the kernel's result equals _attend_pages' to float32 rounding."""
+    the kernel's result equals _attend_pages' to float32 rounding. With a sliding window each
+    row reads from its query's position (lengths + 2) - window + 1 on: a window of 12 starts
+    inside a kernel block of some rows' pages and past whole pages of others; one of 2 reads
+    the chunk's last two steps alone."""
+    lengths = [0, 5, 32, 40, 48, 58]
+    first = None if window is None else [max(n + 2 + 1 - window, 0) for n in lengths]
     q, pages, chunk, chunk_mask, lengths, want = ragged_attention_case(
-        batch=6, kv_heads=2, group=2, head_dim=16, page_lens=(32, 16, 10), steps=steps, lengths=[0, 5, 32, 40, 48, 58])
+        batch=6, kv_heads=2, group=2, head_dim=16, page_lens=(32, 16, 10), steps=steps, lengths=lengths, first=first)
     scale = 1 / math.sqrt(16)
     axes = ("batch", "position", "kv_heads", "q_per_kv", "head_dim")
+    begin = None if first is None else jnp.asarray(first, jnp.int32)
 
     def attend(q, pages, chunk):
-        return attend_pages_kernel(q, pages, lengths, chunk, chunk_mask, scale, tuning=tuning).rearrange(axes).array
+        return attend_pages_kernel(q, pages, lengths, chunk, chunk_mask, scale, tuning=tuning,
+                                   first=begin).rearrange(axes).array
 
     np.testing.assert_allclose(attend(q, pages, chunk), want, rtol=2e-6, atol=2e-6)
     kernel_calls = str(jax.make_jaxpr(attend)(q, pages, chunk)).count("pallas_call[")
@@ -86,18 +96,21 @@ def test_which_attention_each_host_gets():
         resolve("pallas", platform="gpu", head_dim=80, dtype="bfloat16")
 
 
-def test_the_kernel_runs_per_device_over_several(llama):
+def test_the_kernel_runs_per_device_over_several(llama, mistral):
     """Four forced CPU devices: host data parallel (rows over 4 devices) and a global mesh (rows
     over 2, KV heads over 2, also with the cache written in place), each with the kernel, and
     host data parallel with the engine's CPU kernel, give one device's tokens (float32,
-    sampled)."""
-    path, _ = llama
+    sampled); so does Mistral's sliding window (8 positions, rows of up to 24) on the global
+    mesh, each device's rows read from their own window's start."""
     prompts = [np.random.RandomState(40 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([6, 14, 3, 10])]
     sampling = dict(max_new_tokens=8, temperature=0.9, top_k=20, n=2, seed=5)
-    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(**sampling), max_prompt_tokens=16,
-                         engine=EngineConfig(batch_size=4, decode_attention="xla"))
-    want = {f"{c.prompt_index},{c.sample_index}": c.token_ids
-            for c in engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate(prompts))}
+    paths = {"llama": llama[0], "mistral": mistral[0]}
+    want = {}
+    for name, path in paths.items():
+        engine = Engine.load(path, dtype="float32", sampling=SamplingParams(**sampling), max_prompt_tokens=16,
+                             engine=EngineConfig(batch_size=4, decode_attention="xla"))
+        want[name] = {f"{c.prompt_index},{c.sample_index}": c.token_ids
+                      for c in engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate(prompts))}
     out = run_on_forced_devices(f"""
         import json, sys
         sys.path.insert(0, {os.getcwd()!r})
@@ -106,32 +119,35 @@ def test_the_kernel_runs_per_device_over_several(llama):
         assert jax.device_count() == 4
         out = {{}}
         modes = ("host_dp", "global_mesh", "global_mesh in place") + (("host_dp cpu",) if cpu_attention.unavailable() is None else ())
-        for mode in modes:  # the global mesh: data 2 x model 2
+        runs = [("llama", mode) for mode in modes] + [("mistral", "global_mesh")]
+        for name, mode in runs:  # the global mesh: data 2 x model 2
             kernels.TUNING = kernels.KernelTuning(in_place=int(mode.endswith("in place")))  # read by Engine.load
             attention = "cpu" if mode.endswith("cpu") else "pallas"
-            engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(**{sampling!r}), max_prompt_tokens=16,
+            engine = Engine.load({paths!r}[name], dtype="float32", sampling=SamplingParams(**{sampling!r}),
+                                 max_prompt_tokens=16,
                                  engine=EngineConfig(batch_size=4, mode=mode.split()[0], decode_attention=attention))
             assert engine.attention == attention
-            out[mode + " cache"] = [engine.layout.mesh.size, str(engine.layout.cache_sharding.spec)]
-            out[mode] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in engine.generate(
+            out[f"{{name}} {{mode}} cache"] = [engine.layout.mesh.size, str(engine.layout.cache_sharding.spec)]
+            out[f"{{name}} {{mode}}"] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in engine.generate(
                 GenerationRequest(i, p, [0, 1]) for i, p in enumerate({prompts!r}))}}
         print(json.dumps(out))
     """, devices=4, timeout=600)
-    assert sorted(want) == [f"{p},{s}" for p in range(4) for s in range(2)]
-    assert out["host_dp cache"] == [4, "P('data',)"]
-    assert out["global_mesh cache"] == [4, "P('data', 'model')"]
-    assert out["host_dp"] == want
-    assert out["global_mesh"] == want
-    assert out["global_mesh in place"] == want
+    assert sorted(want["llama"]) == sorted(want["mistral"]) == [f"{p},{s}" for p in range(4) for s in range(2)]
+    assert out["llama host_dp cache"] == [4, "P('data',)"]
+    assert out["llama global_mesh cache"] == out["mistral global_mesh cache"] == [4, "P('data', 'model')"]
+    assert out["llama host_dp"] == want["llama"]
+    assert out["llama global_mesh"] == want["llama"]
+    assert out["llama global_mesh in place"] == want["llama"]
+    assert out["mistral global_mesh"] == want["mistral"]
     if cpu_attention.unavailable() is None:
-        assert out["host_dp cpu"] == want  # the engine's CPU kernel, each device its own rows
+        assert out["llama host_dp cpu"] == want["llama"]  # the engine's CPU kernel, each device its own rows
 
 
 def _decode_program_text(attention: str, head_dim: int = 64, kernel: KernelTuning = KernelTuning(), steps: int = 4,
-                         platform: str = "cuda") -> str:
+                         platform: str = "cuda", window: int | None = None) -> str:
     """The engine's decode program (bfloat16, 2 layers, 8 slots, a cache of 1,024 positions in the
-    pages of `kernel` with pallas, one with cpu, else four), lowered for `platform` from abstract
-    shapes: StableHLO text. For CUDA, lowering runs Pallas' Triton lowering here, no GPU needed
+    pages of `kernel` with pallas, one with cpu, else four; with a `window`, Mistral's sliding
+    window), lowered for `platform` from abstract shapes: StableHLO text. For CUDA, lowering runs Pallas' Triton lowering here, no GPU needed
     (jax.default_backend is patched so that the kernel is not handed to the interpreter)."""
     import equinox as eqx
 
@@ -140,8 +156,9 @@ def _decode_program_text(attention: str, head_dim: int = 64, kernel: KernelTunin
 
     heads = 4
     config = LlamaConfig.from_hf(dict(
-        model_type="llama", vocab_size=256, hidden_size=heads * head_dim, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False))
+        model_type="llama" if window is None else "mistral", vocab_size=256, hidden_size=heads * head_dim,
+        intermediate_size=512, num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=2,
+        max_position_embeddings=1024, tie_word_embeddings=False, sliding_window=window))
 
     def bfloat16(tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype), tree)
@@ -162,7 +179,8 @@ def test_the_decode_program_lowers_for_a_gpu_with_the_kernel():
     time: one Triton call over the engine's one page (the layers share one traced function);
     with four pages, one per page in each of the decode program's page-count branches (1 + 2 +
     3 + 4); with the chunk through the kernel, one more where the chunk holds a block of 16;
-    none with the engine's attention."""
+    none with the engine's attention. A sliding window is the kernel's start index, an operand
+    of the same one call (and of the chunk's)."""
     triton = "custom_call @__gpu$xla.gpu.triton"
     assert _decode_program_text("pallas").count(triton) == 1
     assert _decode_program_text("pallas", kernel=KernelTuning(pages=4, num_stages=2)).count(triton) == 10
@@ -170,6 +188,12 @@ def test_the_decode_program_lowers_for_a_gpu_with_the_kernel():
     assert _decode_program_text("pallas", kernel=chunk_kernel, steps=16).count(triton) == 2  # and the chunk of 16
     assert _decode_program_text("pallas", kernel=chunk_kernel).count(triton) == 1  # 4 steps: below the kernel's blocks
     assert _decode_program_text("pallas", kernel=KernelTuning(in_place=1)).count(triton) == 1  # the cache alone
+    windowed = _decode_program_text("pallas", window=256)
+    assert windowed.count(triton) == 1
+    operands = [len(re.search(r"xla\.gpu\.triton\(([^)]*)\)", text).group(1).split(","))
+                for text in (_decode_program_text("pallas"), windowed)]
+    assert operands == [4, 5]  # q, keys, values, lengths; and each row's first position
+    assert _decode_program_text("pallas", kernel=chunk_kernel, steps=16, window=256).count(triton) == 2
     assert _decode_program_text("xla").count(triton) == 0
     # Why `auto` keeps xla for heads that are not a power of two: Triton's blocks cannot hold them.
     with pytest.raises(ValueError, match="power of 2"):
