@@ -28,6 +28,7 @@ when it starts, and torch's cache would otherwise hold memory JAX needs.
     python scripts/bench_engine.py --preset cpu-mixed                                  # batch 16 and 64
     python scripts/bench_engine.py --preset cpu-mixed-prefill --batch 64 --dtype float32
     python scripts/bench_engine.py --preset cpu-mixed --batch 16 --attention xla cpu   # both attentions, one run
+    python scripts/bench_engine.py --preset tinyllama-1.1b --window 128 --attention pallas xla   # a sliding window, on a GPU
 
 The mixed presets (issue 13) draw 300 prompt lengths log-uniformly between 4 and 512 tokens and
 time our engine twice, each in a fresh process: cold (an empty compilation cache folder, so
@@ -102,18 +103,23 @@ def _torch_device() -> str:
 
 def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
     """Random weights drawn on the GPU when there is one (an 8B model drawn in float32 on the
-    CPU takes minutes and 32 GB), saved in `dtype`."""
+    CPU takes minutes and 32 GB), saved in `dtype`. With p['window'] a Mistral v0.1 checkpoint:
+    the same blocks, attending over a sliding window of that many positions."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"], num_hidden_layers=p["layers"],
         num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"], max_position_embeddings=4096,
         eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
     )
+    if p.get("window"):
+        config, model_class = MistralConfig(**shape, sliding_window=p["window"]), MistralForCausalLM
+    else:
+        config, model_class = LlamaConfig(**shape), LlamaForCausalLM
     torch.manual_seed(0)
     with torch.device(_torch_device()):
-        model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, dtype))
+        model = model_class._from_config(config, dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder, safe_serialization=True)
 
@@ -157,10 +163,10 @@ def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pas
 
 def bench_hf(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     device = _torch_device()
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
     batches = [torch.tensor(prompts[i : i + p["batch"]], device=device) for i in range(0, len(prompts), p["batch"])]
 
     # The same temperature, top_p and top_k as ours: top_k=0 switches off transformers' default of 50.
@@ -236,10 +242,10 @@ def _mixed_requests(prompts: list[list[int]]):
 def bench_hf_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[list[int]]) -> dict:
     process_start = time.perf_counter()
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     load_start = time.perf_counter()
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: dict[int, list[int]] = {}
     start = time.perf_counter()
@@ -374,6 +380,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, help="override the preset's prompt count")
     parser.add_argument("--new", type=int, help="override the preset's new tokens per prompt")
     parser.add_argument("--batch", type=int, help="override the preset's batch size")
+    parser.add_argument("--window", type=int,
+                        help="a Mistral checkpoint of the preset's shape, attending over a sliding window of this many positions")
     parser.add_argument("--skip-hf", action="store_true", help="only time our engine")
     parser.add_argument("--overlap-prefill", nargs="+", choices=sorted(OVERLAP), default=["auto"],
                         help="mixed presets: engine.overlap_prefill, one run (cold and warm) per value")
@@ -394,7 +402,7 @@ def main() -> None:
                         help="time our first pass minus its wait for programs instead of a second pass (halves our run time)")
     args = parser.parse_args()
     p = dict(PRESETS[args.preset])
-    for key in ("prompts", "new", "batch"):
+    for key in ("prompts", "new", "batch", "window"):
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if "mixed" in p:
@@ -429,6 +437,7 @@ def main() -> None:
             kernels.TUNING = tuning  # read by Engine.load
             ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention, lanes)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
+                      **({"window": p["window"]} if p.get("window") else {}),
                       "sampling": p.get("sampling", "greedy"), "ours_attention": ours["attention"],
                       "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
                       "ours_prefill_s": round(ours["prefill_s"], 2), "ours_lanes": ours["lanes"],

@@ -2,8 +2,9 @@
 # The engine's GPU checks in one go, for a CUDA machine with JAX, PyTorch and transformers
 # installed (and no network needed): the Llama-3-8B memory plan compiled for the GPU; a sweep of
 # JAX's Pallas decode-attention kernel's tunings on the 8B's shape, decode attention alone
-# (scripts/bench_decode_attention.py --tuning); the TinyLlama benchmark beside transformers
-# and the Llama-3-8B seed workload (128 prompts x 128 tokens, 2,048 new, batch 128), each with
+# (scripts/bench_decode_attention.py --tuning); the TinyLlama benchmark beside transformers (also
+# as a Mistral with a sliding window of 128 positions, shorter than its rows) and the Llama-3-8B
+# seed workload (128 prompts x 128 tokens, 2,048 new, batch 128), each with
 # the sweep's fastest tuning (KERNEL_TUNING, if set, instead), the same with the cache written
 # in place (`in_place=1`), and the engine's own attention; and decode attention alone, the
 # engine's own against the kernel, on both shapes. ATTENTION='pallas' (or 'xla') times one way
@@ -42,6 +43,7 @@ if [ "${1:-}" = "--smoke" ]; then
     profile=1
     memory=(--preset cpu-tiny --batch 8 --prompt 16 --new 16)
     tiny=(--preset cpu-tiny --prompts 8 --new 8 --batch 8)
+    window=(--preset cpu-tiny --prompts 8 --new 8 --batch 8 --window 32)
     seed=(--preset cpu-tiny --prompts 8 --new 8 --batch 8 --skip-hf --single-pass)
     profile_tiny=(--preset cpu-tiny --batch 8 --repeats 3 16 96)
     profile_seed=(--preset cpu-mixed --batch 8 --repeats 3 16)
@@ -50,6 +52,7 @@ if [ "${1:-}" = "--smoke" ]; then
 else
     memory=(--preset llama3-8b)
     tiny=(--preset tinyllama-1.1b)
+    window=(--preset tinyllama-1.1b --window 128)  # Mistral's blocks, rows of 384 over a window of 128
     seed=(--preset llama3-8b --skip-hf --single-pass)  # transformers takes ~200 s here: measured once, in the notes
     profile_tiny=(--preset tinyllama-1.1b --repeats 5 128 256)
     profile_seed=(--preset llama3-8b --repeats 3 128 1100 2100)
@@ -102,6 +105,7 @@ echo "== kernel tuning for the benchmarks: ${tuning:-the default}, and the same 
 tunings=("$tuning" "${tuning:+$tuning,}in_place=1")
 read -ra attention_ways <<<"${ATTENTION:-pallas xla}"
 step tinyllama 200 "$python" scripts/bench_engine.py "${tiny[@]}" --dtype bfloat16 --attention "${attention_ways[@]}" --kernel-tuning "${tunings[@]}"
+step tinyllama-window 200 "$python" scripts/bench_engine.py "${window[@]}" --dtype bfloat16 --attention "${attention_ways[@]}" --kernel-tuning "${tunings[@]}"
 step seed-workload 330 "$python" scripts/bench_engine.py "${seed[@]}" --dtype bfloat16 --attention "${attention_ways[@]}" --kernel-tuning "${tunings[@]}"
 for i in "${!attention[@]}"; do
     # shellcheck disable=SC2086 - each entry is one command line's arguments
