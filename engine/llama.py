@@ -1,10 +1,11 @@
-"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Gemma 2 and 3) in haliax, and its checkpoint mapping.
+"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Gemma 2 and 3) in haliax, and its checkpoint mapping.
 
 Owns: the config read from a Hugging Face `config.json` (refusing values the code does not
 implement), the blocks (RMS norm, rotary with llama3 scaling or Phi-3's longrope, whole or over
 part of each head, grouped-query attention with an
 optional q/k/v bias and a norm of the queries and keys (Qwen3's per head, OLMo 2's over all
-heads), gated MLP (SiLU, Gemma's tanh GELU), decoder layer with its norms before each part,
+heads), gated MLP (SiLU, Gemma's tanh GELU) or Mixtral's mixture of them (`Experts`, every
+expert computed on every token), decoder layer with its norms before each part,
 OLMo 2's after, Gemma's both), the LM
 head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read by
 engine/checkpoint.py) in the model, or a block of rows of one (Phi-3's fused projections).
@@ -42,7 +43,7 @@ from haliax import Axis, NamedArray
 from engine import checkpoint, cpu_attention, kernels
 from engine.jax_compat import hax
 
-SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2", "qwen3")
 
 
 class UnsupportedModelError(ValueError):
@@ -59,10 +60,11 @@ class LoadStopped(Exception):
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    """gemma2, gemma3_text, llama, mistral, olmo2, phi3, qwen2 or qwen3: the weight names are the
-    same; qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of the queries and keys
-    (`qk_norm`), olmo2 norms after each part of a layer instead of before (`post_norm`), the
-    Gemmas both (`gemma`), phi3 saves q/k/v and gate/up fused (`fused_projections`)."""
+    """gemma2, gemma3_text, llama, mistral, mixtral, olmo2, phi3, qwen2 or qwen3: the weight names
+    are the same; qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of the queries and
+    keys (`qk_norm`), olmo2 norms after each part of a layer instead of before (`post_norm`), the
+    Gemmas both (`gemma`), phi3 saves q/k/v and gate/up fused (`fused_projections`), mixtral's MLP
+    is a mixture of experts (`num_experts`)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -123,6 +125,11 @@ class LlamaConfig:
     """Gemma 2: each attention score s becomes cap * tanh(s / cap) (the engine's own attention only)."""
     final_logit_softcapping: float | None = None
     """Gemma 2: each logit becomes cap * tanh(logit / cap)."""
+    num_experts: int | None = None
+    """Mixtral: each layer's MLP is this many experts (each a gated MLP of intermediate_size) and a
+    router (`Experts`); None: one MLP."""
+    experts_per_token: int = 0
+    """Mixtral: how many experts each token's output sums (the router's top k)."""
 
     @property
     def rotary_dim(self) -> int:
@@ -163,6 +170,16 @@ class LlamaConfig:
     @property
     def Mlp(self) -> Axis:
         return Axis("mlp", self.intermediate_size)
+
+    @property
+    def mlp_units(self) -> int:
+        """The MLP units each token computes: intermediate_size, times num_experts for Mixtral
+        (every expert runs on every token: `Experts`)."""
+        return self.intermediate_size * (self.num_experts or 1)
+
+    @property
+    def Experts(self) -> Axis:
+        return Axis("experts", self.num_experts or 1)
 
     @property
     def KVHeads(self) -> Axis:
@@ -257,7 +274,7 @@ class LlamaConfig:
             if cfg.get("use_sliding_window", False) and cfg.get("sliding_window", 4096) is not None:
                 sliding_window, first = int(cfg.get("sliding_window") or 4096), int(cfg.get("max_window_layers", 28))
                 windowed_layers = _windowed_layers(cfg, refuse, lambda i: i >= first)
-        elif model_type in ("mistral", "phi3") and cfg.get("sliding_window") is not None:
+        elif model_type in ("mistral", "mixtral", "phi3") and cfg.get("sliding_window") is not None:
             sliding_window = int(cfg["sliding_window"])  # transformers' Llama and OLMo 2 ignore the key
         elif gemma:
             sliding_window = int(cfg["sliding_window"])
@@ -296,6 +313,7 @@ class LlamaConfig:
             rope_llama3=rope_llama3,
             partial_rotary=partial_rotary,
             sliding_window=sliding_window,
+            **_experts(cfg, model_type, refuse),
             **longrope,
         )
 
@@ -324,6 +342,16 @@ def _gemma_rope(cfg: dict[str, Any], refuse) -> tuple[dict[str, Any], float, flo
             raise refuse("rope type", rope_type, f"is not supported for gemma3_text (supported: {', '.join(allowed)})")
     linear = float(full["factor"]) if full.get("rope_type", full.get("type")) == "linear" else None
     return {"rope_theta": full.get("rope_theta", 1e6)}, float(local.get("rope_theta", 1e4)), linear
+
+
+def _experts(cfg: dict[str, Any], model_type: str, refuse) -> dict[str, int]:
+    """Mixtral's mixture of experts: num_local_experts and num_experts_per_tok (the router's top k)."""
+    if model_type != "mixtral":
+        return {}
+    experts, top_k = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2))
+    if not 1 <= top_k <= experts:
+        raise refuse("num_experts_per_tok", top_k, f"must be between 1 and num_local_experts {experts}")
+    return {"num_experts": experts, "experts_per_token": top_k}
 
 
 def _windowed_layers(cfg: dict[str, Any], refuse, windowed: Callable[[int], bool]) -> tuple[bool, ...]:
@@ -930,6 +958,43 @@ class Mlp(eqx.Module):
         return linear(geglu(gate, up) if self.gelu else swiglu(gate, up), self.down_proj, "mlp")
 
 
+class Experts(eqx.Module):
+    """Mixtral's mixture of experts, in place of the MLP: a router scores the experts for each
+    token; its top k scores, softmaxed over all experts in float32 and then divided by their sum,
+    weight the outputs of those k experts' gated MLPs.
+
+    Every expert runs on every token, and the weights of the ones the router did not pick are 0:
+    a decode step reads every expert's weights anyway once its rows pick most of them, but a
+    prefill call computes num_experts / experts_per_token times the MLP products a sparse
+    dispatch would (4x for Mixtral's 2 of 8). Each expert's weighted output is rounded to the
+    activations' dtype and added in the experts' order, as transformers adds them, so adding an
+    expert's 0 leaves the sum as it was."""
+
+    router: NamedArray  # (Experts, Embed)
+    experts: tuple[Mlp, ...]
+    top_k: int = eqx.field(static=True)
+
+    @staticmethod
+    def init(config: LlamaConfig, *, key: jax.Array) -> "Experts":
+        k_router, *k_experts = jax.random.split(key, 1 + config.num_experts)
+        return Experts(_normal(k_router, (config.Experts, config.Embed)),
+                       tuple(Mlp.init(config, key=k) for k in k_experts), config.experts_per_token)
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        scores = linear(x, self.router, "embed")
+        Experts_ = scores.resolve_axis("experts")
+        others = tuple(axis for axis in scores.axes if axis.name != "experts")
+        probs = jax.nn.softmax(scores.rearrange(others + (Experts_,)).array.astype(jnp.float32), axis=-1)
+        top, index = jax.lax.top_k(probs, self.top_k)
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+        weights = jnp.sum(jax.nn.one_hot(index, Experts_.size, dtype=jnp.float32) * top[..., None], axis=-2)
+        out = None
+        for e, expert in enumerate(self.experts):
+            part = (expert(x).astype(jnp.float32) * hax.named(weights[..., e], others)).astype(x.dtype)
+            out = part if out is None else out + part
+        return out
+
+
 def swiglu(gate: NamedArray, up: NamedArray) -> NamedArray:
     """silu(gate) * up, the SiLU computed in float32 and rounded once to the activations' dtype,
     as torch computes it: in bfloat16 the same bits as transformers' `act_fn(gate) * up`. jax's
@@ -956,7 +1021,7 @@ class DecoderLayer(eqx.Module):
     input_layernorm: RmsNorm | None
     self_attn: Attention
     post_attention_layernorm: RmsNorm
-    mlp: Mlp
+    mlp: Mlp | Experts
     post_feedforward_layernorm: RmsNorm | None = None
     pre_feedforward_layernorm: RmsNorm | None = None
 
@@ -968,7 +1033,7 @@ class DecoderLayer(eqx.Module):
             None if config.post_norm else norm(),
             Attention.init(config, key=k_attn, layer=layer),
             norm(),
-            Mlp.init(config, key=k_mlp),
+            Experts.init(config, key=k_mlp) if config.num_experts else Mlp.init(config, key=k_mlp),
             norm() if config.post_norm or config.gemma else None,
             norm() if config.gemma else None,
         )
@@ -1108,9 +1173,16 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
             mapping += [Saved(p + "self_attn.qkv_proj.weight", attention(f"{name}_proj"), first)
                         for name, first in (("q", 0), ("k", q_rows), ("v", q_rows + kv_rows))]
         else:
-            mapping += [Saved(p + f"mlp.{name}_proj.weight", mlp(f"{name}_proj")) for name in ("gate", "up")]
+            if not config.num_experts:
+                mapping += [Saved(p + f"mlp.{name}_proj.weight", mlp(f"{name}_proj")) for name in ("gate", "up")]
             mapping += [Saved(p + f"self_attn.{name}_proj.weight", attention(f"{name}_proj")) for name in ("q", "k", "v")]
-        mapping.append(Saved(p + "mlp.down_proj.weight", mlp("down_proj")))
+        if config.num_experts:  # mixtral: the router, and each expert's w1 (gate), w3 (up) and w2 (down)
+            mapping.append(Saved(p + "block_sparse_moe.gate.weight", lambda m, L=layer: L(m).mlp.router))
+            mapping += [Saved(p + f"block_sparse_moe.experts.{e}.{w}.weight",
+                              lambda m, L=layer, e=e, name=name: getattr(L(m).mlp.experts[e], f"{name}_proj"))
+                        for e in range(config.num_experts) for w, name in (("w1", "gate"), ("w3", "up"), ("w2", "down"))]
+        else:
+            mapping.append(Saved(p + "mlp.down_proj.weight", mlp("down_proj")))
         mapping.append(Saved(p + "self_attn.o_proj.weight", attention("o_proj")))
         if config.qkv_bias:
             mapping += [Saved(p + f"self_attn.{name}_proj.bias", attention(f"{name}_bias")) for name in ("q", "k", "v")]

@@ -108,7 +108,7 @@ def decode_row_bytes(config: LlamaConfig, seq_len: int, steps: int, dtype, cache
     chunk = 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * steps * config.head_dim * jnp.dtype(cache_dtype).itemsize
     logits = 2 * config.vocab_size * 4
     scores = 2 * config.num_attention_heads * (seq_len + steps) * 4
-    activations = (4 * config.hidden_size + 3 * config.intermediate_size) * jnp.dtype(dtype).itemsize
+    activations = (4 * config.hidden_size + 3 * config.mlp_units) * jnp.dtype(dtype).itemsize
     return chunk + logits + scores + activations
 
 
@@ -119,7 +119,7 @@ def prefill_working_bytes(config: LlamaConfig, seq_len: int, rows: int, chunk: i
     tokens = rows * chunk
     read = rows * kv_row_bytes(config, seq_len, cache_dtype) // config.num_hidden_layers
     scores = 2 * config.num_attention_heads * tokens * seq_len * 4
-    activations = tokens * (4 * config.hidden_size + 3 * config.intermediate_size) * jnp.dtype(dtype).itemsize
+    activations = tokens * (4 * config.hidden_size + 3 * config.mlp_units) * jnp.dtype(dtype).itemsize
     logits = 2 * rows * config.vocab_size * 4
     return read + scores + activations + logits
 

@@ -242,6 +242,19 @@ def mistral(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mixtral(tmp_path_factory):
+    """(path, torch model): Mixtral, each layer's MLP a mixture of 4 experts, 2 a token (the
+    checkpoint holds each expert's w1, w2 and w3 apart, as the Hub's do)."""
+    from transformers import MixtralConfig
+
+    return _built(tmp_path_factory, MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, num_local_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ))
+
+
+@pytest.fixture(scope="session")
 def phi3_windowed(tmp_path_factory):
     """(path, torch model): `phi3` with a sliding window of 11 positions, shorter than the tests' rows."""
     from transformers import Phi3Config

@@ -103,6 +103,9 @@ def test_sharded_bfloat16_picks_transformers_top_tokens(llama, sharded):
     # kernel's window, run on each device), each layer type with its rotary tables; its norms
     # after attention and around the MLP are sharded as any norm.
     ("gemma3", "pre_feedforward_layernorm.weight", "P('data',)"),
+    # Mixtral's router (experts x embed) is stored split over `data` as other weights' embed
+    # rows are, and every device scores every expert; the experts are Mlp modules, split as one.
+    ("mixtral", "mlp.router", "P(None, 'data')"),
 ])
 def test_an_architecture_with_its_heads_split_gives_the_tokens_of_one_device(name, weight, spec, request):
     """Greedy float32 tokens on a global mesh (data 2 x model 2) as on one device, with the
