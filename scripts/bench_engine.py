@@ -104,16 +104,21 @@ def _torch_device() -> str:
 def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
     """Random weights drawn on the GPU when there is one (an 8B model drawn in float32 on the
     CPU takes minutes and 32 GB), saved in `dtype`. With p['window'] a Mistral v0.1 checkpoint:
-    the same blocks, attending over a sliding window of that many positions."""
+    the same blocks, attending over a sliding window of that many positions; with p['experts'] a
+    Mixtral one, each MLP that many experts of the preset's width, two a token."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                              MixtralForCausalLM)
 
     shape = dict(
         vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"], num_hidden_layers=p["layers"],
         num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"], max_position_embeddings=4096,
         eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
     )
-    if p.get("window"):
+    if p.get("experts"):
+        config, model_class = (MixtralConfig(**shape, sliding_window=p.get("window"), num_local_experts=p["experts"],
+                                             num_experts_per_tok=2), MixtralForCausalLM)
+    elif p.get("window"):
         config, model_class = MistralConfig(**shape, sliding_window=p["window"]), MistralForCausalLM
     else:
         config, model_class = LlamaConfig(**shape), LlamaForCausalLM
@@ -382,6 +387,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="override the preset's batch size")
     parser.add_argument("--window", type=int,
                         help="a Mistral checkpoint of the preset's shape, attending over a sliding window of this many positions")
+    parser.add_argument("--experts", type=int,
+                        help="a Mixtral checkpoint of the preset's shape, each MLP this many experts (two a token)")
     parser.add_argument("--skip-hf", action="store_true", help="only time our engine")
     parser.add_argument("--overlap-prefill", nargs="+", choices=sorted(OVERLAP), default=["auto"],
                         help="mixed presets: engine.overlap_prefill, one run (cold and warm) per value")
@@ -402,7 +409,7 @@ def main() -> None:
                         help="time our first pass minus its wait for programs instead of a second pass (halves our run time)")
     args = parser.parse_args()
     p = dict(PRESETS[args.preset])
-    for key in ("prompts", "new", "batch", "window"):
+    for key in ("prompts", "new", "batch", "window", "experts"):
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if "mixed" in p:
@@ -437,7 +444,7 @@ def main() -> None:
             kernels.TUNING = tuning  # read by Engine.load
             ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention, lanes)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
-                      **({"window": p["window"]} if p.get("window") else {}),
+                      **{key: p[key] for key in ("window", "experts") if p.get(key)},
                       "sampling": p.get("sampling", "greedy"), "ours_attention": ours["attention"],
                       "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
                       "ours_prefill_s": round(ours["prefill_s"], 2), "ours_lanes": ours["lanes"],
