@@ -78,6 +78,8 @@ PRESETS = {
     "cpu-125m": dict(layers=12, hidden=768, heads=12, kv_heads=12, intermediate=2048, vocab=32000, prompts=32, prompt_len=128, new=128, batch=32),
     "tinyllama-1.1b": dict(layers=22, hidden=2048, heads=32, kv_heads=4, intermediate=5632, vocab=32000, prompts=256, prompt_len=128, new=256, batch=256),
     "llama3-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256, prompts=128, prompt_len=128, new=2048, batch=128),
+    # Mixtral 8x7B's shape (8 experts, 2 a token): for scripts/memory_analysis.py.
+    "mixtral-8x7b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=32000, experts=8, prompts=64, prompt_len=128, new=1024, batch=64),
     # Llama-3-70B's shape at configs/llama3-70b-global-mesh.yaml's lengths: for scripts/memory_analysis.py --mesh.
     "llama3-70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672, vocab=128256, prompts=128, prompt_len=2048, new=1024, batch=64),
     "cpu-mixed": dict(layers=4, hidden=256, heads=4, kv_heads=4, intermediate=688, vocab=32000, prompts=300, prompt_len=512, new=64,

@@ -8,6 +8,8 @@ same batch. The cache is planned in the accelerator's dtype (bfloat16), as on a 
 
     python scripts/memory_analysis.py                                   # Llama-3-8B, batch 128, 128 + 2048
     python scripts/memory_analysis.py --preset cpu-tiny --batch 64 --prompt 64 --new 128
+    python scripts/memory_analysis.py --preset cpu-125m --experts 8 --dtype float32 --cache-dtype float32   # a Mixtral
+    python scripts/memory_analysis.py --preset mixtral-8x7b --dtype float32 --cache-dtype float32
 
 Peak of a program = arguments + outputs - donated (aliased) buffers + temporaries.
 
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=32)
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--mesh", metavar="DATAxMODEL", help="a global mesh over forced CPU devices, e.g. 2x8")
+    parser.add_argument("--experts", type=int, help="a Mixtral of the preset's shape: each MLP this many experts, two a token")
     args = parser.parse_args()
     p = bench.PRESETS[args.preset]
     batch, prompt, new = args.batch or p["batch"], args.prompt or p["prompt_len"], args.new or p["new"]
@@ -71,10 +74,12 @@ def main() -> None:
     from engine.mesh import Layout, MeshShape
     from engine.config import SamplingParams
 
+    experts = args.experts or p.get("experts")
     config = LlamaConfig.from_hf(dict(
-        model_type="llama", vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
+        model_type="mixtral" if experts else "llama", vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
         num_hidden_layers=p["layers"], num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
         max_position_embeddings=max(4096, prompt + new), tie_word_embeddings=False,
+        **(dict(num_local_experts=experts, num_experts_per_tok=2) if experts else {}),
     ))
     dtype, cache_dtype = jnp.dtype(args.dtype), jnp.dtype(args.cache_dtype)
     device = jax.devices()[0]
