@@ -982,12 +982,12 @@ class Experts(eqx.Module):
 
     def __call__(self, x: NamedArray) -> NamedArray:
         scores = linear(x, self.router, "embed")
-        Experts_ = scores.resolve_axis("experts")
+        expert_axis = scores.resolve_axis("experts")
         others = tuple(axis for axis in scores.axes if axis.name != "experts")
-        probs = jax.nn.softmax(scores.rearrange(others + (Experts_,)).array.astype(jnp.float32), axis=-1)
+        probs = jax.nn.softmax(scores.rearrange(others + (expert_axis,)).array.astype(jnp.float32), axis=-1)
         top, index = jax.lax.top_k(probs, self.top_k)
         top = top / jnp.sum(top, axis=-1, keepdims=True)
-        weights = jnp.sum(jax.nn.one_hot(index, Experts_.size, dtype=jnp.float32) * top[..., None], axis=-2)
+        weights = jnp.sum(jax.nn.one_hot(index, expert_axis.size, dtype=jnp.float32) * top[..., None], axis=-2)
         out = None
         for e, expert in enumerate(self.experts):
             part = (expert(x).astype(jnp.float32) * hax.named(weights[..., e], others)).astype(x.dtype)
