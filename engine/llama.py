@@ -221,11 +221,10 @@ class LlamaConfig:
             raise refuse("model_type", model_type, f"is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)},"
                          " gemma3's text model)")
         gemma = model_type in ("gemma2", "gemma3_text")
-        activation_key = "hidden_activation" if gemma else "hidden_act"
-        activation = cfg.get(activation_key, "gelu_pytorch_tanh" if gemma else "silu")
-        if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
-            raise refuse(activation_key, activation, "is not supported (only gelu_pytorch_tanh)" if gemma else
-                         "is not supported (only silu)")
+        activation_key, expected = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
+        activation = cfg.get(activation_key, expected)
+        if activation != expected:
+            raise refuse(activation_key, activation, f"is not supported (only {expected})")
         caps = ("attn_logit_softcapping", "final_logit_softcapping") if model_type != "gemma2" else ()
         for key in (*caps, "use_bidirectional_attention"):
             if cfg.get(key):  # caps outside Gemma 2; EmbeddingGemma's attention both ways

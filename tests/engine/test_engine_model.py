@@ -26,6 +26,13 @@ from engine_testlib import VOCAB, hf_greedy
 
 LOGIT_TOL = 1e-4
 PROMPTS = [np.random.RandomState(i).randint(0, VOCAB, n).tolist() for i, n in enumerate([5, 23, 9, 17, 30, 12])]
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi4_mini", "gemma2", "gemma3", "gemma3_image_text", "mixtral"]
+"""A fixture (tests/engine/conftest.py) of each architecture and checkpoint layout the engine reads."""
+ROTATION_VARIANTS = ["phi3_longrope", "gemma3_wide"]
+"""Fixtures of an architecture above with another rotation: Phi-3.5's longrope, and Gemma 3's
+tables per layer type with a window wider than the rows (the kernels run it)."""
+VARIANTS = ROTATION_VARIANTS + ["qwen2_windowed"]
+"""And Qwen with a window over some of its layers."""
 
 
 def _our_logits(model, ids: np.ndarray) -> np.ndarray:
@@ -37,7 +44,7 @@ def _our_logits(model, ids: np.ndarray) -> np.ndarray:
     return np.asarray(model.logits(hidden).rearrange(("batch", "position", "vocab")).array)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma2", "gemma3", "gemma3_wide", "gemma3_image_text", "qwen2_windowed", "mixtral"])
+@pytest.mark.parametrize("name", ARCHITECTURES + VARIANTS)
 def test_logits_match_transformers(name, request):
     path, hf = request.getfixturevalue(name)
     config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
@@ -50,7 +57,7 @@ def test_logits_match_transformers(name, request):
     np.testing.assert_allclose(ours, expected, atol=LOGIT_TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma2", "gemma3", "gemma3_wide", "gemma3_image_text", "qwen2_windowed", "mixtral"])
+@pytest.mark.parametrize("name", ARCHITECTURES + VARIANTS)
 def test_greedy_matches_transformers_generate(name, request):
     """Six prompts of mixed lengths through 4 slots: exercises buckets and slot refill too."""
     _greedy_matches_transformers(*request.getfixturevalue(name), attention="auto")
@@ -86,7 +93,7 @@ def _greedy_matches_transformers(path, hf, attention: str):
     assert engine.stats.compilations <= 4, engine.stats  # init, decode, first and later prefill chunks
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi3_longrope", "phi4_mini", "gemma2", "gemma3", "gemma3_wide", "gemma3_image_text", "mixtral"])
+@pytest.mark.parametrize("name", ARCHITECTURES + ROTATION_VARIANTS)
 def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     """Our bfloat16 logits are about as far from the float32 ones as transformers' own bfloat16
     model's: both round the same weights, in different orders. Over three rows of 24 tokens the
@@ -111,7 +118,7 @@ def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     assert ours_error.max() <= 1.5 * peer_error.max()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi4_mini", "gemma2", "gemma3", "gemma3_image_text", "mixtral"])
+@pytest.mark.parametrize("name", ARCHITECTURES)
 def test_the_pipelines_check_accepts_each_supported_checkpoint(name, request, tokenizer, tmp_path):
     """The pre-flight check (`pipeline run` calls it before any step) expects every tensor the
     loader reads with transformers' shape: qwen3's head norms are head_dim long, not hidden, and
