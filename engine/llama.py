@@ -4,8 +4,9 @@ Owns: the config read from a Hugging Face `config.json` (refusing values the cod
 implement), the blocks (RMS norm, rotary with llama3 scaling or Phi-3's longrope, whole or over
 part of each head, grouped-query attention with an
 optional q/k/v bias and a norm of the queries and keys (Qwen3's per head, OLMo 2's over all
-heads), gated MLP (SiLU, Gemma's tanh GELU) or Mixtral's mixture of them (`Experts`, every
-expert computed on every token), decoder layer with its norms before each part,
+heads), gated MLP (SiLU, Gemma's tanh GELU) or Mixtral's mixture of them (`Experts`: each
+expert on the tokens that picked it, or every expert on every token), decoder layer with its
+norms before each part,
 OLMo 2's after, Gemma's both), the LM
 head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read by
 engine/checkpoint.py) in the model, or a block of rows of one (Phi-3's fused projections).
@@ -173,8 +174,9 @@ class LlamaConfig:
 
     @property
     def mlp_units(self) -> int:
-        """The MLP units each token computes: intermediate_size, times num_experts for Mixtral
-        (every expert runs on every token: `Experts`)."""
+        """The MLP units each token computes: intermediate_size, times num_experts for Mixtral,
+        where every expert runs on every token (`Experts._dense`; a call grouped by expert, on the
+        CPU, computes fewer: the memory plan counts the most)."""
         return self.intermediate_size * (self.num_experts or 1)
 
     @property
@@ -957,17 +959,28 @@ class Mlp(eqx.Module):
         return linear(geglu(gate, up) if self.gelu else swiglu(gate, up), self.down_proj, "mlp")
 
 
+EXPERT_TILE = 64
+"""Tokens per product in the grouped way of a mixture of experts (`Experts._grouped`). Each
+product reads its expert's weights once: smaller tiles waste less on an expert's last, partly
+filled tile but read the weights more often. On the CPU 64 ran fastest of 32, 64 and 128, and
+XLA's float32 products of 64 columns give each column the bits a product of 1,024 gives, as
+products of 1-48 columns did not (docs/performance-notes.md)."""
+
+
 class Experts(eqx.Module):
     """Mixtral's mixture of experts, in place of the MLP: a router scores the experts for each
     token; its top k scores, softmaxed over all experts in float32 and then divided by their sum,
-    weight the outputs of those k experts' gated MLPs.
+    weight the outputs of those k experts' gated MLPs. Each pick's weighted output is rounded to
+    the activations' dtype and a token's picks are added in the experts' order, as transformers
+    adds them.
 
-    Every expert runs on every token, and the weights of the ones the router did not pick are 0:
-    a decode step reads every expert's weights anyway once its rows pick most of them, but a
-    prefill call computes num_experts / experts_per_token times the MLP products a sparse
-    dispatch would (4x for Mixtral's 2 of 8). Each expert's weighted output is rounded to the
-    activations' dtype and added in the experts' order, as transformers adds them, so adding an
-    expert's 0 leaves the sum as it was."""
+    Two ways to get there, the same sums (`_dense`, `_grouped`): a call of few tokens (a decode
+    step) runs every expert on every token, whose weights it reads anyway once its tokens pick
+    most experts; a call of many (a prefill chunk) on the CPU groups the tokens by expert and runs
+    each expert on its own only, in tiles of EXPERT_TILE tokens: num_experts / experts_per_token
+    fewer products (4x for Mixtral's 2 of 8) but for the tiles' padding. On accelerators every
+    call is dense: the tiles' loop re-reads an expert's weights for each tile, which nothing has
+    measured there yet (docs/performance-notes.md)."""
 
     router: NamedArray  # (Experts, Embed)
     experts: tuple[Mlp, ...]
@@ -980,18 +993,71 @@ class Experts(eqx.Module):
                        tuple(Mlp.init(config, key=k) for k in k_experts), config.experts_per_token)
 
     def __call__(self, x: NamedArray) -> NamedArray:
+        tokens, top, index = self.route(x)
+        if self.grouped_pays(math.prod(axis.size for axis in tokens)):
+            return self._grouped(x, tokens, top, index)
+        return self._dense(x, tokens, top, index)
+
+    def route(self, x: NamedArray) -> tuple[tuple[Axis, ...], jax.Array, jax.Array]:
+        """x's token axes (all but embed), and for each token (in their order) the weights
+        [..., top_k] (float32, summing to 1) and indices of the experts it picks, best first."""
         scores = linear(x, self.router, "embed")
-        expert_axis = scores.resolve_axis("experts")
-        others = tuple(axis for axis in scores.axes if axis.name != "experts")
-        probs = jax.nn.softmax(scores.rearrange(others + (expert_axis,)).array.astype(jnp.float32), axis=-1)
+        tokens = tuple(axis for axis in scores.axes if axis.name != "experts")
+        probs = jax.nn.softmax(scores.rearrange(tokens + (scores.resolve_axis("experts"),)).array.astype(jnp.float32), axis=-1)
         top, index = jax.lax.top_k(probs, self.top_k)
-        top = top / jnp.sum(top, axis=-1, keepdims=True)
-        weights = jnp.sum(jax.nn.one_hot(index, expert_axis.size, dtype=jnp.float32) * top[..., None], axis=-2)
+        return tokens, top / jnp.sum(top, axis=-1, keepdims=True), index
+
+    def grouped_pays(self, tokens: int) -> bool:
+        """Whether a call of this many tokens runs grouped: on the CPU, where the tiles' products
+        (at most tokens x top_k, plus a tile per expert) are fewer than the dense ones."""
+        experts = len(self.experts)
+        return jax.default_backend() == "cpu" and tokens * (experts - self.top_k) > experts * EXPERT_TILE
+
+    def _dense(self, x: NamedArray, tokens: tuple[Axis, ...], top: jax.Array, index: jax.Array) -> NamedArray:
+        """Every expert on every token; an expert a token did not pick weighs 0, which leaves its
+        sum as it was."""
+        weights = jnp.sum(jax.nn.one_hot(index, len(self.experts), dtype=jnp.float32) * top[..., None], axis=-2)
         out = None
         for e, expert in enumerate(self.experts):
-            part = (expert(x).astype(jnp.float32) * hax.named(weights[..., e], others)).astype(x.dtype)
+            part = (expert(x).astype(jnp.float32) * hax.named(weights[..., e], tokens)).astype(x.dtype)
             out = part if out is None else out + part
         return out
+
+    def _grouped(self, x: NamedArray, tokens: tuple[Axis, ...], top: jax.Array, index: jax.Array) -> NamedArray:
+        """Each expert on the tokens that picked it. The picks are sorted by expert, each expert's
+        in a run of columns; a loop per expert multiplies its run EXPERT_TILE columns at a time. An
+        expert's last tile runs into the next experts' columns, which their own loops, later,
+        overwrite; the picks' columns are followed by a tile of zeros for the last one to read."""
+        embed = x.resolve_axis("embed")
+        count, k, tile = math.prod(axis.size for axis in tokens), self.top_k, EXPERT_TILE
+        columns = x.rearrange((embed,) + tokens).array.reshape(embed.size, count)
+        expert_of = index.reshape(count * k)  # each pick's expert, picks token by token
+        order = jnp.argsort(expert_of, stable=True)
+        runs = jnp.bincount(expert_of, length=len(self.experts))
+        starts = jnp.cumsum(runs) - runs
+        picked = jnp.concatenate([columns[:, order // k], jnp.zeros((embed.size, tile), x.dtype)], axis=1)
+        Tile = Axis("expert_tile", tile)
+
+        def run(e: int, expert: Mlp, out: jax.Array) -> jax.Array:
+            def one_tile(t, out):
+                first = starts[e] + t * tile
+                block = hax.named(jax.lax.dynamic_slice_in_dim(picked, first, tile, axis=1), (embed, Tile))
+                return jax.lax.dynamic_update_slice_in_dim(out, expert(block).rearrange((embed, Tile)).array, first, axis=1)
+
+            return jax.lax.fori_loop(0, (runs[e] + tile - 1) // tile, one_tile, out)
+
+        out = jnp.zeros_like(picked)
+        for e, expert in enumerate(self.experts):
+            out = run(e, expert, out)
+        back = jnp.zeros_like(order).at[order].set(jnp.arange(count * k))  # each pick's column in `out`
+        parts = (out[:, back].reshape(embed.size, count, k).astype(jnp.float32)
+                 * top.reshape(count, k)).astype(x.dtype)
+        by_expert = jnp.argsort(index.reshape(count, k), axis=-1)
+        parts = jnp.take_along_axis(parts, by_expert[None], axis=2)
+        total = parts[..., 0]
+        for pick in range(1, k):
+            total = total + parts[..., pick]
+        return hax.named(total.reshape((embed.size,) + tuple(axis.size for axis in tokens)), (embed,) + tokens)
 
 
 def swiglu(gate: NamedArray, up: NamedArray) -> NamedArray:

@@ -12,8 +12,10 @@ import copy
 import json
 import shutil
 
+import equinox as eqx
 import fsspec
 import haliax as hax
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,10 +73,20 @@ def test_windowed_and_whole_layers_through_the_pallas_kernel(name, request):
     _greedy_matches_transformers(*request.getfixturevalue(name), attention="pallas")
 
 
-def _greedy_matches_transformers(path, hf, attention: str):
+def test_mixtral_prefill_grouped_by_expert_gives_transformers_tokens(mixtral):
+    """Prefill calls of 8 rows (256 tokens) run each expert on the tokens that picked it
+    (`Experts._grouped`); decode steps of 8 rows every expert on every token: the tokens are
+    transformers'."""
+    engine = _greedy_matches_transformers(*mixtral, attention="auto", batch_size=8)
+    experts = engine.model.layers[0].mlp
+    assert engine._prefill_rows * engine.engine_config.prefill_chunk_tokens == 256
+    assert experts.grouped_pays(256) and not experts.grouped_pays(8)
+
+
+def _greedy_matches_transformers(path, hf, attention: str, batch_size: int = 4) -> Engine:
     new = 24
     engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=new), max_prompt_tokens=32,
-                         engine=EngineConfig(batch_size=4, decode_attention=attention))
+                         engine=EngineConfig(batch_size=batch_size, decode_attention=attention))
     got = {c.prompt_index: c for c in engine.generate(GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS))}
     assert sorted(got) == list(range(len(PROMPTS)))
     compared = 0
@@ -91,6 +103,7 @@ def _greedy_matches_transformers(path, hf, attention: str):
     assert compared >= 0.9 * new * len(PROMPTS)
     assert engine.stats.generated_tokens == new * len(PROMPTS)
     assert engine.stats.compilations <= 4, engine.stats  # init, decode, first and later prefill chunks
+    return engine
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES + ROTATION_VARIANTS)
@@ -116,6 +129,51 @@ def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     assert peer_error.max() > 0.01 * np.abs(expected).max(), "bfloat16 should round visibly"
     assert ours_error.mean() <= 1.15 * peer_error.mean()
     assert ours_error.max() <= 1.5 * peer_error.max()
+
+
+def test_mixtral_grouped_by_expert_logits_match_transformers(mixtral):
+    """Four rows of 64 tokens in one call: each expert runs on the tokens that picked it, in tiles
+    (`Experts._grouped`), and the logits are transformers'."""
+    path, hf = mixtral
+    model = load_checkpoint(path, LlamaConfig.from_hf(json.load(open(f"{path}/config.json"))), dtype=jnp.float32)
+    assert model.layers[0].mlp.grouped_pays(4 * 64)
+    ids = np.random.RandomState(2).randint(0, VOCAB, (4, 64))
+    with torch.no_grad():
+        expected = hf(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(_our_logits(model, ids), expected, atol=LOGIT_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("router", ["checkpoint", "skewed"])
+def test_experts_grouped_by_expert_sum_what_every_expert_on_every_token_sums(mixtral, router):
+    """Both ways of the mixture give each of 300 tokens the same sum: each expert on the tokens
+    that picked it, in tiles of EXPERT_TILE (`_grouped`, a call of many tokens), and every expert
+    on every token (`_dense`). With the checkpoint's router, and with a skewed one: every token
+    picks expert 0 (a run of 5 tiles, the last partly filled), 290 pick 1, 10 pick 3 (a run
+    shorter than a tile, last of all: its tile reads past the picks), none 2."""
+    path, _ = mixtral
+    model = load_checkpoint(path, LlamaConfig.from_hf(json.load(open(f"{path}/config.json"))), dtype=jnp.float32)
+    experts = model.layers[0].mlp
+    x = np.random.RandomState(3).normal(size=(32, 3, 100)).astype(np.float32)
+    if router == "skewed":  # scores 2 x[0], x[0], 0 and x[1]; x[0] > 0, and x[1] > 2 x[0] for 10 tokens only
+        x[0] = np.abs(x[0]) + 1.0
+        x[1] = -np.abs(x[1])
+        x[1, 1, 50:60] = 3 * x[0, 1, 50:60]
+        router_weights = jnp.zeros((4, 32)).at[0, 0].set(2.0).at[1, 0].set(1.0).at[3, 1].set(1.0)
+        experts = eqx.tree_at(lambda e: e.router.array, experts, router_weights)
+    x = hax.named(jnp.asarray(x), ("embed", "batch", "position"))
+    assert experts.grouped_pays(300)
+
+    @jax.jit
+    def both(experts, x):
+        tokens, top, index = experts.route(x)
+        return (experts._grouped(x, tokens, top, index).rearrange(x.axes).array,
+                experts._dense(x, tokens, top, index).rearrange(x.axes).array, index)
+
+    grouped, dense, index = both(experts, x)
+    picks = np.bincount(np.asarray(index).ravel(), minlength=4).tolist()
+    assert picks == [300, 290, 0, 10] if router == "skewed" else min(picks) > 64, picks
+    np.testing.assert_allclose(grouped, dense, atol=1e-5 * float(jnp.abs(dense).max()), rtol=0)
+    assert np.array_equal(experts(x).rearrange(x.axes).array, grouped), "a call of 300 tokens runs grouped"
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
