@@ -1,11 +1,11 @@
-"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Qwen3, OLMo 2, Phi-3/3.5/4, Gemma 2 and 3) in haliax, and its checkpoint mapping.
+"""The Llama family (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE, OLMo 2, Phi-3/3.5/4, Gemma 2 and 3) in haliax, and its checkpoint mapping.
 
 Owns: the config read from a Hugging Face `config.json` (refusing values the code does not
 implement), the blocks (RMS norm, rotary with llama3 scaling or Phi-3's longrope, whole or over
 part of each head, grouped-query attention with an
 optional q/k/v bias and a norm of the queries and keys (Qwen3's per head, OLMo 2's over all
-heads), gated MLP (SiLU, Gemma's tanh GELU) or Mixtral's mixture of them (`Experts`: each
-expert on the tokens that picked it, or every expert on every token), decoder layer with its
+heads), gated MLP (SiLU, Gemma's tanh GELU) or Mixtral's and Qwen3-MoE's mixture of them
+(`Experts`: each expert on the tokens that picked it, or every expert on every token), decoder layer with its
 norms before each part,
 OLMo 2's after, Gemma's both), the LM
 head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read by
@@ -44,7 +44,7 @@ from haliax import Axis, NamedArray
 from engine import checkpoint, cpu_attention, kernels
 from engine.jax_compat import hax
 
-SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2", "qwen3", "qwen3_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -61,11 +61,12 @@ class LoadStopped(Exception):
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    """gemma2, gemma3_text, llama, mistral, mixtral, olmo2, phi3, qwen2 or qwen3: the weight names
-    are the same; qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of the queries and
-    keys (`qk_norm`), olmo2 norms after each part of a layer instead of before (`post_norm`), the
-    Gemmas both (`gemma`), phi3 saves q/k/v and gate/up fused (`fused_projections`), mixtral's MLP
-    is a mixture of experts (`num_experts`)."""
+    """gemma2, gemma3_text, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3 or qwen3_moe: the
+    weight names are the same; qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of the
+    queries and keys (`qk_norm`), olmo2 norms after each part of a layer instead of before
+    (`post_norm`), the Gemmas both (`gemma`), phi3 saves q/k/v and gate/up fused
+    (`fused_projections`), mixtral's MLP is a mixture of experts (`num_experts`), and qwen3_moe is
+    qwen3 with one in the layers `expert_layers` names."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -127,10 +128,24 @@ class LlamaConfig:
     final_logit_softcapping: float | None = None
     """Gemma 2: each logit becomes cap * tanh(logit / cap)."""
     num_experts: int | None = None
-    """Mixtral: each layer's MLP is this many experts (each a gated MLP of intermediate_size) and a
-    router (`Experts`); None: one MLP."""
+    """Mixtral, Qwen3-MoE: a layer's MLP is this many experts (each a gated MLP of
+    `expert_intermediate_size`) and a router (`Experts`); None: one MLP."""
     experts_per_token: int = 0
-    """Mixtral: how many experts each token's output sums (the router's top k)."""
+    """How many experts each token's output sums (the router's top k)."""
+    expert_intermediate_size: int | None = None
+    """Each expert's MLP width: Qwen3-MoE's moe_intermediate_size; None: intermediate_size (Mixtral)."""
+    expert_layers: tuple[bool, ...] | None = None
+    """Qwen3-MoE: which layers have experts (the others, mlp_only_layers and those off its
+    decoder_sparse_step, an MLP of intermediate_size); None: every layer, where the model has experts."""
+    normalize_top_k: bool = True
+    """The top k weights are divided by their sum: Mixtral always, Qwen3-MoE where norm_topk_prob."""
+    round_router_weights: bool = False
+    """Qwen3-MoE: the top k weights are rounded to the activations' dtype before they weigh the
+    experts' outputs, as transformers' model rounds them (its Mixtral weighs in float32)."""
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (`Experts`)."""
+        return bool(self.num_experts) and (self.expert_layers is None or self.expert_layers[layer])
 
     @property
     def rotary_dim(self) -> int:
@@ -173,11 +188,18 @@ class LlamaConfig:
         return Axis("mlp", self.intermediate_size)
 
     @property
+    def ExpertMlp(self) -> Axis:
+        return Axis("mlp", self.expert_intermediate_size or self.intermediate_size)
+
+    @property
     def mlp_units(self) -> int:
-        """The MLP units each token computes: intermediate_size, times num_experts for Mixtral,
-        where every expert runs on every token (`Experts._dense`; a call grouped by expert, on the
-        CPU, computes fewer: the memory plan counts the most)."""
-        return self.intermediate_size * (self.num_experts or 1)
+        """The most MLP units a layer computes for each token: intermediate_size, or a mixture's
+        num_experts x each expert's width, where every expert runs on every token
+        (`Experts._dense`; a call grouped by expert, on the CPU, computes fewer: the memory plan
+        counts the most)."""
+        layers = range(self.num_hidden_layers)
+        mixture = self.num_experts * self.ExpertMlp.size if self.num_experts else 0
+        return max([mixture] + [self.intermediate_size for i in layers if not self.has_experts(i)])
 
     @property
     def Experts(self) -> Axis:
@@ -277,6 +299,8 @@ class LlamaConfig:
                 windowed_layers = _windowed_layers(cfg, refuse, lambda i: i >= first)
         elif model_type in ("mistral", "mixtral", "phi3") and cfg.get("sliding_window") is not None:
             sliding_window = int(cfg["sliding_window"])  # transformers' Llama and OLMo 2 ignore the key
+        elif model_type == "qwen3_moe" and cfg.get("use_sliding_window", False) and cfg.get("sliding_window") is not None:
+            sliding_window = int(cfg["sliding_window"])  # every layer (transformers' Qwen3-MoE has no max_window_layers)
         elif gemma:
             sliding_window = int(cfg["sliding_window"])
 
@@ -307,7 +331,7 @@ class LlamaConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            qk_norm={"qwen3": "head", "olmo2": "all", "gemma3_text": "head"}.get(model_type),
+            qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "all", "gemma3_text": "head"}.get(model_type),
             post_norm=model_type == "olmo2",
             fused_projections=model_type == "phi3",
             o_bias=model_type != "qwen2" and attention_bias,
@@ -345,14 +369,28 @@ def _gemma_rope(cfg: dict[str, Any], refuse) -> tuple[dict[str, Any], float, flo
     return {"rope_theta": full.get("rope_theta", 1e6)}, float(local.get("rope_theta", 1e4)), linear
 
 
-def _experts(cfg: dict[str, Any], model_type: str, refuse) -> dict[str, int]:
-    """Mixtral's mixture of experts: num_local_experts and num_experts_per_tok (the router's top k)."""
-    if model_type != "mixtral":
+def _experts(cfg: dict[str, Any], model_type: str, refuse) -> dict[str, Any]:
+    """The mixture of experts: Mixtral's num_local_experts and num_experts_per_tok (the router's
+    top k); Qwen3-MoE's num_experts (transformers 5 saves it as num_local_experts), its experts'
+    moe_intermediate_size, norm_topk_prob, and which layers have experts: all but mlp_only_layers,
+    on every decoder_sparse_step-th layer."""
+    if model_type == "mixtral":
+        experts, top_k, key = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)), "num_local_experts"
+        found: dict[str, Any] = {}
+    elif model_type == "qwen3_moe":
+        key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+        experts, top_k = int(cfg.get(key, 128)), int(cfg.get("num_experts_per_tok", 8))
+        if experts == 0:  # transformers makes every layer an MLP
+            return {}
+        step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+        found = dict(expert_intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
+                     normalize_top_k=bool(cfg.get("norm_topk_prob", False)), round_router_weights=True,
+                     expert_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(int(cfg["num_hidden_layers"]))))
+    else:
         return {}
-    experts, top_k = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2))
     if not 1 <= top_k <= experts:
-        raise refuse("num_experts_per_tok", top_k, f"must be between 1 and num_local_experts {experts}")
-    return {"num_experts": experts, "experts_per_token": top_k}
+        raise refuse("num_experts_per_tok", top_k, f"must be between 1 and {key} {experts}")
+    return {"num_experts": experts, "experts_per_token": top_k, **found}
 
 
 def _windowed_layers(cfg: dict[str, Any], refuse, windowed: Callable[[int], bool]) -> tuple[bool, ...]:
@@ -940,13 +978,14 @@ class Mlp(eqx.Module):
     down_proj: NamedArray  # (Embed, Mlp)
 
     @staticmethod
-    def init(config: LlamaConfig, *, key: jax.Array) -> "Mlp":
+    def init(config: LlamaConfig, *, key: jax.Array, units: Axis | None = None) -> "Mlp":
+        """units: the MLP's width (an expert's, `LlamaConfig.ExpertMlp`); None: config.Mlp."""
         k_gate, k_up, k_down = jax.random.split(key, 3)
-        c = config
+        c, units = config, units or config.Mlp
         return Mlp(
-            _normal(k_gate, (c.Mlp, c.Embed)),
-            _normal(k_up, (c.Mlp, c.Embed)),
-            _normal(k_down, (c.Embed, c.Mlp)),
+            _normal(k_gate, (units, c.Embed)),
+            _normal(k_up, (units, c.Embed)),
+            _normal(k_down, (c.Embed, units)),
             gelu=c.gemma,
         )
 
@@ -968,11 +1007,13 @@ products of 1-48 columns did not (docs/performance-notes.md)."""
 
 
 class Experts(eqx.Module):
-    """Mixtral's mixture of experts, in place of the MLP: a router scores the experts for each
-    token; its top k scores, softmaxed over all experts in float32 and then divided by their sum,
-    weight the outputs of those k experts' gated MLPs. Each pick's weighted output is rounded to
-    the activations' dtype and a token's picks are added in the experts' order, as transformers
-    adds them.
+    """Mixtral's and Qwen3-MoE's mixture of experts, in place of the MLP: a router scores the
+    experts for each token; its top k scores, softmaxed over all experts in float32 (Mixtral's, and
+    Qwen3-MoE's with norm_topk_prob, then divided by their sum; Qwen3-MoE's rounded to the
+    activations' dtype), weight the outputs of those k experts' gated MLPs. The weighted outputs
+    are added in float32 and the sum rounded once to the activations' dtype, as transformers 5's
+    grouped experts (its default) add them; Qwen3-MoE's each rounded first, as its product of a
+    rounded weight and an output is.
 
     Two ways to get there, the same sums (`_dense`, `_grouped`): a call of few tokens (a decode
     step) runs every expert on every token, whose weights it reads anyway once its tokens pick
@@ -985,12 +1026,17 @@ class Experts(eqx.Module):
     router: NamedArray  # (Experts, Embed)
     experts: tuple[Mlp, ...]
     top_k: int = eqx.field(static=True)
+    normalize: bool = eqx.field(static=True, default=True)
+    """`LlamaConfig.normalize_top_k`."""
+    round_weights: bool = eqx.field(static=True, default=False)
+    """`LlamaConfig.round_router_weights`."""
 
     @staticmethod
     def init(config: LlamaConfig, *, key: jax.Array) -> "Experts":
         k_router, *k_experts = jax.random.split(key, 1 + config.num_experts)
         return Experts(_normal(k_router, (config.Experts, config.Embed)),
-                       tuple(Mlp.init(config, key=k) for k in k_experts), config.experts_per_token)
+                       tuple(Mlp.init(config, key=k, units=config.ExpertMlp) for k in k_experts),
+                       config.experts_per_token, config.normalize_top_k, config.round_router_weights)
 
     def __call__(self, x: NamedArray) -> NamedArray:
         tokens, top, index = self.route(x)
@@ -1000,12 +1046,17 @@ class Experts(eqx.Module):
 
     def route(self, x: NamedArray) -> tuple[tuple[Axis, ...], jax.Array, jax.Array]:
         """x's token axes (all but embed), and for each token (in their order) the weights
-        [..., top_k] (float32, summing to 1) and indices of the experts it picks, best first."""
+        [..., top_k] (float32; summing to 1 where `normalize`) and indices of the experts it
+        picks, best first."""
         scores = linear(x, self.router, "embed")
         tokens = tuple(axis for axis in scores.axes if axis.name != "experts")
         probs = jax.nn.softmax(scores.rearrange(tokens + (scores.resolve_axis("experts"),)).array.astype(jnp.float32), axis=-1)
         top, index = jax.lax.top_k(probs, self.top_k)
-        return tokens, top / jnp.sum(top, axis=-1, keepdims=True), index
+        if self.normalize:
+            top = top / jnp.sum(top, axis=-1, keepdims=True)
+        if self.round_weights:
+            top = top.astype(x.dtype).astype(jnp.float32)
+        return tokens, top, index
 
     def grouped_pays(self, tokens: int) -> bool:
         """Whether a call of this many tokens runs grouped: on the CPU, where the tiles' products
@@ -1017,11 +1068,16 @@ class Experts(eqx.Module):
         """Every expert on every token; an expert a token did not pick weighs 0, which leaves its
         sum as it was."""
         weights = jnp.sum(jax.nn.one_hot(index, len(self.experts), dtype=jnp.float32) * top[..., None], axis=-2)
-        out = None
+        total = None
         for e, expert in enumerate(self.experts):
-            part = (expert(x).astype(jnp.float32) * hax.named(weights[..., e], tokens)).astype(x.dtype)
-            out = part if out is None else out + part
-        return out
+            part = self._weighed(expert(x).astype(jnp.float32) * hax.named(weights[..., e], tokens), x.dtype)
+            total = part if total is None else total + part
+        return total.astype(x.dtype)
+
+    def _weighed(self, parts, dtype):
+        """Picks' weighted outputs (float32) as transformers holds them before it adds them in
+        float32: rounded to the activations' dtype where its weights are (`round_weights`)."""
+        return parts.astype(dtype).astype(jnp.float32) if self.round_weights else parts
 
     def _grouped(self, x: NamedArray, tokens: tuple[Axis, ...], top: jax.Array, index: jax.Array) -> NamedArray:
         """Each expert on the tokens that picked it. The picks are sorted by expert, each expert's
@@ -1050,14 +1106,11 @@ class Experts(eqx.Module):
         for e, expert in enumerate(self.experts):
             out = run(e, expert, out)
         back = jnp.zeros_like(order).at[order].set(jnp.arange(count * k))  # each pick's column in `out`
-        parts = (out[:, back].reshape(embed.size, count, k).astype(jnp.float32)
-                 * top.reshape(count, k)).astype(x.dtype)
-        by_expert = jnp.argsort(index.reshape(count, k), axis=-1)
-        parts = jnp.take_along_axis(parts, by_expert[None], axis=2)
+        parts = self._weighed(out[:, back].reshape(embed.size, count, k).astype(jnp.float32) * top.reshape(count, k), x.dtype)
         total = parts[..., 0]
         for pick in range(1, k):
             total = total + parts[..., pick]
-        return hax.named(total.reshape((embed.size,) + tuple(axis.size for axis in tokens)), (embed,) + tokens)
+        return hax.named(total.astype(x.dtype).reshape((embed.size,) + tuple(axis.size for axis in tokens)), (embed,) + tokens)
 
 
 def swiglu(gate: NamedArray, up: NamedArray) -> NamedArray:
@@ -1098,7 +1151,7 @@ class DecoderLayer(eqx.Module):
             None if config.post_norm else norm(),
             Attention.init(config, key=k_attn, layer=layer),
             norm(),
-            Experts.init(config, key=k_mlp) if config.num_experts else Mlp.init(config, key=k_mlp),
+            Experts.init(config, key=k_mlp) if config.has_experts(layer) else Mlp.init(config, key=k_mlp),
             norm() if config.post_norm or config.gemma else None,
             norm() if config.gemma else None,
         )
@@ -1238,14 +1291,16 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
             mapping += [Saved(p + "self_attn.qkv_proj.weight", attention(f"{name}_proj"), first)
                         for name, first in (("q", 0), ("k", q_rows), ("v", q_rows + kv_rows))]
         else:
-            if not config.num_experts:
+            if not config.has_experts(i):
                 mapping += [Saved(p + f"mlp.{name}_proj.weight", mlp(f"{name}_proj")) for name in ("gate", "up")]
             mapping += [Saved(p + f"self_attn.{name}_proj.weight", attention(f"{name}_proj")) for name in ("q", "k", "v")]
-        if config.num_experts:  # mixtral: the router, and each expert's w1 (gate), w3 (up) and w2 (down)
-            mapping.append(Saved(p + "block_sparse_moe.gate.weight", lambda m, L=layer: L(m).mlp.router))
-            mapping += [Saved(p + f"block_sparse_moe.experts.{e}.{w}.weight",
+        if config.has_experts(i):  # the router, then each expert's gate, up and down projections
+            block, names = (("block_sparse_moe", (("w1", "gate"), ("w3", "up"), ("w2", "down")))  # mixtral's names
+                            if config.model_type == "mixtral" else ("mlp", tuple((f"{n}_proj", n) for n in ("gate", "up", "down"))))
+            mapping.append(Saved(p + f"{block}.gate.weight", lambda m, L=layer: L(m).mlp.router))
+            mapping += [Saved(p + f"{block}.experts.{e}.{saved}.weight",
                               lambda m, L=layer, e=e, name=name: getattr(L(m).mlp.experts[e], f"{name}_proj"))
-                        for e in range(config.num_experts) for w, name in (("w1", "gate"), ("w3", "up"), ("w2", "down"))]
+                        for e in range(config.num_experts) for saved, name in names]
         else:
             mapping.append(Saved(p + "mlp.down_proj.weight", mlp("down_proj")))
         mapping.append(Saved(p + "self_attn.o_proj.weight", attention("o_proj")))

@@ -255,6 +255,19 @@ def mixtral(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_moe(tmp_path_factory):
+    """(path, torch model): Qwen3-MoE, 8 experts of width 24, 3 a token, their weights not
+    renormalized (norm_topk_prob false); its middle layer an MLP of width 64 (mlp_only_layers)."""
+    from transformers import Qwen3MoeConfig
+
+    return _built(tmp_path_factory, Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512, num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False,
+    ))
+
+
+@pytest.fixture(scope="session")
 def phi3_windowed(tmp_path_factory):
     """(path, torch model): `phi3` with a sliding window of 11 positions, shorter than the tests' rows."""
     from transformers import Phi3Config
