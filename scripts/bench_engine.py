@@ -107,7 +107,7 @@ def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
     """Random weights drawn on the GPU when there is one (an 8B model drawn in float32 on the
     CPU takes minutes and 32 GB), saved in `dtype`. With p['window'] a Mistral v0.1 checkpoint:
     the same blocks, attending over a sliding window of that many positions; with p['experts'] a
-    Mixtral one, each MLP that many experts of the preset's width, two a token."""
+    Mixtral one, each MLP that many experts of the preset's width, p['experts_per_token'] (2) a token."""
     import torch
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
                               MixtralForCausalLM)
@@ -119,7 +119,7 @@ def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
     )
     if p.get("experts"):
         config, model_class = (MixtralConfig(**shape, sliding_window=p.get("window"), num_local_experts=p["experts"],
-                                             num_experts_per_tok=2), MixtralForCausalLM)
+                                             num_experts_per_tok=p.get("experts_per_token", 2)), MixtralForCausalLM)
     elif p.get("window"):
         config, model_class = MistralConfig(**shape, sliding_window=p["window"]), MistralForCausalLM
     else:
@@ -391,6 +391,7 @@ def main() -> None:
                         help="a Mistral checkpoint of the preset's shape, attending over a sliding window of this many positions")
     parser.add_argument("--experts", type=int,
                         help="a Mixtral checkpoint of the preset's shape, each MLP this many experts (two a token)")
+    parser.add_argument("--experts-per-token", type=int, help="with --experts: the router's top k (default 2)")
     parser.add_argument("--skip-hf", action="store_true", help="only time our engine")
     parser.add_argument("--overlap-prefill", nargs="+", choices=sorted(OVERLAP), default=["auto"],
                         help="mixed presets: engine.overlap_prefill, one run (cold and warm) per value")
@@ -411,7 +412,7 @@ def main() -> None:
                         help="time our first pass minus its wait for programs instead of a second pass (halves our run time)")
     args = parser.parse_args()
     p = dict(PRESETS[args.preset])
-    for key in ("prompts", "new", "batch", "window", "experts"):
+    for key in ("prompts", "new", "batch", "window", "experts", "experts_per_token"):
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if "mixed" in p:
@@ -446,7 +447,7 @@ def main() -> None:
             kernels.TUNING = tuning  # read by Engine.load
             ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention, lanes)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
-                      **{key: p[key] for key in ("window", "experts") if p.get(key)},
+                      **{key: p[key] for key in ("window", "experts", "experts_per_token") if p.get(key)},
                       "sampling": p.get("sampling", "greedy"), "ours_attention": ours["attention"],
                       "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
                       "ours_prefill_s": round(ours["prefill_s"], 2), "ours_lanes": ours["lanes"],
