@@ -1268,6 +1268,12 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
     """Every weight of LlamaLM and the transformers tensor it is read from; a fused tensor's
     blocks in the order of their rows."""
     mapping = [Saved("model.embed_tokens.weight", lambda m: m.embed_tokens)]
+    # A mixture's block and each expert's tensors by projection: Mixtral's w1 (gate), w3 (up) and
+    # w2 (down) in block_sparse_moe, Qwen3-MoE's gate_proj, up_proj and down_proj in mlp.
+    if config.model_type == "mixtral":
+        experts_block, expert_tensors = "block_sparse_moe", (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+    else:
+        experts_block, expert_tensors = "mlp", tuple((f"{name}_proj", name) for name in ("gate", "up", "down"))
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
 
@@ -1296,12 +1302,10 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
                 mapping += [Saved(p + f"mlp.{name}_proj.weight", mlp(f"{name}_proj")) for name in ("gate", "up")]
             mapping += [Saved(p + f"self_attn.{name}_proj.weight", attention(f"{name}_proj")) for name in ("q", "k", "v")]
         if config.has_experts(i):  # the router, then each expert's gate, up and down projections
-            block, names = (("block_sparse_moe", (("w1", "gate"), ("w3", "up"), ("w2", "down")))  # mixtral's names
-                            if config.model_type == "mixtral" else ("mlp", tuple((f"{n}_proj", n) for n in ("gate", "up", "down"))))
-            mapping.append(Saved(p + f"{block}.gate.weight", lambda m, L=layer: L(m).mlp.router))
-            mapping += [Saved(p + f"{block}.experts.{e}.{saved}.weight",
+            mapping.append(Saved(p + f"{experts_block}.gate.weight", lambda m, L=layer: L(m).mlp.router))
+            mapping += [Saved(p + f"{experts_block}.experts.{e}.{saved}.weight",
                               lambda m, L=layer, e=e, name=name: getattr(L(m).mlp.experts[e], f"{name}_proj"))
-                        for e in range(config.num_experts) for saved, name in names]
+                        for e in range(config.num_experts) for saved, name in expert_tensors]
         else:
             mapping.append(Saved(p + "mlp.down_proj.weight", mlp("down_proj")))
         mapping.append(Saved(p + "self_attn.o_proj.weight", attention("o_proj")))

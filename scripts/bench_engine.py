@@ -103,6 +103,12 @@ def _torch_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def mixtral_keys(p: dict) -> dict:
+    """A Mixtral preset's config.json keys for its experts: p['experts'] of them,
+    p['experts_per_token'] (2) a token."""
+    return dict(num_local_experts=p["experts"], num_experts_per_tok=p.get("experts_per_token", 2))
+
+
 def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
     """Random weights drawn on the GPU when there is one (an 8B model drawn in float32 on the
     CPU takes minutes and 32 GB), saved in `dtype`. With p['window'] a Mistral v0.1 checkpoint:
@@ -118,8 +124,7 @@ def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
         eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
     )
     if p.get("experts"):
-        config, model_class = (MixtralConfig(**shape, sliding_window=p.get("window"), num_local_experts=p["experts"],
-                                             num_experts_per_tok=p.get("experts_per_token", 2)), MixtralForCausalLM)
+        config, model_class = MixtralConfig(**shape, sliding_window=p.get("window"), **mixtral_keys(p)), MixtralForCausalLM
     elif p.get("window"):
         config, model_class = MistralConfig(**shape, sliding_window=p["window"]), MistralForCausalLM
     else:

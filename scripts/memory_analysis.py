@@ -74,12 +74,12 @@ def main() -> None:
     from engine.mesh import Layout, MeshShape
     from engine.config import SamplingParams
 
-    experts = args.experts or p.get("experts")
+    p = dict(p, experts=args.experts or p.get("experts"))
     config = LlamaConfig.from_hf(dict(
-        model_type="mixtral" if experts else "llama", vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
+        model_type="mixtral" if p["experts"] else "llama", vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
         num_hidden_layers=p["layers"], num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
         max_position_embeddings=max(4096, prompt + new), tie_word_embeddings=False,
-        **(dict(num_local_experts=experts, num_experts_per_tok=2) if experts else {}),
+        **(bench.mixtral_keys(p) if p["experts"] else {}),
     ))
     dtype, cache_dtype = jnp.dtype(args.dtype), jnp.dtype(args.cache_dtype)
     device = jax.devices()[0]

@@ -137,6 +137,7 @@ def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     assert mean_ratio <= 1.15
     assert max_ratio <= 1.5
 
+
 def test_mixtral_grouped_by_expert_logits_match_transformers(mixtral):
     """Four rows of 64 tokens in one call: each expert runs on the tokens that picked it, in tiles
     (`Experts._grouped`), and the logits are transformers'."""
