@@ -978,14 +978,15 @@ class Mlp(eqx.Module):
     down_proj: NamedArray  # (Embed, Mlp)
 
     @staticmethod
-    def init(config: LlamaConfig, *, key: jax.Array, units: Axis | None = None) -> "Mlp":
-        """units: the MLP's width (an expert's, `LlamaConfig.ExpertMlp`); None: config.Mlp."""
+    def init(config: LlamaConfig, *, key: jax.Array, units: Axis | None = None, experts: Axis | None = None) -> "Mlp":
+        """units: the MLP's width (an expert's, `LlamaConfig.ExpertMlp`); None: config.Mlp.
+        experts: a mixture's experts, one MLP each, stacked: every weight has this axis first."""
         k_gate, k_up, k_down = jax.random.split(key, 3)
-        c, units = config, units or config.Mlp
+        c, units, stack = config, units or config.Mlp, (experts,) if experts else ()
         return Mlp(
-            _normal(k_gate, (units, c.Embed)),
-            _normal(k_up, (units, c.Embed)),
-            _normal(k_down, (c.Embed, units)),
+            _normal(k_gate, stack + (units, c.Embed)),
+            _normal(k_up, stack + (units, c.Embed)),
+            _normal(k_down, stack + (c.Embed, units)),
             gelu=c.gemma,
         )
 
@@ -1024,7 +1025,12 @@ class Experts(eqx.Module):
     measured there yet (docs/performance-notes.md)."""
 
     router: NamedArray  # (Experts, Embed)
-    experts: tuple[Mlp, ...]
+    experts: Mlp
+    """Every expert's gated MLP, stacked: gate_proj and up_proj (Experts, ExpertMlp, Embed),
+    down_proj (Experts, Embed, ExpertMlp). One weight for all experts keeps a layer's program one
+    product per projection however many experts it has (Qwen3-MoE's 128 each their own products
+    did not compile its decode program in 10 minutes on the CPU), and the loader fills each
+    weight from the experts' tensors (`checkpoint_mapping`)."""
     top_k: int = eqx.field(static=True)
     normalize: bool = eqx.field(static=True, default=True)
     """`LlamaConfig.normalize_top_k`."""
@@ -1033,10 +1039,14 @@ class Experts(eqx.Module):
 
     @staticmethod
     def init(config: LlamaConfig, *, key: jax.Array) -> "Experts":
-        k_router, *k_experts = jax.random.split(key, 1 + config.num_experts)
+        k_router, k_experts = jax.random.split(key)
         return Experts(_normal(k_router, (config.Experts, config.Embed)),
-                       tuple(Mlp.init(config, key=k, units=config.ExpertMlp) for k in k_experts),
+                       Mlp.init(config, key=k_experts, units=config.ExpertMlp, experts=config.Experts),
                        config.experts_per_token, config.normalize_top_k, config.round_router_weights)
+
+    @property
+    def Experts(self) -> Axis:
+        return self.router.resolve_axis("experts")
 
     def __call__(self, x: NamedArray) -> NamedArray:
         tokens, top, index = self.route(x)
@@ -1050,7 +1060,7 @@ class Experts(eqx.Module):
         picks, best first."""
         scores = linear(x, self.router, "embed")
         tokens = tuple(axis for axis in scores.axes if axis.name != "experts")
-        probs = jax.nn.softmax(scores.rearrange(tokens + (scores.resolve_axis("experts"),)).array.astype(jnp.float32), axis=-1)
+        probs = jax.nn.softmax(scores.rearrange(tokens + (self.Experts,)).array.astype(jnp.float32), axis=-1)
         top, index = jax.lax.top_k(probs, self.top_k)
         if self.normalize:
             top = top / jnp.sum(top, axis=-1, keepdims=True)
@@ -1061,18 +1071,29 @@ class Experts(eqx.Module):
     def grouped_pays(self, tokens: int) -> bool:
         """Whether a call of this many tokens runs grouped: on the CPU, where the tiles' products
         (at most tokens x top_k, plus a tile per expert) are fewer than the dense ones."""
-        experts = len(self.experts)
+        experts = self.Experts.size
         return jax.default_backend() == "cpu" and tokens * (experts - self.top_k) > experts * EXPERT_TILE
 
+    def expert(self, e: int | jax.Array) -> Mlp:
+        """Expert e's MLP (e may be traced): each stacked weight's slice at e. A 16-bit weight is
+        sliced as the same bits in uint16: XLA's CPU backend slices bfloat16 through float32, and
+        converted all of a layer's experts to float32 once per call, a copy twice their size. In
+        uint16 it still copies them once a call, at their size (as `embed`'s gather)."""
+        def slice_of(w: NamedArray) -> NamedArray:
+            if w.dtype.itemsize != 2:
+                return hax.named(jax.lax.dynamic_index_in_dim(w.array, e, 0, keepdims=False), w.axes[1:])
+            bits = jax.lax.dynamic_index_in_dim(jax.lax.bitcast_convert_type(w.array, jnp.uint16), e, 0, keepdims=False)
+            return hax.named(jax.lax.bitcast_convert_type(bits, w.dtype), w.axes[1:])
+
+        return jax.tree.map(slice_of, self.experts, is_leaf=lambda w: isinstance(w, NamedArray))
+
     def _dense(self, x: NamedArray, tokens: tuple[Axis, ...], top: jax.Array, index: jax.Array) -> NamedArray:
-        """Every expert on every token; an expert a token did not pick weighs 0, which leaves its
-        sum as it was."""
-        weights = jnp.sum(jax.nn.one_hot(index, len(self.experts), dtype=jnp.float32) * top[..., None], axis=-2)
-        total = None
-        for e, expert in enumerate(self.experts):
-            part = self._weighed(expert(x).astype(jnp.float32) * hax.named(weights[..., e], tokens), x.dtype)
-            total = part if total is None else total + part
-        return total.astype(x.dtype)
+        """Every expert on every token, all in one product per projection; an expert a token did
+        not pick weighs 0, which leaves its sum as it was."""
+        weights = jnp.sum(jax.nn.one_hot(index, self.Experts.size, dtype=jnp.float32) * top[..., None], axis=-2)
+        every = self.experts(x).astype(jnp.float32)  # (experts, embed, tokens...), each rounded to x's dtype first
+        parts = self._weighed(every * hax.named(weights, tokens + (self.Experts,)), x.dtype)
+        return hax.sum(parts, "experts").astype(x.dtype)
 
     def _weighed(self, parts, dtype):
         """Picks' weighted outputs (float32) as transformers holds them before it adds them in
@@ -1081,20 +1102,23 @@ class Experts(eqx.Module):
 
     def _grouped(self, x: NamedArray, tokens: tuple[Axis, ...], top: jax.Array, index: jax.Array) -> NamedArray:
         """Each expert on the tokens that picked it. The picks are sorted by expert, each expert's
-        in a run of columns; a loop per expert multiplies its run EXPERT_TILE columns at a time. An
-        expert's last tile runs into the next experts' columns, which their own loops, later,
-        overwrite; the picks' columns are followed by a tile of zeros for the last one to read."""
+        in a run of columns; a loop over the experts takes each one's weights and multiplies its
+        run EXPERT_TILE columns at a time. An expert's last tile runs into the next experts'
+        columns, which their own turns, later, overwrite; the picks' columns are followed by a
+        tile of zeros for the last one to read."""
         embed = x.resolve_axis("embed")
         count, k, tile = math.prod(axis.size for axis in tokens), self.top_k, EXPERT_TILE
         columns = x.rearrange((embed,) + tokens).array.reshape(embed.size, count)
         expert_of = index.reshape(count * k)  # each pick's expert, picks token by token
         order = jnp.argsort(expert_of, stable=True)
-        runs = jnp.bincount(expert_of, length=len(self.experts))
+        runs = jnp.bincount(expert_of, length=self.Experts.size)
         starts = jnp.cumsum(runs) - runs
         picked = jnp.concatenate([columns[:, order // k], jnp.zeros((embed.size, tile), x.dtype)], axis=1)
         Tile = Axis("expert_tile", tile)
 
-        def run(e: int, expert: Mlp, out: jax.Array) -> jax.Array:
+        def run(e: jax.Array, out: jax.Array) -> jax.Array:
+            expert = self.expert(e)
+
             def one_tile(t, out):
                 first = starts[e] + t * tile
                 block = hax.named(jax.lax.dynamic_slice_in_dim(picked, first, tile, axis=1), (embed, Tile))
@@ -1103,9 +1127,8 @@ class Experts(eqx.Module):
 
             return jax.lax.fori_loop(0, (runs[e] + tile - 1) // tile, one_tile, out)
 
-        out = jnp.zeros(picked.shape, jnp.float32)  # a bfloat16 buffer made each tile's write 15x slower on the CPU
-        for e, expert in enumerate(self.experts):
-            out = run(e, expert, out)
+        # A bfloat16 buffer made each tile's write 15x slower on the CPU.
+        out = jax.lax.fori_loop(0, self.Experts.size, run, jnp.zeros(picked.shape, jnp.float32))
         back = jnp.zeros_like(order).at[order].set(jnp.arange(count * k))  # each pick's column in `out`
         parts = self._weighed(out[:, back].reshape(embed.size, count, k) * top.reshape(count, k), x.dtype)
         total = parts[..., 0]
@@ -1257,16 +1280,18 @@ def parameter_bytes(config: LlamaConfig, dtype) -> int:
 
 class Saved(NamedTuple):
     """Where one weight of LlamaLM comes from: rows [first_row, first_row + the weight's rows) of
-    the checkpoint's tensor `name` (all of it, but for a fused projection's blocks)."""
+    the checkpoint's tensor `name` (all of it, but for a fused projection's blocks); or, for a
+    mixture's stacked expert weights, its slice at `expert` of the weight's first axis."""
 
     name: str
     where: Callable[[LlamaLM], NamedArray]
     first_row: int = 0
+    expert: int | None = None
 
 
 def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
     """Every weight of LlamaLM and the transformers tensor it is read from; a fused tensor's
-    blocks in the order of their rows."""
+    blocks in the order of their rows, a stacked weight's experts one after another from 0."""
     mapping = [Saved("model.embed_tokens.weight", lambda m: m.embed_tokens)]
     # A mixture's block and each expert's tensors by projection: Mixtral's w1 (gate), w3 (up) and
     # w2 (down) in block_sparse_moe, Qwen3-MoE's gate_proj, up_proj and down_proj in mlp.
@@ -1304,8 +1329,8 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
         if config.has_experts(i):  # the router, then each expert's gate, up and down projections
             mapping.append(Saved(p + f"{experts_block}.gate.weight", lambda m, L=layer: L(m).mlp.router))
             mapping += [Saved(p + f"{experts_block}.experts.{e}.{saved}.weight",
-                              lambda m, L=layer, e=e, name=name: getattr(L(m).mlp.experts[e], f"{name}_proj"))
-                        for e in range(config.num_experts) for saved, name in expert_tensors]
+                              lambda m, L=layer, name=name: getattr(L(m).mlp.experts, f"{name}_proj"), expert=e)
+                        for saved, name in expert_tensors for e in range(config.num_experts)]
         else:
             mapping.append(Saved(p + "mlp.down_proj.weight", mlp("down_proj")))
         mapping.append(Saved(p + "self_attn.o_proj.weight", attention("o_proj")))
@@ -1329,7 +1354,7 @@ def saved_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     skeleton = _skeleton(config)
     shapes: dict[str, tuple[int, ...]] = {}
     for saved in checkpoint_mapping(config):
-        shape = tuple(saved.where(skeleton).array.shape)
+        shape = tuple(saved.where(skeleton).array.shape)[0 if saved.expert is None else 1:]
         if saved.name.endswith(".bias"):
             shape = (math.prod(shape),)
         if saved.name in shapes:  # the next block of a fused tensor
@@ -1362,10 +1387,48 @@ def abstract_model(config: LlamaConfig, *, dtype, sharding=None) -> LlamaLM:
     while the weights are read (`Engine.load`)."""
     skeleton = _skeleton(config)
     sharding_for = _sharding_for(sharding)
-    wheres = [saved.where for saved in checkpoint_mapping(config)]
+    wheres = [group[0].where for group in _weights(config)]
     shapes = [jax.ShapeDtypeStruct(w.array.shape, jnp.dtype(dtype), sharding=sharding_for(w.axes))
               for w in (where(skeleton) for where in wheres)]
     return eqx.tree_at(lambda m: [w(m).array for w in wheres], skeleton, shapes)
+
+
+def _weights(config: LlamaConfig) -> list[list[Saved]]:
+    """`checkpoint_mapping` by weight: one Saved each, a stacked weight its experts' in order."""
+    weights: list[list[Saved]] = []
+    for saved in checkpoint_mapping(config):
+        if saved.expert:
+            weights[-1].append(saved)
+        else:
+            weights.append([saved])
+    return weights
+
+
+def _block_reader(group: list[Saved], tensors: dict[str, checkpoint.Tensor], shape: tuple[int, ...],
+                  dtype) -> tuple[Callable[[tuple], np.ndarray], Callable[[], None]]:
+    """`jax.make_array_from_callback`'s callback for one weight: a device's block (an index into
+    `shape`) read from the weight's tensor, or from each of a stacked weight's experts' tensors,
+    as `dtype`; and a function that forgets what was read. Until then devices holding different
+    columns of the same rows share one read of those rows."""
+    stacked = group[0].expert is not None
+    saved_shape = shape[1:] if stacked else shape
+    reads = [functools.lru_cache(maxsize=None)(functools.partial(checkpoint.read_rows, tensors[saved.name], saved_shape))
+             for saved in group]
+
+    def rows(read, index: tuple, first_row: int) -> np.ndarray:
+        first = range(saved_shape[0])[index[0]]
+        return read(first_row + first.start, first_row + first.stop)[(slice(None),) + tuple(index[1:])]
+
+    def block(index: tuple) -> np.ndarray:
+        if stacked:
+            return np.stack([rows(reads[e], index[1:], 0).astype(dtype) for e in range(shape[0])[index[0]]])
+        return rows(reads[0], index, group[0].first_row).astype(dtype)
+
+    def forget() -> None:
+        for read in reads:
+            read.cache_clear()
+
+    return block, forget
 
 
 def _sharding_for(sharding) -> Callable[[tuple], jax.sharding.Sharding]:
@@ -1384,29 +1447,21 @@ def load_checkpoint(path: str, config: LlamaConfig, *, dtype, sharding=None,
     Sharding, or None (the first local device). For each of this host's devices only the rows of
     the tensor's first axis its block spans are read (once per distinct row range), so a host
     reads about its own share of a sharded model (all of it when replicated) and holds at most
-    one tensor's worth of host memory beyond what is on its devices. Every tensor stays as saved:
+    one weight's worth of host memory beyond what is on its devices. Every tensor stays as saved:
     projections (out, in), which `linear` multiplies weight first. tensors: `check_tensors`'
-    answer, if the caller has it. stop: asked before each tensor; raises LoadStopped once it
+    answer, if the caller has it. stop: asked before each weight; raises LoadStopped once it
     returns True (an 8B model takes minutes to read from a bucket)."""
     tensors = check_tensors(path, config) if tensors is None else tensors
     skeleton = _skeleton(config)
     sharding_for = _sharding_for(sharding)
     wheres, values = [], []
-    for name, where, first_row in checkpoint_mapping(config):
+    for group in _weights(config):
         if stop is not None and stop():
-            raise LoadStopped(f"stopped reading {path} before {name}")
-        tensor = tensors[name]
-        target = where(skeleton)
-        shape = tuple(target.array.shape)
-        # Devices holding different columns of the same rows share one read of those rows.
-        rows = functools.lru_cache(maxsize=None)(functools.partial(checkpoint.read_rows, tensor, shape))
-
-        def block(index, rows=rows, shape=shape, first_row=first_row):
-            first = range(shape[0])[index[0]]
-            return rows(first_row + first.start, first_row + first.stop)[(slice(None),) + tuple(index[1:])].astype(dtype)
-
-        array = jax.make_array_from_callback(shape, sharding_for(target.axes), block)
-        rows.cache_clear()
-        wheres.append(where)
+            raise LoadStopped(f"stopped reading {path} before {group[0].name}")
+        target = group[0].where(skeleton)
+        block, forget = _block_reader(group, tensors, tuple(target.array.shape), dtype)
+        array = jax.make_array_from_callback(target.array.shape, sharding_for(target.axes), block)
+        forget()
+        wheres.append(group[0].where)
         values.append(hax.named(array, target.axes))
     return eqx.tree_at(lambda m: [w(m) for w in wheres], skeleton, values)

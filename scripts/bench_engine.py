@@ -80,6 +80,10 @@ PRESETS = {
     "llama3-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256, prompts=128, prompt_len=128, new=2048, batch=128),
     # Mixtral 8x7B's shape (8 experts, 2 a token): for scripts/memory_analysis.py.
     "mixtral-8x7b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=32000, experts=8, prompts=64, prompt_len=128, new=1024, batch=64),
+    # Qwen3-30B-A3B's shape (128 experts of 768 a layer, 8 a token; heads of 128): for scripts/memory_analysis.py.
+    "qwen3-30b-a3b": dict(layers=48, hidden=2048, heads=32, kv_heads=4, intermediate=6144, vocab=151936, experts=128,
+                          experts_per_token=8, model_type="qwen3_moe", hf=dict(head_dim=128, moe_intermediate_size=768, norm_topk_prob=True),
+                          prompts=128, prompt_len=128, new=1024, batch=128),
     # Llama-3-70B's shape at configs/llama3-70b-global-mesh.yaml's lengths: for scripts/memory_analysis.py --mesh.
     "llama3-70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672, vocab=128256, prompts=128, prompt_len=2048, new=1024, batch=64),
     "cpu-mixed": dict(layers=4, hidden=256, heads=4, kv_heads=4, intermediate=688, vocab=32000, prompts=300, prompt_len=512, new=64,
@@ -104,9 +108,9 @@ def _torch_device() -> str:
 
 
 def mixtral_keys(p: dict) -> dict:
-    """A Mixtral preset's config.json keys for its experts: p['experts'] of them,
-    p['experts_per_token'] (2) a token."""
-    return dict(num_local_experts=p["experts"], num_experts_per_tok=p.get("experts_per_token", 2))
+    """A preset's config.json keys for its experts (Mixtral's, unless p['model_type'] says
+    otherwise): p['experts'] of them, p['experts_per_token'] (2) a token, and p['hf']'s keys."""
+    return dict(num_local_experts=p["experts"], num_experts_per_tok=p.get("experts_per_token", 2), **p.get("hf", {}))
 
 
 def build_checkpoint(p: dict, folder: str, dtype: str) -> None:

@@ -10,6 +10,7 @@ same batch. The cache is planned in the accelerator's dtype (bfloat16), as on a 
     python scripts/memory_analysis.py --preset cpu-tiny --batch 64 --prompt 64 --new 128
     python scripts/memory_analysis.py --preset cpu-125m --experts 8 --dtype float32 --cache-dtype float32   # a Mixtral
     python scripts/memory_analysis.py --preset mixtral-8x7b --dtype float32 --cache-dtype float32
+    python scripts/memory_analysis.py --preset qwen3-30b-a3b --dtype float32 --cache-dtype float32
 
 Peak of a program = arguments + outputs - donated (aliased) buffers + temporaries.
 
@@ -76,7 +77,7 @@ def main() -> None:
 
     p = dict(p, experts=args.experts or p.get("experts"))
     config = LlamaConfig.from_hf(dict(
-        model_type="mixtral" if p["experts"] else "llama", vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
+        model_type=p.get("model_type", "mixtral") if p["experts"] else "llama", vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
         num_hidden_layers=p["layers"], num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
         max_position_embeddings=max(4096, prompt + new), tie_word_embeddings=False,
         **(bench.mixtral_keys(p) if p["experts"] else {}),
