@@ -1050,7 +1050,8 @@ class Experts(eqx.Module):
 
     def __call__(self, x: NamedArray) -> NamedArray:
         tokens, top, index = self.route(x)
-        if self.grouped_pays(math.prod(axis.size for axis in tokens)):
+        step = any(axis.name == "position" and axis.size == 1 for axis in x.axes)
+        if self.grouped_pays(math.prod(axis.size for axis in tokens), step=step and x.dtype.itemsize == 2):
             return self._grouped(x, tokens, top, index)
         return self._dense(x, tokens, top, index)
 
@@ -1068,21 +1069,30 @@ class Experts(eqx.Module):
             top = top.astype(x.dtype).astype(jnp.float32)
         return tokens, top, index
 
-    def grouped_pays(self, tokens: int) -> bool:
+    def grouped_pays(self, tokens: int, *, step: bool = False) -> bool:
         """Whether a call of this many tokens runs grouped: on the CPU, where the tiles' products
-        (at most tokens x top_k, plus a tile per expert) are fewer than the dense ones."""
+        (at most tokens x top_k, plus a tile per expert) are fewer than the dense ones; but not
+        a decode step of 16-bit weights (`step`), whose program's loop would hold a copy of every
+        layer's experts (`expert`: 55 GiB at Qwen3-30B-A3B's shape, batch 128, in bfloat16)."""
         experts = self.Experts.size
-        return jax.default_backend() == "cpu" and tokens * (experts - self.top_k) > experts * EXPERT_TILE
+        return jax.default_backend() == "cpu" and not step and tokens * (experts - self.top_k) > experts * EXPERT_TILE
 
-    def expert(self, e: int | jax.Array) -> Mlp:
-        """Expert e's MLP (e may be traced): each stacked weight's slice at e. A 16-bit weight is
-        sliced as the same bits in uint16: XLA's CPU backend slices bfloat16 through float32, and
-        converted all of a layer's experts to float32 once per call, a copy twice their size. In
-        uint16 it still copies them once a call, at their size (as `embed`'s gather)."""
+    def expert(self, e: int | jax.Array, zero: jax.Array | None = None) -> Mlp:
+        """Expert e's MLP (e may be traced): each stacked weight's slice at e.
+
+        A 16-bit weight is sliced as the same bits in uint16: XLA's CPU backend slices bfloat16
+        through float32, and converted all of a layer's experts to float32 once per call, a copy
+        twice their size. In uint16 it still copies them once a call, at their size (as `embed`'s
+        gather), and scheduled every layer's copies before the first layer ran (85 GiB of them in
+        a prefill program at Mixtral 8x7B's shape in bfloat16). `zero`, a uint16 0 that XLA cannot
+        know is 0, computed from the call's routing, is xored into the copy, which then waits for
+        the layer's routing (3.5 GiB of temporaries). A decode program's loop over steps still
+        took the copies out of the loop, all at once (`grouped_pays`)."""
         def slice_of(w: NamedArray) -> NamedArray:
             if w.dtype.itemsize != 2:
                 return hax.named(jax.lax.dynamic_index_in_dim(w.array, e, 0, keepdims=False), w.axes[1:])
-            bits = jax.lax.dynamic_index_in_dim(jax.lax.bitcast_convert_type(w.array, jnp.uint16), e, 0, keepdims=False)
+            bits = jax.lax.bitcast_convert_type(w.array, jnp.uint16)
+            bits = jax.lax.dynamic_index_in_dim(bits if zero is None else bits ^ zero, e, 0, keepdims=False)
             return hax.named(jax.lax.bitcast_convert_type(bits, w.dtype), w.axes[1:])
 
         return jax.tree.map(slice_of, self.experts, is_leaf=lambda w: isinstance(w, NamedArray))
@@ -1113,11 +1123,12 @@ class Experts(eqx.Module):
         order = jnp.argsort(expert_of, stable=True)
         runs = jnp.bincount(expert_of, length=self.Experts.size)
         starts = jnp.cumsum(runs) - runs
+        zero = (runs[0] >> 31).astype(jnp.uint16)  # a count's sign bit (`expert`)
         picked = jnp.concatenate([columns[:, order // k], jnp.zeros((embed.size, tile), x.dtype)], axis=1)
         Tile = Axis("expert_tile", tile)
 
         def run(e: jax.Array, out: jax.Array) -> jax.Array:
-            expert = self.expert(e)
+            expert = self.expert(e, zero)
 
             def one_tile(t, out):
                 first = starts[e] + t * tile
