@@ -1138,7 +1138,7 @@ class Experts(eqx.Module):
 
             return jax.lax.fori_loop(0, (runs[e] + tile - 1) // tile, one_tile, out)
 
-        # A bfloat16 buffer made each tile's write 15x slower on the CPU.
+        # In float32: a bfloat16 buffer made each tile's write 15x slower on the CPU.
         out = jax.lax.fori_loop(0, self.Experts.size, run, jnp.zeros(picked.shape, jnp.float32))
         back = jnp.zeros_like(order).at[order].set(jnp.arange(count * k))  # each pick's column in `out`
         parts = self._weighed(out[:, back].reshape(embed.size, count, k) * top.reshape(count, k), x.dtype)
