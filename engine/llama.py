@@ -44,7 +44,8 @@ from haliax import Axis, NamedArray
 from engine import checkpoint, cpu_attention, kernels
 from engine.jax_compat import hax
 
-SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2", "qwen3",
+                         "qwen3_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -61,12 +62,13 @@ class LoadStopped(Exception):
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    """gemma2, gemma3_text, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3 or qwen3_moe: the
-    weight names are the same; qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of the
-    queries and keys (`qk_norm`), olmo2 norms after each part of a layer instead of before
+    """gemma2, gemma3_text, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen3 or qwen3_moe:
+    the weight names are the same; qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of
+    the queries and keys (`qk_norm`), olmo2 norms after each part of a layer instead of before
     (`post_norm`), the Gemmas both (`gemma`), phi3 saves q/k/v and gate/up fused
-    (`fused_projections`), mixtral's MLP is a mixture of experts (`num_experts`), and qwen3_moe is
-    qwen3 with one in the layers `expert_layers` names."""
+    (`fused_projections`), mixtral's MLP is a mixture of experts (`num_experts`), qwen3_moe is
+    qwen3 with one in the layers `expert_layers` names, and olmoe is llama with olmo2's norms of
+    the queries and keys and one in every layer."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -101,7 +103,7 @@ class LlamaConfig:
     positions p - sliding_window + 1 to p (transformers' mask). None: every earlier position."""
     qk_norm: Literal["head", "all"] | None = None
     """The queries and keys are RMS-normed before the rotation: each head over its head_dim
-    (qwen3), or all heads together over the whole projection (olmo2)."""
+    (qwen3), or all heads together over the whole projection (olmo2, olmoe)."""
     post_norm: bool = False
     """olmo2: no norm before attention and the MLP; each one's output is normed before it is
     added to the residual."""
@@ -257,8 +259,10 @@ class LlamaConfig:
             raise refuse("mlp_bias", cfg["mlp_bias"], "is not supported (only false)")
         if cfg.get("quantization_config"):
             raise refuse("quantization_config", cfg["quantization_config"].get("quant_method"), "is not supported")
-        if model_type == "olmo2" and cfg.get("attention_bias", False):
-            raise refuse("attention_bias", cfg["attention_bias"], "is not supported for olmo2 (only false)")
+        if model_type in ("olmo2", "olmoe") and cfg.get("attention_bias", False):
+            raise refuse("attention_bias", cfg["attention_bias"], f"is not supported for {model_type} (only false)")
+        if cfg.get("clip_qkv") is not None:  # OLMoE's option to clamp queries, keys and values
+            raise refuse("clip_qkv", cfg["clip_qkv"], "is not supported (only null)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         windowed_layers, local_rope_theta, linear_factor = None, None, None
         if model_type == "gemma3_text":
@@ -331,7 +335,7 @@ class LlamaConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "all", "gemma3_text": "head"}.get(model_type),
+            qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "all", "olmoe": "all", "gemma3_text": "head"}.get(model_type),
             post_norm=model_type == "olmo2",
             fused_projections=model_type == "phi3",
             o_bias=model_type != "qwen2" and attention_bias,
@@ -373,19 +377,21 @@ def _experts(cfg: dict[str, Any], model_type: str, refuse) -> dict[str, Any]:
     """The mixture of experts: Mixtral's num_local_experts and num_experts_per_tok (the router's
     top k); Qwen3-MoE's num_experts (transformers 5 saves it as num_local_experts), its experts'
     moe_intermediate_size, norm_topk_prob, and which layers have experts: all but mlp_only_layers,
-    on every decoder_sparse_step-th layer."""
+    on every decoder_sparse_step-th layer; OLMoE's num_experts and norm_topk_prob, every layer
+    experts of intermediate_size. Qwen3-MoE and OLMoE round the top k weights (`round_router_weights`)."""
     if model_type == "mixtral":
         experts, top_k, key = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)), "num_local_experts"
         found: dict[str, Any] = {}
-    elif model_type == "qwen3_moe":
+    elif model_type in ("qwen3_moe", "olmoe"):
         key = "num_experts" if "num_experts" in cfg else "num_local_experts"
-        experts, top_k = int(cfg.get(key, 128)), int(cfg.get("num_experts_per_tok", 8))
-        if experts == 0:  # transformers makes every layer an MLP
-            return {}
-        step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
-        found = dict(expert_intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
-                     normalize_top_k=bool(cfg.get("norm_topk_prob", False)), round_router_weights=True,
-                     expert_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(int(cfg["num_hidden_layers"]))))
+        experts, top_k = int(cfg.get(key, 128 if model_type == "qwen3_moe" else 64)), int(cfg.get("num_experts_per_tok", 8))
+        found = dict(normalize_top_k=bool(cfg.get("norm_topk_prob", False)), round_router_weights=True)
+        if model_type == "qwen3_moe":
+            if experts == 0:  # transformers makes every layer an MLP
+                return {}
+            step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+            found.update(expert_intermediate_size=int(cfg.get("moe_intermediate_size", 768)), expert_layers=tuple(
+                i not in dense and (i + 1) % step == 0 for i in range(int(cfg["num_hidden_layers"]))))
     else:
         return {}
     if not 1 <= top_k <= experts:

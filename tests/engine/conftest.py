@@ -268,6 +268,19 @@ def qwen3_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def olmoe(tmp_path_factory):
+    """(path, torch model): OLMoE, every layer's MLP 8 experts of width 24, 3 a token, their
+    weights not renormalized; its queries and keys normed over all heads together, as OLMo 2's."""
+    from transformers import OlmoeConfig
+
+    return _built(tmp_path_factory, OlmoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, num_experts=8, num_experts_per_tok=3,
+        norm_topk_prob=False, tie_word_embeddings=False, pad_token_id=None, eos_token_id=None,
+    ))
+
+
+@pytest.fixture(scope="session")
 def phi3_windowed(tmp_path_factory):
     """(path, torch model): `phi3` with a sliding window of 11 positions, shorter than the tests' rows."""
     from transformers import Phi3Config

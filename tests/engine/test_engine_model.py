@@ -29,7 +29,7 @@ from engine_testlib import VOCAB, hf_greedy
 LOGIT_TOL = 1e-4
 PROMPTS = [np.random.RandomState(i).randint(0, VOCAB, n).tolist() for i, n in enumerate([5, 23, 9, 17, 30, 12])]
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi4_mini", "gemma2", "gemma3", "gemma3_image_text", "mixtral",
-                 "qwen3_moe"]
+                 "qwen3_moe", "olmoe"]
 """A fixture (tests/engine/conftest.py) of each architecture and checkpoint layout the engine reads."""
 ROTATION_VARIANTS = ["phi3_longrope", "gemma3_wide"]
 """Fixtures of an architecture above with another rotation: Phi-3.5's longrope, and Gemma 3's
@@ -360,7 +360,7 @@ def _edited_checkpoint(src: str, dst, **config_values) -> str:
 
 def test_unsupported_architecture_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "gpt2", model_type="gpt2")
-    supported = r"\(supported: gemma2, gemma3_text, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe, gemma3's text model\)"
+    supported = r"\(supported: gemma2, gemma3_text, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen3, qwen3_moe, gemma3's text model\)"
     with pytest.raises(UnsupportedModelError, match=r"config.json: model_type 'gpt2' is not supported " + supported):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
 
@@ -377,6 +377,16 @@ def test_unsupported_architecture_is_refused(llama, tmp_path):
 ])
 def test_rotations_the_engine_does_not_implement_are_refused(llama, edit, message):
     data = {**json.load(open(f"{llama[0]}/config.json")), **edit}
+    with pytest.raises(UnsupportedModelError, match=f"config.json: {message}"):
+        LlamaConfig.from_hf(data, source="config.json")
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"clip_qkv": 8.0}, r"clip_qkv 8.0 is not supported \(only null\)"),  # the queries, keys and values clamped
+    ({"attention_bias": True}, r"attention_bias True is not supported for olmoe \(only false\)"),
+])
+def test_olmoe_options_the_engine_does_not_implement_are_refused(olmoe, edit, message):
+    data = {**json.load(open(f"{olmoe[0]}/config.json")), **edit}
     with pytest.raises(UnsupportedModelError, match=f"config.json: {message}"):
         LlamaConfig.from_hf(data, source="config.json")
 
