@@ -44,8 +44,8 @@ from haliax import Axis, NamedArray
 from engine import checkpoint, cpu_attention, kernels
 from engine.jax_compat import hax
 
-SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2", "qwen3",
-                         "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2", "qwen2_moe",
+                         "qwen3", "qwen3_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -62,13 +62,14 @@ class LoadStopped(Exception):
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    """gemma2, gemma3_text, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen3 or qwen3_moe:
-    the weight names are the same; qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of
+    """gemma2, gemma3_text, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3 or
+    qwen3_moe: the weight names are the same; qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of
     the queries and keys (`qk_norm`), olmo2 norms after each part of a layer instead of before
     (`post_norm`), the Gemmas both (`gemma`), phi3 saves q/k/v and gate/up fused
     (`fused_projections`), mixtral's MLP is a mixture of experts (`num_experts`), qwen3_moe is
-    qwen3 with one in the layers `expert_layers` names, and olmoe is llama with olmo2's norms of
-    the queries and keys and one in every layer."""
+    qwen3 with one in the layers `expert_layers` names (qwen2_moe qwen2 with one, and a shared
+    expert), and olmoe is llama with olmo2's norms of the queries and keys and one in every
+    layer."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -141,6 +142,9 @@ class LlamaConfig:
     decoder_sparse_step, an MLP of intermediate_size); None: every layer, where the model has experts."""
     normalize_top_k: bool = True
     """The top k weights are divided by their sum: Mixtral always, Qwen3-MoE where norm_topk_prob."""
+    shared_expert_intermediate_size: int | None = None
+    """Qwen2-MoE: each mixture also runs one MLP of this width on every token, its output scaled by
+    a sigmoid gate of the token and added to the experts' (`Experts.shared`)."""
     round_router_weights: bool = False
     """Qwen3-MoE: the top k weights are rounded to the activations' dtype before they weigh the
     experts' outputs, as transformers' model rounds them (its Mixtral weighs in float32)."""
@@ -200,7 +204,7 @@ class LlamaConfig:
         (`Experts._dense`; a call grouped by expert, on the CPU, computes fewer: the memory plan
         counts the most)."""
         layers = range(self.num_hidden_layers)
-        mixture = self.num_experts * self.ExpertMlp.size if self.num_experts else 0
+        mixture = self.num_experts * self.ExpertMlp.size + (self.shared_expert_intermediate_size or 0) if self.num_experts else 0
         return max([mixture] + [self.intermediate_size for i in layers if not self.has_experts(i)])
 
     @property
@@ -297,7 +301,7 @@ class LlamaConfig:
             raise refuse("rope type", rope_type, f"is not supported for {model_type} (supported: {supported})")
 
         sliding_window = None
-        if model_type in ("qwen2", "qwen3"):  # a window over the layers from max_window_layers on
+        if model_type in ("qwen2", "qwen2_moe", "qwen3"):  # a window over the layers from max_window_layers on
             if cfg.get("use_sliding_window", False) and cfg.get("sliding_window", 4096) is not None:
                 sliding_window, first = int(cfg.get("sliding_window") or 4096), int(cfg.get("max_window_layers", 28))
                 windowed_layers = _windowed_layers(cfg, refuse, lambda i: i >= first)
@@ -334,11 +338,11 @@ class LlamaConfig:
             rope_theta=rope_theta,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and cfg.get("qkv_bias", True)) or attention_bias,
             qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "all", "olmoe": "all", "gemma3_text": "head"}.get(model_type),
             post_norm=model_type == "olmo2",
             fused_projections=model_type == "phi3",
-            o_bias=model_type != "qwen2" and attention_bias,
+            o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
             rope_llama3=rope_llama3,
             partial_rotary=partial_rotary,
             sliding_window=sliding_window,
@@ -375,28 +379,38 @@ def _gemma_rope(cfg: dict[str, Any], refuse) -> tuple[dict[str, Any], float, flo
 
 def _experts(cfg: dict[str, Any], model_type: str, refuse) -> dict[str, Any]:
     """The mixture of experts: Mixtral's num_local_experts and num_experts_per_tok (the router's
-    top k); Qwen3-MoE's num_experts (transformers 5 saves it as num_local_experts), its experts'
-    moe_intermediate_size, norm_topk_prob, and which layers have experts: all but mlp_only_layers,
-    on every decoder_sparse_step-th layer; OLMoE's num_experts and norm_topk_prob, every layer
-    experts of intermediate_size. Qwen3-MoE and OLMoE round the top k weights (`round_router_weights`)."""
+    top k); Qwen3-MoE's and Qwen2-MoE's num_experts (transformers 5 saves it as num_local_experts),
+    their experts' moe_intermediate_size, norm_topk_prob, and which layers have experts: all but
+    mlp_only_layers, on every decoder_sparse_step-th layer; Qwen2-MoE's shared expert's
+    shared_expert_intermediate_size; OLMoE's num_experts and norm_topk_prob, every layer experts
+    of intermediate_size. All but Mixtral round the top k weights (`round_router_weights`)."""
     if model_type == "mixtral":
         experts, top_k, key = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)), "num_local_experts"
         found: dict[str, Any] = {}
-    elif model_type in ("qwen3_moe", "olmoe"):
+    elif model_type in MIXTURE_DEFAULTS:
         key = "num_experts" if "num_experts" in cfg else "num_local_experts"
-        experts, top_k = int(cfg.get(key, 128 if model_type == "qwen3_moe" else 64)), int(cfg.get("num_experts_per_tok", 8))
+        defaults = MIXTURE_DEFAULTS[model_type]
+        experts, top_k = int(cfg.get(key, defaults["num_experts"])), int(cfg.get("num_experts_per_tok", defaults["top_k"]))
         found = dict(normalize_top_k=bool(cfg.get("norm_topk_prob", False)), round_router_weights=True)
-        if model_type == "qwen3_moe":
+        if model_type == "qwen2_moe":
+            found["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size", 5632))
+        if model_type != "olmoe":
             if experts == 0:  # transformers makes every layer an MLP
                 return {}
             step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
-            found.update(expert_intermediate_size=int(cfg.get("moe_intermediate_size", 768)), expert_layers=tuple(
-                i not in dense and (i + 1) % step == 0 for i in range(int(cfg["num_hidden_layers"]))))
+            found["expert_intermediate_size"] = int(cfg.get("moe_intermediate_size", defaults["width"]))
+            found["expert_layers"] = tuple(i not in dense and (i + 1) % step == 0 for i in range(int(cfg["num_hidden_layers"])))
     else:
         return {}
     if not 1 <= top_k <= experts:
         raise refuse("num_experts_per_tok", top_k, f"must be between 1 and {key} {experts}")
     return {"num_experts": experts, "experts_per_token": top_k, **found}
+
+
+MIXTURE_DEFAULTS = {"qwen2_moe": dict(num_experts=60, top_k=4, width=1408), "qwen3_moe": dict(num_experts=128, top_k=8, width=768),
+                    "olmoe": dict(num_experts=64, top_k=8)}
+"""transformers' defaults for what a mixture's config.json may leave out (an expert's width: OLMoE's
+is intermediate_size)."""
 
 
 def _windowed_layers(cfg: dict[str, Any], refuse, windowed: Callable[[int], bool]) -> tuple[bool, ...]:
@@ -1042,13 +1056,21 @@ class Experts(eqx.Module):
     """`LlamaConfig.normalize_top_k`."""
     round_weights: bool = eqx.field(static=True, default=False)
     """`LlamaConfig.round_router_weights`."""
+    shared: Mlp | None = None
+    """Qwen2-MoE's shared expert: an MLP every token runs (`LlamaConfig.shared_expert_intermediate_size`)."""
+    shared_gate: NamedArray | None = None
+    """(shared_gate: 1, Embed): the shared expert's output is scaled by the sigmoid of this
+    weight times the token, rounded, and added to the picked experts' sum."""
 
     @staticmethod
     def init(config: LlamaConfig, *, key: jax.Array) -> "Experts":
-        k_router, k_experts = jax.random.split(key)
+        k_router, k_experts, k_shared, k_gate = jax.random.split(key, 4)
+        shared = config.shared_expert_intermediate_size
         return Experts(_normal(k_router, (config.Experts, config.Embed)),
                        Mlp.init(config, key=k_experts, units=config.ExpertMlp, experts=config.Experts),
-                       config.experts_per_token, config.normalize_top_k, config.round_router_weights)
+                       config.experts_per_token, config.normalize_top_k, config.round_router_weights,
+                       Mlp.init(config, key=k_shared, units=Axis("mlp", shared)) if shared else None,
+                       _normal(k_gate, (Axis("shared_gate", 1), config.Embed)) if shared else None)
 
     @property
     def Experts(self) -> Axis:
@@ -1058,8 +1080,14 @@ class Experts(eqx.Module):
         tokens, top, index = self.route(x)
         step = any(axis.name == "position" and axis.size == 1 for axis in x.axes)
         if self.grouped_pays(math.prod(axis.size for axis in tokens), step=step and x.dtype.itemsize == 2):
-            return self._grouped(x, tokens, top, index)
-        return self._dense(x, tokens, top, index)
+            out = self._grouped(x, tokens, top, index)
+        else:
+            out = self._dense(x, tokens, top, index)
+        if self.shared is None:
+            return out
+        # Qwen2-MoE: sigmoid(gate . x) rounded, times the shared expert's output, rounded, added.
+        gate = linear(x, self.shared_gate, "embed")["shared_gate", 0]
+        return out + hax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype) * self.shared(x)
 
     def route(self, x: NamedArray) -> tuple[tuple[Axis, ...], jax.Array, jax.Array]:
         """x's token axes (all but embed), and for each token (in their order) the weights
@@ -1348,6 +1376,11 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
             mapping += [Saved(p + f"{experts_block}.experts.{e}.{saved}.weight",
                               lambda m, L=layer, name=name: getattr(L(m).mlp.experts, f"{name}_proj"), expert=e)
                         for saved, name in expert_tensors for e in range(config.num_experts)]
+            if config.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert and its gate
+                mapping += [Saved(p + f"mlp.shared_expert.{name}_proj.weight",
+                                  lambda m, L=layer, name=name: getattr(L(m).mlp.shared, f"{name}_proj"))
+                            for name in ("gate", "up", "down")]
+                mapping.append(Saved(p + "mlp.shared_expert_gate.weight", lambda m, L=layer: L(m).mlp.shared_gate))
         else:
             mapping.append(Saved(p + "mlp.down_proj.weight", mlp("down_proj")))
         mapping.append(Saved(p + "self_attn.o_proj.weight", attention("o_proj")))

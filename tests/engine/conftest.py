@@ -268,6 +268,19 @@ def qwen3_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen2_moe(tmp_path_factory):
+    """(path, torch model): Qwen2-MoE, 8 experts of width 24, 2 a token, renormalized, and a shared
+    expert of width 40 behind its sigmoid gate; q/k/v biases; its first layer an MLP of width 64."""
+    from transformers import Qwen2MoeConfig
+
+    return _built(tmp_path_factory, Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False,
+    ))
+
+
+@pytest.fixture(scope="session")
 def olmoe(tmp_path_factory):
     """(path, torch model): OLMoE, every layer's MLP 8 experts of width 24, 3 a token, their
     weights not renormalized; its queries and keys normed over all heads together, as OLMo 2's."""

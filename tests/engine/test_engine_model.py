@@ -29,7 +29,7 @@ from engine_testlib import VOCAB, hf_greedy
 LOGIT_TOL = 1e-4
 PROMPTS = [np.random.RandomState(i).randint(0, VOCAB, n).tolist() for i, n in enumerate([5, 23, 9, 17, 30, 12])]
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi4_mini", "gemma2", "gemma3", "gemma3_image_text", "mixtral",
-                 "qwen3_moe", "olmoe"]
+                 "qwen3_moe", "olmoe", "qwen2_moe"]
 """A fixture (tests/engine/conftest.py) of each architecture and checkpoint layout the engine reads."""
 ROTATION_VARIANTS = ["phi3_longrope", "gemma3_wide"]
 """Fixtures of an architecture above with another rotation: Phi-3.5's longrope, and Gemma 3's
@@ -117,7 +117,7 @@ def test_bfloat16_logits_as_close_as_transformers_bfloat16(name, request):
     gave 1.28-1.36 there, and its largest errors 0.87-1.23. qwen2's and Gemma's embeddings are
     tied: the LM head is the embedding table.
 
-    A mixture of experts (Mixtral, Qwen3-MoE) gets 16 rows, each row's ratios, and their median:
+    A mixture of experts (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE) gets 16 rows, each row's ratios, and their median:
     where a router's scores nearly tie, one bfloat16 model sends a token to another expert than
     the other does, and that token's error carries into the positions after it. One or two rows
     of 16 had 3-5x the peer's error that way, the others 0.7-1.2x (Qwen3-MoE, 3 of 8 experts);
@@ -360,7 +360,7 @@ def _edited_checkpoint(src: str, dst, **config_values) -> str:
 
 def test_unsupported_architecture_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "gpt2", model_type="gpt2")
-    supported = r"\(supported: gemma2, gemma3_text, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen3, qwen3_moe, gemma3's text model\)"
+    supported = r"\(supported: gemma2, gemma3_text, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma3's text model\)"
     with pytest.raises(UnsupportedModelError, match=r"config.json: model_type 'gpt2' is not supported " + supported):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
 
