@@ -1028,13 +1028,14 @@ products of 1-48 columns did not (docs/performance-notes.md)."""
 
 
 class Experts(eqx.Module):
-    """Mixtral's and Qwen3-MoE's mixture of experts, in place of the MLP: a router scores the
-    experts for each token; its top k scores, softmaxed over all experts in float32 (Mixtral's, and
-    Qwen3-MoE's with norm_topk_prob, then divided by their sum; Qwen3-MoE's rounded to the
-    activations' dtype), weight the outputs of those k experts' gated MLPs. The weighted outputs
-    are added in float32 and the sum rounded once to the activations' dtype, as transformers 5's
-    grouped experts (its default) add them; Qwen3-MoE's each rounded first, as its product of a
-    rounded weight and an output is.
+    """The mixture of experts of Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE, in place of the MLP: a
+    router scores the experts for each token; its top k scores, softmaxed over all experts in
+    float32 (Mixtral's, and the others' with norm_topk_prob, then divided by their sum; all but
+    Mixtral's rounded to the activations' dtype), weight the outputs of those k experts' gated
+    MLPs. The weighted outputs are added in float32 and the sum rounded once to the activations'
+    dtype, as transformers 5's grouped experts (its default) add them; where the weights are
+    rounded, each weighted output is rounded first, as its product of a rounded weight and an
+    output is. Qwen2-MoE adds a shared expert's output to that sum (`shared`).
 
     Two ways to get there, the same sums (`_dense`, `_grouped`): a call of few tokens (a decode
     step) runs every expert on every token, whose weights it reads anyway once its tokens pick
