@@ -10,7 +10,7 @@ same batch. The cache is planned in the accelerator's dtype (bfloat16), as on a 
     python scripts/memory_analysis.py --preset cpu-tiny --batch 64 --prompt 64 --new 128
     python scripts/memory_analysis.py --preset cpu-125m --experts 8 --dtype float32 --cache-dtype float32   # a Mixtral
     python scripts/memory_analysis.py --preset mixtral-8x7b --dtype float32 --cache-dtype float32
-    python scripts/memory_analysis.py --preset qwen3-30b-a3b --dtype float32 --cache-dtype float32
+    python scripts/memory_analysis.py --preset qwen3-30b-a3b --dtype float32 --cache-dtype float32 --dense-experts
 
 Peak of a program = arguments + outputs - donated (aliased) buffers + temporaries.
 
@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--mesh", metavar="DATAxMODEL", help="a global mesh over forced CPU devices, e.g. 2x8")
     parser.add_argument("--experts", type=int, help="a Mixtral of the preset's shape: each MLP this many experts, two a token")
+    parser.add_argument("--dense-experts", action="store_true",
+                        help="a mixture's every call as an accelerator runs it, every expert on every token (the CPU "
+                             "groups calls of many tokens by expert)")
     args = parser.parse_args()
     p = bench.PRESETS[args.preset]
     batch, prompt, new = args.batch or p["batch"], args.prompt or p["prompt_len"], args.new or p["new"]
@@ -70,7 +73,10 @@ def main() -> None:
 
     from engine import cpu_attention, kernels
     from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state, prefill_chunk
-    from engine.llama import LlamaConfig, abstract_model
+    from engine.llama import Experts, LlamaConfig, abstract_model
+
+    if args.dense_experts:
+        Experts.grouped_pays = lambda self, tokens, step=False: False
     from engine.memory import GiB, device_share, footprint
     from engine.mesh import Layout, MeshShape
     from engine.config import SamplingParams
