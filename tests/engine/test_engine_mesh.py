@@ -103,11 +103,10 @@ def test_sharded_bfloat16_picks_transformers_top_tokens(llama, sharded):
     # kernel's window, run on each device), each layer type with its rotary tables; its norms
     # after attention and around the MLP are sharded as any norm.
     ("gemma3", "pre_feedforward_layernorm.weight", "P('data',)"),
-    # Mixtral's experts are one stacked weight a projection, (experts, embed, mlp) for down_proj:
-    # each device reads its block of every expert's tensor, every expert's units split over
-    # `model` as one MLP's are. (Its router, experts x embed, is split over `data` as other
-    # weights' embed rows are, and every device scores every expert.)
-    ("mixtral", "mlp.experts.down_proj", "P(None, 'data', 'model')"),
+    # Mixtral's experts are one stacked weight a projection, (experts, embed, mlp) for down_proj,
+    # stored split over `data` by expert (not by embed, as other weights are) and each expert's
+    # units over `model` as one MLP's are: each device reads its block of its experts' tensors.
+    ("mixtral", "mlp.experts.down_proj", "P('data', None, 'model')"),
 ])
 def test_an_architecture_with_its_heads_split_gives_the_tokens_of_one_device(name, weight, spec, request):
     """Greedy float32 tokens on a global mesh (data 2 x model 2) as on one device, with the
