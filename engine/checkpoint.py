@@ -361,8 +361,8 @@ def _llama_config(folder: _Folder):
                                                   a != "Gemma3ForConditionalGeneration" for a in architectures):
         raise NotACheckpoint(f"model.path {folder.url}: architectures {architectures!r} in config.json is not a "
                              f"causal LM (supported: LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
-                             f"Qwen3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
-                             f"Gemma3ForConditionalGeneration's text model)")
+                             f"Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, OlmoeForCausalLM, "
+                             f"Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model)")
     try:
         config = LlamaConfig.from_hf(data, source=url)
     except UnsupportedModelError as err:

@@ -9,7 +9,7 @@ values in).
 - global mesh (`Layout.pod`): a 2-D mesh ("data", "model") over every device of the pod
   (`jax.devices()`). Weights are sharded by the haliax axis mapping PARAM_MAPPING: head, MLP
   and vocabulary axes over "model" (tensor parallel), the embedding axis over "data"
-  (FSDP-style), so each device holds 1/(data x model) of a weight whose axes divide evenly.
+  (FSDP-style; a mixture's experts' axis instead, where the weight has one), so each device holds 1/(data x model) of a weight whose axes divide evenly.
   A decode call gathers each weight back over "data" (XLA hoists the gathers out of its loop),
   so a device needs 1/model of the weights while it runs (engine/memory.py plans it so).
   The KV cache [batch, kv_heads, ...] is split on both axes; activations keep their batch
@@ -45,11 +45,17 @@ PARAM_MAPPING = {
     "kv_heads": "model",
     "mlp": "model",
     "vocab": "model",
+    "experts": "data",
     "embed": "data",
 }
 """Weight axes (engine/llama.py's names) -> mesh axes in global-mesh mode. q_heads_dim is
 (kv_heads, q_per_kv, head_dim) flattened, kv_heads outermost, so a split into `model` parts
-(which divides kv_heads) keeps every KV head's query group whole on one device."""
+(which divides kv_heads) keeps every KV head's query group whole on one device. Where two of a
+weight's axes map to one mesh axis, the first takes it (`Layout.param_sharding`): a mixture's
+stacked weights and router, experts first, are split over `data` by expert, not by embed.
+Gathered by embed, XLA's CPU backend copied each gathered expert weight to another layout
+before its product (a prefill program at Mixtral 8x7B's shape on 4 x 1 held 37 GiB more than
+the plan counts)."""
 
 COMPUTE_MAPPING = {"batch": "data", "q_heads_dim": "model", "kv_heads_dim": "model", "kv_heads": "model", "mlp": "model",
                    "vocab": "model"}
@@ -144,19 +150,16 @@ class Layout:
         return NamedSharding(self.mesh, PartitionSpec())
 
     def param_sharding(self, axes: tuple[Axis, ...]) -> NamedSharding:
-        """A weight's sharding: PARAM_MAPPING on a pod, for the axes its mesh axis divides evenly
-        (the rest replicated); replicated for host data parallelism."""
+        """A weight's sharding: PARAM_MAPPING on a pod, for the axes its mesh axis divides evenly,
+        each mesh axis to the first such axis of the weight (the rest replicated); replicated for
+        host data parallelism."""
         if not self.is_global:
             return self.replicated
-        mapping = {a.name: PARAM_MAPPING[a.name] for a in axes
-                   if a.name in PARAM_MAPPING and a.size % self.mesh.shape[PARAM_MAPPING[a.name]] == 0}
-        experts = next((a for a in axes if a.name == "experts"), None)
-        if experts is not None and mapping.get("embed") == "data" and experts.size % self.mesh.shape["data"] == 0:
-            # A mixture's stacked weights are stored split over `data` by expert, their first axis:
-            # gathered by embed instead, XLA's CPU backend copied each gathered weight to another
-            # layout before its product (a prefill program at Mixtral 8x7B's shape on 4 x 1 held
-            # 37 GiB more than the plan counts).
-            mapping = {**{k: v for k, v in mapping.items() if k != "embed"}, "experts": "data"}
+        mapping: dict[str, str] = {}
+        for a in axes:
+            mesh_axis = PARAM_MAPPING.get(a.name)
+            if mesh_axis is not None and mesh_axis not in mapping.values() and a.size % self.mesh.shape[mesh_axis] == 0:
+                mapping[a.name] = mesh_axis
         return NamedSharding(self.mesh, hax.partitioning.pspec_for_axis(axes, mapping))
 
     @contextlib.contextmanager

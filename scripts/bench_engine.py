@@ -107,7 +107,7 @@ def _torch_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def mixtral_keys(p: dict) -> dict:
+def expert_keys(p: dict) -> dict:
     """A preset's config.json keys for its experts (Mixtral's, unless p['model_type'] says
     otherwise): p['experts'] of them, p['experts_per_token'] (2) a token, and p['hf']'s keys."""
     return dict(num_local_experts=p["experts"], num_experts_per_tok=p.get("experts_per_token", 2), **p.get("hf", {}))
@@ -128,7 +128,7 @@ def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
         eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
     )
     if p.get("experts"):
-        config, model_class = MixtralConfig(**shape, sliding_window=p.get("window"), **mixtral_keys(p)), MixtralForCausalLM
+        config, model_class = MixtralConfig(**shape, sliding_window=p.get("window"), **expert_keys(p)), MixtralForCausalLM
     elif p.get("window"):
         config, model_class = MistralConfig(**shape, sliding_window=p["window"]), MistralForCausalLM
     else:

@@ -86,7 +86,7 @@ def main() -> None:
         model_type=p.get("model_type", "mixtral") if p["experts"] else "llama", vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
         num_hidden_layers=p["layers"], num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
         max_position_embeddings=max(4096, prompt + new), tie_word_embeddings=False,
-        **(bench.mixtral_keys(p) if p["experts"] else {}),
+        **(bench.expert_keys(p) if p["experts"] else {}),
     ))
     dtype, cache_dtype = jnp.dtype(args.dtype), jnp.dtype(args.cache_dtype)
     device = jax.devices()[0]
