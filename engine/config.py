@@ -60,6 +60,11 @@ class SamplingParams:
     """Stop strings: the completion is cut before the first one (finish_reason 'stop')."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra stop tokens besides the checkpoint's EOS ids; finish_reason 'stop', token excluded."""
+    logprobs: bool = False
+    """Also return each generated token's log-probability under the model: the log-softmax of its
+    logits in float32, before temperature, top_k and top_p (the model's own distribution, as
+    vLLM's default `raw_logprobs`), one per token of `token_ids` (`Completion.logprobs`; the
+    output column `completion_logprobs`)."""
 
     def __post_init__(self):
         # Tuples keep the dataclass hashable (it is baked into compiled programs) when a caller passes lists.
@@ -77,6 +82,7 @@ class SamplingParams:
         require(all(self.stop), "sampling.stop", list(self.stop), "non-empty strings")
         require(all(t >= 0 for t in self.stop_token_ids), "sampling.stop_token_ids", list(self.stop_token_ids),
                 "token ids >= 0")
+        require(isinstance(self.logprobs, bool), "sampling.logprobs", self.logprobs, "true or false")
 
 
 @dataclass(frozen=True)

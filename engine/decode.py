@@ -9,9 +9,10 @@ scheduling.
 
     cache = new_cache(config, slots, spec.cache_ends(seq_len), cache_dtype)  # compiled with spec.cache_sharding
     state = new_state(slots)
-    cache, state, (first, done) = prefill_chunk(model, cache, state, tokens, slots, starts, offsets, lengths,
-                                                is_last, prompt_index, sample_index, spec=spec, fresh=True)
-    cache, state, (out, done) = decode_chunk(model, cache, state, kill, spec=spec, steps=16)
+    cache, state, (first, done, logprobs) = prefill_chunk(model, cache, state, tokens, slots, starts, offsets,
+                                                          lengths, is_last, prompt_index, sample_index, spec=spec,
+                                                          fresh=True)
+    cache, state, (out, done, logprobs) = decode_chunk(model, cache, state, kill, spec=spec, steps=16)
 
 Every program's shapes come from the engine's config alone (slots, cache length, the prefill
 chunk's rows x tokens, decode steps), never from the prompts: a run compiles the same few
@@ -42,8 +43,9 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
   a prefill chunk on one device likewise, the kernel reading its prompts' cache rows in place,
   causally, once the chunk is written there.
 
-Both return what the host reads back (new tokens and done flags) as separate arrays laid out
-by `spec.host_sharding`: on a global mesh they are replicated, so every host holds a copy.
+Both return what the host reads back (`HostOut`: new tokens, done flags and, with
+`sampling.logprobs`, the tokens' log-probabilities) as separate arrays laid out by
+`spec.host_sharding`: on a global mesh they are replicated, so every host holds a copy.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from engine.llama import (
     DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, PrefillSegments, by_pages, cache_pages, page_spans,
     set_rows,
 )
-from engine.sampler import draws, empty_keys, row_keys, sample_at
+from engine.sampler import draws, empty_keys, row_keys, sample_at, token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +150,18 @@ class DecodeState(NamedTuple):
     keys: jax.Array  # [slots] PRNG keys, one per (prompt, sample) row
 
 
+class HostOut(NamedTuple):
+    """What a program gives the host, laid out by `spec.host_sharding`."""
+
+    tokens: jax.Array
+    """New tokens: [slots] from a prefill call, [slots, steps] from a decode chunk; -1 where none."""
+    done: jax.Array
+    """[slots]: the slot's row is done (the device's stop rule, or killed by the host)."""
+    logprobs: jax.Array | None
+    """With `sampling.logprobs`: each new token's log-probability (`token_logprobs`), float32,
+    shaped as tokens (0 where none); else None, and the programs compute none."""
+
+
 def new_cache(config: LlamaConfig, slots: int, ends: tuple[int, ...], cache_dtype) -> KVCache:
     """Zeros, in pages ending at `ends` (`DecodeSpec.cache_ends`); meant to be compiled with the
     cache's output sharding, so each device (of every host on a global mesh) allocates only its
@@ -212,8 +226,8 @@ def prefill_chunk(
     piece starts its prompt (the call attends to itself only, no cache row is read; the host
     never mixes first and later chunks in one call, so a prompt's numerics do not depend on its
     neighbours); else the call attends to the first pages of its cache rows covering every
-    piece and to itself. Returns (cache, state, (first token per slot, -1 where none; done per
-    slot)), the last two laid out for the host."""
+    piece and to itself. Returns (cache, state, HostOut: first token per slot, -1 where none;
+    done per slot; the token's log-probability)."""
     R, C = tokens.shape
     S, n = slots.shape
     num_slots, seq_len = cache.slots, cache.seq_len
@@ -256,6 +270,7 @@ def prefill_chunk(
     else:
         first = sample_at(pair_logits[:, j], pair_keys[j], jnp.zeros(num_slots, jnp.int32), spec.sampling)
     keys = pair_keys[j]
+    logprobs = token_logprobs(logits[:, j // n], first) if spec.sampling.logprobs else None
     done = _is_stop(first, spec.stop_ids) | (spec.sampling.max_new_tokens <= 1)
     state = DecodeState(
         last_token=jnp.where(is_new, first, state.last_token),
@@ -264,13 +279,13 @@ def prefill_chunk(
         done=jnp.where(is_new, done, state.done),
         keys=jnp.where(is_new, keys, state.keys),
     )
-    return _finish(KVCache(tuple(layers)), state, jnp.where(is_new, first, -1), spec)
+    return _finish(KVCache(tuple(layers)), state, jnp.where(is_new, first, -1), _where(is_new, logprobs), spec)
 
 
 def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.Array, *, spec: DecodeSpec, steps: int):
     """Up to `steps` decode steps for every live slot. kill [slots] marks rows the host finished
-    (stop strings). Returns (cache, state, (tokens [slots, steps], -1 where a slot produced
-    nothing, done [slots])), the last two laid out for the host.
+    (stop strings). Returns (cache, state, HostOut: tokens [slots, steps], -1 where a slot
+    produced nothing; done [slots]; the tokens' log-probabilities).
 
     Inside the loop the cache is only read, where it lives, masked to each row's positions
     written before this chunk: only the first pages that hold every live row (`by_pages`). Each
@@ -286,7 +301,7 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
     state = state._replace(done=state.done | kill)
     if spec.decode_in_place and len(cache.ends) == 1:
         cache, state, out = _decode_in_place(model, cache, state, spec=spec, steps=steps)
-        return _finish(cache, state, out, spec)
+        return _finish(cache, state, *out, spec)
     start = state.position
     was_live = ~state.done
 
@@ -301,13 +316,13 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
     positions = jnp.where(was_live, start, seq_len)[:, None] + jnp.arange(steps)[None, :]
     layers = tuple(kv.write(rows, positions, jnp.swapaxes(ckv.k.array, 1, 2), jnp.swapaxes(ckv.v.array, 1, 2))
                    for kv, ckv in zip(cache.layers, chunks))
-    return _finish(KVCache(layers), state, out, spec)
+    return _finish(KVCache(layers), state, *out, spec)
 
 
 def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState, *, spec: DecodeSpec, steps: int):
     """The decode steps of one chunk over the first `count` pages of `cache` (read only), as one
     lax.while_loop that stops early once every slot is done. Returns (the chunk's keys/values
-    per layer, state, tokens [slots, steps])."""
+    per layer, state, (tokens [slots, steps], their log-probabilities or None))."""
     slots = cache.slots
     Batch, Pos, Chunk = Axis("batch", slots), Axis("position", 1), Axis("chunk", steps)
     masks = page_masks(cache.ends, count, state.position)
@@ -325,7 +340,7 @@ def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState,
         st, out, chunk_kv = _step(model, st, out, i, contexts, spec)
         return i + 1, chunk_kv, st, out
 
-    out = jnp.full((slots, steps), -1, jnp.int32)
+    out = _new_out(slots, steps, spec)
     _, chunks, state, out = jax.lax.while_loop(_running(steps), body, (jnp.int32(0), chunks, state, out))
     return chunks, state, out
 
@@ -345,7 +360,8 @@ def _decode_in_place(model: LlamaLM, cache: KVCache, state: DecodeState, *, spec
     """The decode steps of one chunk over a one-page cache read by a kernel (`decode_in_place`):
     the cache is carried through the lax.while_loop, each step writes its keys/values at each
     live row's position and attends over the page to that row's length (no chunk buffer, no
-    scatter after the loop, no branch per page count). Returns (cache, state, tokens [slots, steps])."""
+    scatter after the loop, no branch per page count). Returns (cache, state, (tokens [slots,
+    steps], their log-probabilities or None))."""
     seq_len = cache.seq_len
 
     def body(carry):
@@ -356,10 +372,21 @@ def _decode_in_place(model: LlamaLM, cache: KVCache, state: DecodeState, *, spec
         st, out, pages = _step(model, st, out, i, contexts, spec)
         return i + 1, pages, st, out
 
-    out = jnp.full((cache.slots, steps), -1, jnp.int32)
+    out = _new_out(cache.slots, steps, spec)
     pages = tuple(kv.pages[0] for kv in cache.layers)
     _, pages, state, out = jax.lax.while_loop(_running(steps), body, (jnp.int32(0), pages, state, out))
     return KVCache(tuple(PagedKV((page,)) for page in pages)), state, out
+
+
+def _new_out(slots: int, steps: int, spec: DecodeSpec) -> tuple[jax.Array, jax.Array | None]:
+    """A decode chunk's (tokens, log-probabilities) before its first step: -1 and 0 (or None)."""
+    logprobs = jnp.zeros((slots, steps), jnp.float32) if spec.sampling.logprobs else None
+    return jnp.full((slots, steps), -1, jnp.int32), logprobs
+
+
+def _where(live: jax.Array, values: jax.Array | None) -> jax.Array | None:
+    """values where live, else 0; None stays None (no log-probabilities asked for)."""
+    return None if values is None else jnp.where(live, values, 0.0)
 
 
 def _running(steps: int):
@@ -370,10 +397,10 @@ def _running(steps: int):
     return cond
 
 
-def _step(model: LlamaLM, st: DecodeState, out: jax.Array, i: jax.Array, contexts, spec: DecodeSpec):
+def _step(model: LlamaLM, st: DecodeState, out: tuple, i: jax.Array, contexts, spec: DecodeSpec):
     """One decode step of every slot at loop index i: the model over each slot's last token,
-    a sampled token for each live slot, its stop rule. Returns (state, out with column i, each
-    layer's keys/values as its attention returned them)."""
+    a sampled token for each live slot (and its log-probability), its stop rule. Returns (state,
+    out (`_new_out`) with column i, each layer's keys/values as its attention returned them)."""
     slots = st.done.shape[0]
     Batch, Pos = Axis("batch", slots), Axis("position", 1)
     hidden, kvs = model.forward(
@@ -391,14 +418,17 @@ def _step(model: LlamaLM, st: DecodeState, out: jax.Array, i: jax.Array, context
         done=done,
         keys=st.keys,
     )
-    return st, out.at[:, i].set(jnp.where(live, token, -1)), kvs
+    tokens, logprobs = out
+    if logprobs is not None:
+        logprobs = logprobs.at[:, i].set(_where(live, token_logprobs(logits, token)))
+    return st, (tokens.at[:, i].set(jnp.where(live, token, -1)), logprobs), kvs
 
 
 def adopt_rows(model: LlamaLM, cache: KVCache, state: DecodeState, staged: KVCache, staged_state: DecodeState,
                to: jax.Array, *, spec: DecodeSpec):
     """Moves prefilled rows from a staging cache into the decode cache: staging slot i's keys and
     values (every page, whole rows) and decode state go to slot to[i] (out of range: none).
-    `model` is unused (every program takes it first). Returns (cache, state, (no tokens, done))
+    `model` is unused (every program takes it first). Returns (cache, state, HostOut: no tokens, done)
     like the other programs."""
     del model
 
@@ -406,9 +436,9 @@ def adopt_rows(model: LlamaLM, cache: KVCache, state: DecodeState, staged: KVCac
     leaves, treedef = jax.tree.flatten(cache)
     cache = jax.tree.unflatten(treedef, [set_rows(a, to, b) for a, b in zip(leaves, jax.tree.leaves(staged))])
     state = jax.tree.map(lambda into, rows: set_rows(into, to, rows), state, staged_state)
-    return _finish(cache, state, jnp.full((cache.slots, 0), -1, jnp.int32), spec)
+    return _finish(cache, state, jnp.full((cache.slots, 0), -1, jnp.int32), None, spec)
 
 
-def _finish(cache: KVCache, state: DecodeState, tokens: jax.Array, spec: DecodeSpec):
-    host = (tokens, state.done.copy())  # a copy: the state is donated to the next call
+def _finish(cache: KVCache, state: DecodeState, tokens: jax.Array, logprobs: jax.Array | None, spec: DecodeSpec):
+    host = HostOut(tokens, state.done.copy(), logprobs)  # a copy: the state is donated to the next call
     return _constrain(cache, spec.cache_sharding), _constrain(state, spec.batch_sharding), _constrain(host, spec.host_sharding)

@@ -13,7 +13,7 @@ scheduler is deterministic, so all hosts run the same compiled calls in the same
                          engine=EngineConfig(batch_size="auto"), max_prompt_tokens=512, tokenizer=tok)
     print(engine.describe())
     for c in engine.generate([GenerationRequest(0, ids, sample_indices=range(4))]):
-        ...  # Completion(prompt_index, sample_index, token_ids, text, finish_reason)
+        ...  # Completion(prompt_index, sample_index, token_ids, text, finish_reason, logprobs)
 
 Rows (prompt, sample) are scheduled in order of prompt length. A row's tokens depend only on
 (seed, prompt_index, sample_index): see sampler.py. Finished rows free their slot at the end of
@@ -67,7 +67,9 @@ import numpy as np
 
 from engine import checkpoint, compile_cache, cpu_attention, kernels
 from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
-from engine.decode import DecodeSpec, DecodeState, KVCache, adopt_rows, decode_chunk, new_cache, new_state, prefill_chunk
+from engine.decode import (
+    DecodeSpec, DecodeState, HostOut, KVCache, adopt_rows, decode_chunk, new_cache, new_state, prefill_chunk,
+)
 from engine.llama import LlamaConfig, UnsupportedModelError, abstract_model, check_tensors, load_checkpoint, pages_covering
 from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch, plan_staging
 from engine.mesh import Layout, mesh_shape
@@ -155,6 +157,9 @@ class Completion:
     """Decoded token_ids, cut before the stop string; '' without a tokenizer."""
     finish_reason: Literal["eos", "stop", "length"]
     """eos: an EOS id of the checkpoint; stop: a stop string or stop token id; length: max_new_tokens."""
+    logprobs: list[float] | None = None
+    """With `sampling.logprobs`: each of token_ids' log-probability under the model (natural log,
+    float32, before temperature, top_k and top_p); else None."""
 
 
 @dataclasses.dataclass
@@ -219,6 +224,8 @@ class _Row:
     sample_index: int
     prompt: np.ndarray
     tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    """The tokens' log-probabilities, with `sampling.logprobs` (else empty)."""
     decoding: bool = False
     """False while its prompt is being prefilled into its slot."""
 
@@ -286,6 +293,11 @@ class _Pending:
 def _shapes(tree, sharding):
     """`tree` as `jax.ShapeDtypeStruct`s placed by `sharding`: a program's arguments before any exists."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def _on_host(got: HostOut) -> HostOut:
+    """A program's `HostOut` as numpy arrays (waits for the call)."""
+    return HostOut(*(None if a is None else np.asarray(a) for a in got))
 
 
 class _PrefillInputs(NamedTuple):
@@ -373,12 +385,12 @@ class _Stager:
                         self._cond.wait()  # until the lane adopts rows and frees staging slots
                         continue
                     self._calling = True
-                cache, state, (first, done) = engine._prefill(self._cache, self._state, prefilling)
-                first, done = np.asarray(first), np.asarray(done)
+                cache, state, got = engine._prefill(self._cache, self._state, prefilling)
+                got = _on_host(got)
                 with self._cond:
                     self._cache, self._state, self._calling = cache, state, False
-                    for s in np.flatnonzero(first >= 0):
-                        completion = engine._first_token(self._rows[s], int(first[s]), bool(done[s]))
+                    for s in np.flatnonzero(got.tokens >= 0):
+                        completion = engine._first_token(self._rows[s], got, s)
                         if completion is None:
                             self._ready.append(s)
                         else:
@@ -993,14 +1005,14 @@ class Engine:
                     stager, staging = _Stager(self, pending, *staging), None
                 if prefilling:
                     # Prefill first: every taken slot joins the next decode chunk.
-                    cache, state, (first, done) = self._prefill(cache, state, prefilling)
-                    first, done = np.asarray(first), np.asarray(done)
-                    for s in np.flatnonzero(first >= 0):
+                    cache, state, got = self._prefill(cache, state, prefilling)
+                    got = _on_host(got)
+                    for s in np.flatnonzero(got.tokens >= 0):
                         row = live[s]
                         row.decoding, kill[s] = True, False
-                        completion = self._first_token(row, int(first[s]), bool(done[s]))
+                        completion = self._first_token(row, got, s)
                         if completion is not None:
-                            live[s], kill[s] = None, not done[s]
+                            live[s], kill[s] = None, not got.done[s]
                             yield completion
                     continue
                 if not decoding:
@@ -1008,18 +1020,20 @@ class Engine:
                         stager.wait()  # for prefilled rows
                     continue  # else the queue emptied in another lane's hands
                 kind, static, fn = self._decode_program()
-                cache, state, (out, done) = self._run(
+                cache, state, got = self._run(
                     kind, fn, static, self.model, cache, state, jax.device_put(kill, self._batch_sharding),
                 )
                 self._count(decode_calls=1)
                 kill[:] = False
-                out, done = np.asarray(out), np.asarray(done)
+                got = _on_host(got)
                 for s in decoding:
-                    row = live[s]
-                    row.tokens += [int(t) for t in out[s] if t >= 0]
-                    completion = self._maybe_finish(row, device_done=bool(done[s]))
+                    row, new = live[s], got.tokens[s] >= 0
+                    row.tokens += got.tokens[s][new].tolist()
+                    if got.logprobs is not None:
+                        row.logprobs += got.logprobs[s][new].tolist()
+                    completion = self._maybe_finish(row, device_done=bool(got.done[s]))
                     if completion is not None:
-                        live[s], kill[s] = None, not done[s]
+                        live[s], kill[s] = None, not got.done[s]
                         yield completion
             if stager is not None:
                 yield from stager.finished()
@@ -1027,10 +1041,13 @@ class Engine:
             if stager is not None:
                 stager.close()
 
-    def _first_token(self, row: _Row, token: int, device_done: bool) -> Completion | None:
-        """Adds a row's first token, from its prefill; its Completion if that finished it."""
-        row.tokens.append(token)
-        return self._maybe_finish(row, device_done=device_done)
+    def _first_token(self, row: _Row, got: HostOut, s: int) -> Completion | None:
+        """Adds a row's first token, from its prefill call's `got` at slot s; its Completion if
+        that finished it."""
+        row.tokens.append(int(got.tokens[s]))
+        if got.logprobs is not None:
+            row.logprobs.append(float(got.logprobs[s]))
+        return self._maybe_finish(row, device_done=bool(got.done[s]))
 
     def _adopt(self, cache, state, staged_cache, staged_state, to: np.ndarray):
         """One call moving staging slot i's row into the lane's slot to[i] (out of range: none)."""
@@ -1157,7 +1174,8 @@ class Engine:
         else:
             text = self._decode(body)
         self._count(generated_tokens=len(tokens))
-        return Completion(row.prompt_index, row.sample_index, list(body), text, reason)
+        logprobs = row.logprobs[: len(body)] if self.sampling.logprobs else None
+        return Completion(row.prompt_index, row.sample_index, list(body), text, reason, logprobs)
 
     def _find_stop_string(self, tokens: list[int], *, whole: bool) -> tuple[list[int], str] | None:
         """(tokens fully before the earliest stop string, text cut before it), or None."""

@@ -23,6 +23,7 @@ when it starts, and torch's cache would otherwise hold memory JAX needs.
     python scripts/bench_engine.py --preset cpu-tiny --dtype float32 bfloat16
     python scripts/bench_engine.py --preset cpu-125m --dtype bfloat16
     python scripts/bench_engine.py --preset cpu-tiny --dtype float32 --temperature 0.8 --top-p 0.95
+    python scripts/bench_engine.py --preset cpu-tiny --logprobs                        # each token's log-probability too
     python scripts/bench_engine.py --preset tinyllama-1.1b --dtype bfloat16            # on a GPU
     python scripts/bench_engine.py --preset llama3-8b --dtype bfloat16                 # on a GPU
     python scripts/bench_engine.py --preset cpu-mixed                                  # batch 16 and 64
@@ -144,7 +145,7 @@ def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pas
                lanes: int | str) -> dict:
     from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, kernels
 
-    sampling = SamplingParams(max_new_tokens=p["new"], **p.get("sampling", {}))
+    sampling = SamplingParams(max_new_tokens=p["new"], logprobs=p.get("logprobs", False), **p.get("sampling", {}))
     engine = Engine.load(folder, dtype=dtype, sampling=sampling, engine=EngineConfig(batch_size=p["batch"], decode_attention=attention, lanes=lanes),
                          max_prompt_tokens=p["prompt_len"])
     requests = [GenerationRequest(i, row.tolist(), [0]) for i, row in enumerate(prompts)]
@@ -170,6 +171,7 @@ def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pas
         assert {(c.prompt_index, c.sample_index): c.token_ids for c in first} == {(c.prompt_index, c.sample_index): c.token_ids for c in second}
     tokens = sum(len(c.token_ids) for c in second)
     assert tokens == len(prompts) * p["new"], "every row should make exactly --new tokens"
+    assert all(len(c.logprobs) == len(c.token_ids) for c in second) if p.get("logprobs") else True
     attention = engine.attention + (f" ({kernels.TUNING})" if engine.attention == "pallas" else "")
     return dict(tok_s=tokens / wall, wall_s=wall, prefill_s=prefill_s, first_pass_s=first_wall, compile_s=compile_s,
                 compilations=compilations, lanes=engine.plan.lanes, attention=attention,
@@ -190,8 +192,16 @@ def bench_hf(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
 
     def run(ids: torch.Tensor, new: int) -> torch.Tensor:
         with torch.inference_mode():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                  pad_token_id=0, **draw)
+            if not p.get("logprobs"):
+                return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                      pad_token_id=0, **draw)
+            # transformers' way to the same numbers: each step's raw logits, log-softmaxed, at the token drawn.
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True, **draw)
+            new_ids = out.sequences[:, ids.shape[1]:]
+            logprobs = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new_ids[..., None])
+            assert logprobs.shape[:2] == new_ids.shape
+            return out.sequences
 
     def timed(new: int) -> tuple[int, float]:
         if device == "cuda":
@@ -410,6 +420,9 @@ def main() -> None:
                         help="sample instead of greedy (steady-state presets; both sides, same settings)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 = off on both sides (transformers' default is 50)")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="steady-state presets: each new token's log-probability too (sampling.logprobs; "
+                             "transformers: generate's output_logits, log-softmaxed)")
     parser.add_argument("--attention", nargs="+", choices=["auto", "xla", "pallas", "cpu"], default=["auto"],
                         help="engine.decode_attention: each value is timed in turn (cpu: the engine's C++ kernel)")
     parser.add_argument("--lanes", nargs="+", type=_lanes, default=["auto"],
@@ -425,12 +438,13 @@ def main() -> None:
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if "mixed" in p:
-        if args.temperature or args.kernel_tuning != [""]:
-            parser.error("--temperature and --kernel-tuning apply to the steady-state presets only")
+        if args.temperature or args.kernel_tuning != [""] or args.logprobs:
+            parser.error("--temperature, --logprobs and --kernel-tuning apply to the steady-state presets only")
         run_mixed(args, p)
         return
     if args.temperature:
         p["sampling"] = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    p["logprobs"] = args.logprobs
     prompts = np.random.RandomState(0).randint(0, p["vocab"], (p["prompts"], p["prompt_len"]))
     from engine import kernels
 
@@ -457,7 +471,7 @@ def main() -> None:
             ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention, lanes)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
                       **{key: p[key] for key in ("window", "experts", "experts_per_token") if p.get(key)},
-                      "sampling": p.get("sampling", "greedy"), "ours_attention": ours["attention"],
+                      "sampling": p.get("sampling", "greedy"), "logprobs": p["logprobs"], "ours_attention": ours["attention"],
                       "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
                       "ours_prefill_s": round(ours["prefill_s"], 2), "ours_lanes": ours["lanes"],
                       "ours_timed": "first pass minus its wait for programs" if args.single_pass else "second pass",

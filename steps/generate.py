@@ -63,6 +63,14 @@ SCHEMA = pa.schema([
     ("finish_reason", pa.string()),
 ])
 """The merged output's columns (docs/contract.md, "Result"); parts already hold them."""
+LOGPROBS = pa.field("completion_logprobs", pa.list_(pa.float32()))
+"""With `sampling.logprobs`, one more column last: each completion token's log-probability."""
+
+
+def schema(cfg: Config) -> pa.Schema:
+    """The columns of this config's parts and merged files: SCHEMA, and LOGPROBS if asked for."""
+    return SCHEMA.append(LOGPROBS) if cfg.sampling.logprobs else SCHEMA
+
 PART_FIX = ("delete it, then run `pipeline run generate --config FILE --force`: it makes that part's rows again "
             "and keeps the other parts")
 """What to do about a part that cannot be read (here, in merge): parts are never rewritten in place."""
@@ -132,7 +140,7 @@ def generate(cfg: Config, out: StepOutput) -> None:
     prompts = 0
     if n_missing:
         engine = _load_engine(cfg, todo)
-        writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine))
+        writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine), schema=schema(cfg))
         watch = hosts.watchdog("generating on the global mesh") if lockstep else contextlib.nullcontext()
         n_total = sum(t.wanted.size for t in todo)  # every (prompt, sample) of these shards
         with watch, Progress(total=n_total, desc=f"generate {hosts.describe()}", unit="sample",
@@ -427,20 +435,24 @@ def _completions(engine, todo: list[_ShardTodo]) -> Iterator[tuple[Any, "_Source
 
 
 def _row(source: _Source, c: Any) -> dict[str, Any]:
-    return {
+    row = {
         "prompt_index": c.prompt_index, "prompt_id": source.prompt_id, "sample_index": c.sample_index,
         "prompt": source.prompt, "completion": c.text, "completion_token_ids": list(c.token_ids),
         "num_prompt_tokens": source.num_tokens, "num_completion_tokens": len(c.token_ids),
         "finish_reason": c.finish_reason,
     }
+    if c.logprobs is not None:
+        row[LOGPROBS.name] = c.logprobs
+    return row
 
 
 class _PartWriter:
     """Buffers finished rows per shard and commits each buffer as one atomic part; rows of shards
     this host does not own are dropped (global_mesh: their owner writes the same rows)."""
 
-    def __init__(self, out: StepOutput, part_rows: int, owned: set[str]):
+    def __init__(self, out: StepOutput, part_rows: int, owned: set[str], schema: pa.Schema):
         self.out = out
+        self.schema = schema
         self.part_rows = part_rows
         self.owned = owned
         self.rows: dict[str, list[dict]] = defaultdict(list)
@@ -461,7 +473,7 @@ class _PartWriter:
         self.since.pop(shard, None)
         if rows:
             rows.sort(key=lambda r: (r["prompt_index"], r["sample_index"]))
-            table = pa.Table.from_pylist(rows, schema=SCHEMA)
+            table = pa.Table.from_pylist(rows, schema=self.schema)
             self.out.check_lease()  # a runner that lost its lease must not add parts
             storage.write_parquet(self.out.path(shard, f"part-{_stamp()}.parquet"), table)
 

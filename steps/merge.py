@@ -36,7 +36,7 @@ from pipeline.run.config import Config
 from pipeline.errors import StepFailed
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
-from steps.generate import PART_FIX, SCHEMA, check_part_keys
+from steps.generate import PART_FIX, check_part_keys, schema
 from steps.tokenize import read_shard
 
 FILE_ROWS = 1_000_000
@@ -75,7 +75,7 @@ def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_byte
         raise StepFailed(f"generate output {generate_url} is not complete: run `pipeline run generate --config FILE`")
     n = cfg.sampling.n
     accepted = _accepted_prompts(out.upstream["tokenize"].url)
-    parts = _Parts.of(generate_url, generate)
+    parts = _Parts.of(generate_url, generate, schema(cfg))
     keys = _read_keys(parts, accepted, n)
     first = _check_coverage(keys, accepted, n, generate_url)
     _check_duplicates(keys, first, accepted, n, parts, generate_url, file_rows)
@@ -123,13 +123,15 @@ class _Parts:
     names: list[str]
     """Paths relative to the generate folder, e.g. `shard-00003/part-...parquet`."""
     paths: list[str]
+    schema: pa.Schema
+    """The columns every part holds, and the merged files (generate.schema)."""
 
     @classmethod
-    def of(cls, generate_url: str, generate: status.StepRecord) -> "_Parts":
+    def of(cls, generate_url: str, generate: status.StepRecord, schema: pa.Schema) -> "_Parts":
         # The marker, not a listing, says which parts belong to the output (STYLE: trust the marker).
         names = sorted(f["path"] for f in generate.files if f["path"].endswith(".parquet"))
         fs, root = storage.filesystem(generate_url)
-        return cls(generate_url, fs, names, [f"{root.rstrip('/')}/{name}" for name in names])
+        return cls(generate_url, fs, names, [f"{root.rstrip('/')}/{name}" for name in names], schema)
 
     def read(self, i: int, columns: list[str] | None = None) -> tuple[pa.Table, pq.FileMetaData]:
         # pq.ParquetFile on a local path is ~3x faster than pq.read_table through fsspec for
@@ -144,12 +146,12 @@ class _Parts:
 
     def read_rows(self, i: int) -> pa.Table:
         table = self.read(i)[0].replace_schema_metadata(None)
-        if table.schema != SCHEMA:
+        if table.schema != self.schema:
             try:
-                table = table.select(SCHEMA.names).cast(SCHEMA)
+                table = table.select(self.schema.names).cast(self.schema)
             except (KeyError, pa.ArrowException) as err:
                 raise StepFailed(f"generate part {self.url}/{self.names[i]} does not have the merged columns "
-                                 f"({err}); expected {SCHEMA}: {PART_FIX}") from err
+                                 f"({err}); expected {self.schema}: {PART_FIX}") from err
         return table
 
 
@@ -326,7 +328,7 @@ def _write_merged(out: StepOutput, parts: _Parts, keys: _Keys, first: np.ndarray
                 for p in unread if sizes.calibrated else unread[:1]:  # one part first: no wild estimate
                     loaded[p] = parts.read_rows(p)
                     sizes.measure(p, loaded[p])
-            table = _gather(loaded, part[:end], row[:end]) if end else SCHEMA.empty_table()
+            table = _gather(loaded, part[:end], row[:end]) if end else parts.schema.empty_table()
             files.append(_write_file(out, len(files), table))
             for count in pc.value_counts(table["finish_reason"]).to_pylist():
                 finish_reasons[count["values"]] += count["counts"]

@@ -21,7 +21,7 @@ import typer.main
 from pipeline.cli import app
 from pipeline.errors import ConfigError, Interrupted, StepFailed
 from pipeline.run.config import Config
-from steps.generate import SCHEMA
+from steps.generate import LOGPROBS, SCHEMA
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACT = REPO / "docs" / "contract.md"
@@ -137,9 +137,10 @@ def test_documented_defaults_are_the_real_defaults():
 
 
 def test_result_columns_are_the_schema_merge_writes():
+    """The section's two tables: every result's columns, then the one `sampling.logprobs` adds."""
     rows = table_rows(section(CONTRACT.read_text(), "Result"))
     documented = [(name.strip("`"), tp) for name, tp, _ in rows]
-    assert documented == [(f.name, str(f.type).replace("item: ", "")) for f in SCHEMA]
+    assert documented == [(f.name, str(f.type).replace("item: ", "")) for f in SCHEMA.append(LOGPROBS)]
 
 
 def test_exit_codes_are_the_ones_the_code_uses():

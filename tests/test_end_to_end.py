@@ -99,17 +99,27 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     assert "resolved config:" in dry.output and "  temperature: 0.3" in dry.output  # --verbose shows it
     assert snapshot(runs) == before
 
-    changed = invoke("run", "all", "--config", config, "--set", "sampling.temperature=0.3")
+    # Another temperature, and each token's log-probability asked for: a new result, one more column.
+    changes = ("--set", "sampling.temperature=0.3", "--set", "sampling.logprobs=true")
+    changed = invoke("run", "all", "--config", config, *changes)
     assert changed.exit_code == 0, changed.output
     after = snapshot(runs)
     assert {p: t for p, t in after.items() if "/tokenize-" in p} == {p: t for p, t in before.items() if "/tokenize-" in p}
     new_dirs = {os.path.relpath(p, runs).split(os.sep)[0] for p in set(after) - set(before)}
     assert sorted(d.split("-")[0] for d in new_dirs) == ["generate", "merge", "upload"]
     # Two results under one run root now: status names the one of this config (issue 14).
-    result = json.loads(invoke("status", "--config", config, "--set", "sampling.temperature=0.3",
-                               "--json").output)["result"]
+    result = json.loads(invoke("status", "--config", config, *changes, "--json").output)["result"]
     assert result["rows"] == 24 and len(result["files"]) == 1 and merge_url not in result["files"][0]
     assert os.path.relpath(result["files"][0], runs).split(os.sep)[0] in new_dirs
+    merged = pq.read_table(result["files"][0])
+    assert merged.column_names == COLUMNS + ["completion_logprobs"]
+    ids, logprobs = merged["completion_token_ids"].to_pylist(), merged["completion_logprobs"].to_pylist()
+    assert [len(x) for x in logprobs] == [len(x) for x in ids] and all(v < 0 for x in logprobs for v in x)
+    upload = next(os.path.join(runs, d) for d in new_dirs if d.startswith("upload-"))
+    (table,) = glob.glob(f"{upload}/wandb/offline-run-*/files/media/table/generations_*.table.json")
+    table = json.load(open(table))
+    assert table["columns"] == merged.column_names
+    assert [json.loads(row[-1]) for row in table["data"]] == [pytest.approx(x) for x in logprobs]
 
 
 def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_config, tmp_path):

@@ -37,6 +37,8 @@ def base(tmp_path, demo_model):
     ("sampling.n=3", FROM_GENERATE),
     ("sampling.stop=['###']", FROM_GENERATE),
     ("model.dtype=float32", FROM_GENERATE),
+    ("sampling.logprobs=true", FROM_GENERATE),
+    ("sampling.logprobs=false", set()),  # its default: no hash made before the key existed changes
     ("prompts.max_prompt_tokens=7", ALL),
     ("prompts.chat_template=true", ALL),
     ("prompts.on_invalid=skip", ALL),
@@ -54,6 +56,18 @@ def test_which_edits_change_which_hashes(base, override, changed):
     before = hashes(build_config(base))
     after = hashes(build_config(apply_override(base, override)))
     assert {name for name in STEP_NAMES if before[name] != after[name]} == changed
+
+
+def test_a_key_added_later_is_in_no_hash_at_its_default(base):
+    """`sampling.logprobs` came after results existed: at its default the generate step hashes
+    the same values as before it did, so those results are found, not generated again."""
+    from pipeline.run.identity import semantic_values
+
+    before = ["model.dtype", "sampling.max_new_tokens", "sampling.temperature", "sampling.top_p", "sampling.top_k",
+              "sampling.n", "sampling.seed", "sampling.stop", "sampling.stop_token_ids"]
+    assert list(semantic_values("generate", build_config(base))) == before
+    assert list(semantic_values("generate", build_config(apply_override(base, "sampling.logprobs=true")))) == [
+        *before, "sampling.logprobs"]
 
 
 def test_content_not_location_enters_the_hash(base, tmp_path):

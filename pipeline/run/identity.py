@@ -1,8 +1,9 @@
 """What goes into a step's hash, and nothing else.
 
 A step's hash is sha256 over canonical JSON of: its name and code version, the config
-values listed for it in SEMANTIC_KEYS, content fingerprints of its inputs (prompt files,
-tokenizer and model files: checksums, never paths or mtimes), and its upstream hashes.
+values listed for it in SEMANTIC_KEYS (and in ADDED_KEYS, when not at their defaults), content
+fingerprints of its inputs (prompt files, tokenizer and model files: checksums, never paths or
+mtimes), and its upstream hashes.
 Runtime knobs (engine.*, prompts.num_shards, run.root, host count, device kind) are in no
 list, so they can never change a hash. tests/test_identity.py holds the table of which
 edits change which hashes.
@@ -47,6 +48,13 @@ SEMANTIC_KEYS: dict[str, tuple[str, ...]] = {
 }
 """Config keys whose values change each step's output."""
 
+ADDED_KEYS: dict[str, dict[str, Any]] = {
+    "generate": {"sampling.logprobs": False},
+}
+"""Config keys added after results were made, with their defaults: each enters its step's hash
+only when set to another value, so that a result made before the key existed keeps its hash
+(and is not generated again) while the key is left at its default."""
+
 CONTENT_INPUTS: dict[str, tuple[str, ...]] = {
     "tokenize": ("prompts", "tokenizer"),
     "generate": ("model",),
@@ -67,7 +75,11 @@ def step_hash(name: str, version: str, semantic: dict[str, Any], content: dict[s
 
 
 def semantic_values(step: str, cfg: Config) -> dict[str, Any]:
-    return {key: cfg.get(key) for key in SEMANTIC_KEYS[step]}
+    values = {key: cfg.get(key) for key in SEMANTIC_KEYS[step]}
+    for key, default in ADDED_KEYS.get(step, {}).items():
+        if cfg.get(key) != default:
+            values[key] = cfg.get(key)
+    return values
 
 
 def content_fingerprints(step: str, cfg: Config) -> dict[str, Any]:

@@ -91,13 +91,52 @@ def test_later_chunks_of_a_lone_prompt_share_prefill_calls(llama):
     assert packed == single
 
 
+def test_logprobs_are_transformers_log_softmax_of_each_token(llama):
+    """`sampling.logprobs`: each sampled token's log-probability under the model, before
+    temperature, top-k and top-p, is transformers' log-softmax of its logits over the prompt and
+    the tokens before it (float32), for the first token (from a prefill call) and the rest (from
+    decode chunks). The same numbers come from another batch size, within rounding from the XLA
+    attention, and a stop token cuts them with the tokens (without the setting there are none:
+    `greedy_ref`)."""
+    import torch
+
+    path, hf = llama
+    sampling = SamplingParams(**{**SAMPLED.__dict__, "logprobs": True})
+    big = Engine.load(path, dtype="float32", sampling=sampling, engine=EngineConfig(batch_size=8), max_prompt_tokens=16)
+    got = _run(big, [GenerationRequest(i, p, range(3)) for i, p in enumerate(PROMPTS)])
+    assert len(got) == 3 * len(PROMPTS)
+    every = []
+    for (p, _), c in got.items():
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPTS[p] + c.token_ids])).logits[0, len(PROMPTS[p]) - 1 : -1]
+        expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(c.token_ids)), c.token_ids].numpy()
+        assert len(c.logprobs) == len(c.token_ids) == 10
+        np.testing.assert_allclose(c.logprobs, expected, atol=1e-4, rtol=0)
+        every += c.logprobs
+    assert max(every) < 0 and max(every) - min(every) > 1.0, "the test model's tokens are not all alike"
+
+    (p, s), row = next((key, c) for key, c in got.items() if len(set(c.token_ids[2:])) > 1)
+    stop = row.token_ids[next(t for t in range(2, 10) if row.token_ids[t] not in row.token_ids[:t])]
+    cut = row.token_ids.index(stop)
+    other = Engine.load(path, dtype="float32", max_prompt_tokens=16,
+                        sampling=SamplingParams(**{**sampling.__dict__, "stop_token_ids": (stop,)}),
+                        engine=EngineConfig(batch_size=2, decode_attention="xla"))
+    (c,) = other.generate([GenerationRequest(p, PROMPTS[p], [s])])
+    assert (c.finish_reason, c.token_ids) == ("stop", row.token_ids[:cut])
+    np.testing.assert_allclose(c.logprobs, row.logprobs[:cut], atol=1e-5, rtol=0)
+
+    small = Engine.load(path, dtype="float32", sampling=sampling, engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
+    (c,) = small.generate([GenerationRequest(p, PROMPTS[p], [s])])
+    assert (c.token_ids, c.logprobs) == (row.token_ids, row.logprobs)
+
+
 @pytest.fixture(scope="module")
 def greedy_ref(llama):
     """Greedy tokens of PROMPTS[1] with no stop rule: 12 tokens, finish_reason length."""
     path, _ = llama
     engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
     (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
-    assert c.finish_reason == "length" and len(c.token_ids) == 12 and c.text == ""
+    assert c.finish_reason == "length" and len(c.token_ids) == 12 and c.text == "" and c.logprobs is None
     return c.token_ids
 
 
