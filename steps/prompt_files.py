@@ -10,8 +10,10 @@ Rows: a row is a JSONL line, a .txt line or a Parquet row. Each is `(line, text,
 raw, problem)`: `line` is the 1-based line (Parquet: row) number in its file; `problem` is
 None for a good row, `BLANK` for a blank (whitespace-only) text line, which is no row at
 all, or `(kind, detail)`. Kinds: invalid UTF-8, invalid JSON, not a JSON object, missing
-text, text not a string, empty prompt, missing id, bad id. An id is a non-empty string or an
-integer (any size; kept as its decimal string). Problems with a whole file (unknown type,
+text, text not a string, empty prompt, bad conversation, missing id, bad id. An id is a
+non-empty string or an integer (any size; kept as its decimal string). With
+`prompts.chat_template` a JSONL or Parquet text may also be a conversation, a list of
+{role, content} messages: its text is then a `Conversation`. Problems with a whole file (unknown type,
 unreadable, corrupt) raise StepFailed naming the URL; a .txt file with `id_field` set is a
 ConfigError.
 
@@ -148,7 +150,7 @@ def _line_row(number: int, line: bytes, options: PromptsConfig, is_jsonl: bool) 
     if not text.strip():  # Unicode whitespace only (e.g. U+3000): blank, as `empty prompt` judges JSON text
         return number, None, None, "", BLANK
     if is_jsonl:
-        return _json_row(number, text, options.text_field, options.id_field)
+        return _json_row(number, text, options)
     return number, text, None, text, None
 
 
@@ -196,19 +198,22 @@ def _arrow_rows(data: bytes, lines: list[bytes], first: int, options: PromptsCon
             for n, row in enumerate(is_row, first)]
 
 
-def _json_row(number: int, line: str, text_field: str, id_field: str | None) -> Row:
+def _json_row(number: int, line: str, options: PromptsConfig) -> Row:
     try:
         obj = json.loads(line)
     except ValueError as err:
         return number, None, None, line, ("invalid JSON", str(err))
     if not isinstance(obj, dict):
         return number, None, None, line, ("not a JSON object", f"got {_type_name(obj)}")
-    return _fields(number, obj.get(text_field, _MISSING), obj.get(id_field, _MISSING) if id_field else None,
-                   line, text_field, id_field)
+    id_field = options.id_field
+    return _fields(number, obj.get(options.text_field, _MISSING), obj.get(id_field, _MISSING) if id_field else None,
+                   line, options)
 
 
-def _fields(number: int, text: Any, raw_id: Any, raw: str, text_field: str, id_field: str | None) -> Row:
-    """A row from its text and id values, checked: missing/null/non-string, empty, bad id."""
+def _fields(number: int, text: Any, raw_id: Any, raw: str, options: PromptsConfig) -> Row:
+    """A row from its text and id values, checked: missing/null/non-string, empty, a conversation
+    (with the chat template), bad id."""
+    text_field, id_field = options.text_field, options.id_field
     prompt_id, id_problem = None, None
     if id_field is not None:
         if raw_id is _MISSING or raw_id is None:
@@ -222,8 +227,14 @@ def _fields(number: int, text: Any, raw_id: Any, raw: str, text_field: str, id_f
     if text is _MISSING or text is None:
         detail = f"no {text_field!r} field" if text is _MISSING else f"{text_field!r} is null"
         return number, None, prompt_id, raw, ("missing text", detail)
+    if isinstance(text, list) and options.chat_template:
+        problem = _conversation_problem(text, text_field)
+        if problem is not None:
+            return number, None, prompt_id, raw, ("bad conversation", problem)
+        return number, Conversation.of(text), prompt_id, raw, id_problem
     if not isinstance(text, str):
-        return number, None, prompt_id, raw, ("text not a string", f"{text_field!r} is {_type_name(text)}")
+        hint = " (a conversation, a list of messages, needs prompts.chat_template: true)" if isinstance(text, list) else ""
+        return number, None, prompt_id, raw, ("text not a string", f"{text_field!r} is {_type_name(text)}{hint}")
     if not text.strip():
         return number, None, prompt_id, raw, ("empty prompt", f"{text_field!r} is {text!r}")
     return number, text, prompt_id, raw, id_problem
@@ -246,8 +257,47 @@ def _parquet_rows(f: Any, options: PromptsConfig) -> Iterator[list[Row]]:
                 raw_id = raw_id.raw.encode()  # a bytes id is reported as a bad id
             raw = text if isinstance(text, str) else "" if text is _MISSING else \
                 json.dumps(text, default=repr, ensure_ascii=False)
-            rows.append(_fields(number, text, raw_id, raw, options.text_field, options.id_field))
+            rows.append(_fields(number, text, raw_id, raw, options))
         yield rows
+
+
+class Conversation(str):
+    """A prompt given as chat messages (with `prompts.chat_template`): the text is the messages
+    as compact JSON, what the `prompt` column shows; `messages` is what the chat template renders
+    (tokenize sets `rendered`)."""
+
+    messages: list[dict[str, Any]]
+    rendered: str
+
+    @classmethod
+    def of(cls, messages: list[dict[str, Any]]) -> "Conversation":
+        # A null key is an absent one: a Parquet column of messages gives every message every key.
+        messages = [{key: value for key, value in m.items() if value is not None} for m in messages]
+        text = cls(json.dumps(messages, ensure_ascii=False, separators=(",", ":")))
+        text.messages = messages
+        return text
+
+
+def _conversation_problem(messages: list, text_field: str) -> str | None:
+    """What is wrong with a conversation, or None: a non-empty list of objects, each with a
+    non-empty string role and a string content (other keys go to the template as they are),
+    not every content blank."""
+    if not messages:
+        return f"{text_field!r} is an empty array"
+    for i, message in enumerate(messages, 1):
+        where = f"message {i} of {text_field!r}"
+        if not isinstance(message, dict):
+            return f"{where} is {_type_name(message)}, expected an object with role and content"
+        role, content = message.get("role"), message.get("content")
+        if role is None or content is None:
+            return f"{where} has no {'role' if role is None else 'content'}"
+        if not isinstance(role, str) or not role:
+            return f"{where}: its role is {role!r}, expected a non-empty string"
+        if not isinstance(content, str):
+            return f"{where}: its content is {_type_name(content)}, expected a string"
+    if not any(m["content"].strip() for m in messages):
+        return f"every message of {text_field!r} is empty"
+    return None
 
 
 @dataclass(frozen=True)

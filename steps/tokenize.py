@@ -70,7 +70,7 @@ from pipeline.run.config import Config, PromptsConfig
 from pipeline.errors import ConfigError, StepFailed, checkpoint_errors
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
-from steps.prompt_files import BATCH_ROWS, BLANK, Row, format_of, input_files, read_rows
+from steps.prompt_files import BATCH_ROWS, BLANK, Conversation, Row, format_of, input_files, read_rows
 
 SHARD_FIX = ("rerun `pipeline run tokenize --config FILE --force` to write the shards again (the same rows: "
              "the steps after it keep their work)")
@@ -203,10 +203,19 @@ class _Encoder:
         self.backend = backend
         self.format: Callable[[list[str]], list[str]] = list
         self.add_special_tokens = True
+        self.system_prompt = cfg.prompts.system_prompt
         if cfg.prompts.chat_template:
             self.format, first = _chat_formatter(self.tokenizer, cfg.prompts.system_prompt, cfg.model.path)
             bos = self.tokenizer.bos_token
             self.add_special_tokens = not (bos and first.startswith(bos))
+
+    def render(self, conversation: Conversation) -> None:
+        """Renders a conversation with the chat template into `conversation.rendered`, the
+        system prompt first unless it has its own; the template's error, if any, is raised."""
+        messages = conversation.messages
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        conversation.rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
         formatted = self.format(texts)
@@ -247,8 +256,8 @@ def _chat_formatter(tokenizer: Any, system_prompt: str | None, model_path: str) 
     if probe.count(marker) == 1:
         prefix, suffix = probe.split(marker)
         if all(render(text) == prefix + text + suffix for text in _TEMPLATE_PROBES):
-            return (lambda texts: [prefix + text + suffix for text in texts]), probe
-    return (lambda texts: [render(text) for text in texts]), probe
+            return (lambda texts: [t.rendered if isinstance(t, Conversation) else prefix + t + suffix for t in texts]), probe
+    return (lambda texts: [t.rendered if isinstance(t, Conversation) else render(t) for t in texts]), probe
 
 
 # --- rows -> shards ---------------------------------------------------------------------
@@ -292,6 +301,8 @@ class _Reader:
             index = self.rows_in
             self.rows_in += 1
             batch.taken += 1
+            if problem is None and isinstance(text, Conversation):
+                problem = self._render(text)
             if problem is not None:
                 batch.bad.append((index, number, prompt_id, problem, raw))
                 continue
@@ -300,6 +311,14 @@ class _Reader:
             batch.texts.append(text)
             batch.ids.append(prompt_id if prompt_id is not None else str(index))
         return batch
+
+    def _render(self, conversation: Conversation) -> tuple[str, str] | None:
+        """Renders a conversation (`_Encoder.render`); the template's refusal is the row's problem."""
+        try:
+            self.encode.render(conversation)
+        except Exception as err:  # noqa: BLE001 - Jinja raises its own errors (e.g. roles out of order)
+            return "chat template failed", f"{type(err).__name__}: {err}"
+        return None
 
     def finish(self, batch: _Batch) -> int:
         """Tokenize, check lengths and ids, send good rows to the shards, record bad ones; tokens kept."""

@@ -281,6 +281,80 @@ def test_template_that_trims_content_is_rendered_per_prompt(demo_model):
     assert fmt(["  padded  ", "x"]) == ["[padded]", "[x]"]
 
 
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+     {"role": "user", "content": "Tell me a joke"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Why is the sky blue?"}],
+    "A plain prompt beside them.",
+]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_conversations_are_rendered_whole_by_the_chat_template(tmp_path, demo_model, reference, kind):
+    """With the chat template, a prompt may be a conversation (a list of role/content messages,
+    as chat datasets hold them): rendered whole, with the generation prompt after it, the system
+    prompt first unless it has its own. The prompt column keeps it as compact JSON."""
+    if kind == "jsonl":
+        path = tmp_path / "p.jsonl"
+        path.write_bytes(jsonl(*({"id": f"c{i}", "messages": m} for i, m in enumerate(CONVERSATIONS))))
+    else:  # a column of messages beside one of strings: a Parquet column holds one type
+        path = tmp_path / "p.parquet"
+        pq.write_table(pa.table({"id": ["c0", "c1"], "messages": CONVERSATIONS[:2]}), path)
+    url, record = run_tokenize(write_config(tmp_path, demo_model, path=str(path), text_field="messages", id_field="id",
+                                            chat_template=True, system_prompt="Be kind.", max_prompt_tokens=128))
+    given = CONVERSATIONS if kind == "jsonl" else CONVERSATIONS[:2]
+    whole = [[{"role": "system", "content": "Be kind."}, *m] if m[0]["role"] != "system" else m
+             for m in ([{"role": "user", "content": c}] if isinstance(c, str) else c for c in given)]
+    rendered = [reference.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in whole]
+    assert rendered[0] == ("<|system|>\nBe kind.\n<|user|>\nHi there\n<|assistant|>\nHello!\n<|user|>\n"
+                           "Tell me a joke\n<|assistant|>\n")
+    got = all_rows(url, record)
+    assert [r["input_ids"] for r in got] == reference(rendered)["input_ids"]
+    assert [r["prompt"] if isinstance(c, str) else json.loads(r["prompt"]) for r, c in zip(got, given)] == given
+    assert got[1]["prompt"] == '[{"role":"system","content":"Be terse."},{"role":"user","content":"Why is the sky blue?"}]'
+    assert record.summary["rejected"] == 0
+
+
+BAD_CONVERSATIONS = {
+    "empty": ([], "bad conversation: 'messages' is an empty array"),
+    "a string message": (["hi"], "bad conversation: message 1 of 'messages' is a string, expected an object with role and "
+                                 "content"),
+    "no content": ([{"role": "user"}], "bad conversation: message 1 of 'messages' has no content"),
+    "content parts": ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                      "bad conversation: message 1 of 'messages': its content is an array, expected a string"),
+    "empty role": ([{"role": "", "content": "x"}], "bad conversation: message 1 of 'messages': its role is '', expected "
+                                                   "a non-empty string"),
+    "all blank": ([{"role": "user", "content": " "}], "bad conversation: every message of 'messages' is empty"),
+    "template refuses": ([{"role": "assistant", "content": "I speak first"}],
+                         "chat template failed: TemplateError: a conversation starts with the user"),
+}
+
+
+def test_bad_conversations_are_rejected_naming_the_message(tmp_path, demo_model):
+    from demo.checkpoint import CHAT_TEMPLATE
+
+    model = tmp_path / "model"
+    shutil.copytree(demo_model, model)
+    refusing = "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('a conversation starts with the user') }}{% endif %}"
+    (model / "chat_template.jinja").write_text(refusing + CHAT_TEMPLATE)
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(jsonl({"messages": CONVERSATIONS[0]}, *({"messages": m} for m, _ in BAD_CONVERSATIONS.values())))
+    url, record = run_tokenize(write_config(tmp_path, str(model), path=str(path), text_field="messages",
+                                            chat_template=True, on_invalid="skip"))
+    assert [r["prompt_index"] for r in all_rows(url, record)] == [0]
+    rejected = storage.read_parquet(storage.join(url, "rejected.parquet")).to_pylist()
+    assert [r["reason"] for r in rejected] == [reason for _, reason in BAD_CONVERSATIONS.values()]
+    assert [r["line"] for r in rejected] == list(range(2, 2 + len(BAD_CONVERSATIONS)))
+
+    # Without the chat template a conversation is no prompt, and the message says what would make it one.
+    result = cli("run", "tokenize", "--config", write_config(tmp_path, str(model), name="plain.yaml", path=str(path),
+                                                             text_field="messages"))
+    assert result.exit_code == 1
+    assert error_line(result).startswith(
+        f"error: prompts file {path} line 1: text not a string: 'messages' is an array (a conversation, a list of "
+        "messages, needs prompts.chat_template: true)")
+
+
 def test_truncation_in_tokenizer_json_never_cuts_a_prompt(tmp_path, demo_model):
     model = tmp_path / "model"
     shutil.copytree(demo_model, model)
