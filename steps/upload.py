@@ -30,6 +30,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -50,6 +51,7 @@ from pipeline.run.config import Config
 from pipeline.run.result import MERGED_FIX
 from pipeline.errors import StepFailed
 from pipeline.run.step import StepOutput, StepResult
+from steps.generate import LOGPROBS
 from steps.merge import MergeSummary
 
 RUN_FILE = "wandb_run.json"
@@ -340,7 +342,9 @@ def _table_data(paths: list[str], max_rows: int) -> tuple[list[str], list[list[A
 
     List columns (completion_token_ids) go in as compact JSON text: W&B types and converts a list
     element by element, which took ~5 s for 10k rows of ~50 ids (~0.5 s as text) and grows with
-    max_new_tokens. The Parquet files in the same artifact keep the lists.
+    max_new_tokens. The Parquet files in the same artifact keep the lists. Log-probabilities
+    (`sampling.logprobs`) go in to LOGPROB_DIGITS decimals, and each row's sum and mean besides
+    them, columns a table can sort by.
     """
     columns: list[str] = []
     data: list[list[Any]] = []
@@ -352,14 +356,33 @@ def _table_data(paths: list[str], max_rows: int) -> tuple[list[str], list[list[A
                 break
             batch = batch.slice(0, max_rows - len(data))
             values = [_as_text(c) if pa.types.is_list(c.type) else c.to_pylist() for c in batch.columns]
+            if LOGPROBS.name in columns:
+                values += _logprob_sums_and_means(batch.column(LOGPROBS.name))
             data.extend(list(row) for row in zip(*values))
         if len(data) >= max_rows:
             break
+    if LOGPROBS.name in columns:
+        columns = [*columns, *LOGPROB_SUMMARIES]
     return columns, data
 
 
+LOGPROB_DIGITS = 4
+"""Decimals of a log-probability in the table's text: 20 characters a token in full, 7 so."""
+LOGPROB_SUMMARIES = ("completion_logprob_sum", "completion_logprob_mean")
+"""The table's columns after the merged ones with `sampling.logprobs`: the completion's
+log-likelihood, and that per token (None for an empty completion)."""
+
+
 def _as_text(lists: pa.Array) -> list[str | None]:
-    return [None if v is None else json.dumps(v, separators=(",", ":")) for v in lists.to_pylist()]
+    digits = LOGPROB_DIGITS if pa.types.is_floating(lists.type.value_type) else None
+    return [None if v is None else json.dumps(v if digits is None else [round(x, digits) for x in v], separators=(",", ":"))
+            for v in lists.to_pylist()]
+
+
+def _logprob_sums_and_means(lists: pa.Array) -> list[list[float | None]]:
+    rows = lists.to_pylist()
+    sums = [math.fsum(v) for v in rows]
+    return [sums, [total / len(v) if v else None for total, v in zip(sums, rows)]]
 
 
 def _is_number(value: Any) -> bool:

@@ -117,9 +117,10 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     assert [len(x) for x in logprobs] == [len(x) for x in ids] and all(v < 0 for x in logprobs for v in x)
     upload = next(os.path.join(runs, d) for d in new_dirs if d.startswith("upload-"))
     (table,) = glob.glob(f"{upload}/wandb/offline-run-*/files/media/table/generations_*.table.json")
-    table = json.load(open(table))
-    assert table["columns"] == merged.column_names
-    assert [json.loads(row[-1]) for row in table["data"]] == [pytest.approx(x) for x in logprobs]
+    table = json.load(open(table))  # the log-probabilities to 4 decimals, and each row's sum and mean to sort by
+    assert table["columns"] == [*merged.column_names, "completion_logprob_sum", "completion_logprob_mean"]
+    assert [json.loads(row[-3]) for row in table["data"]] == [pytest.approx(x, abs=5e-5) for x in logprobs]
+    assert [row[-2:] for row in table["data"]] == [pytest.approx([sum(x), sum(x) / len(x)]) for x in logprobs]
 
 
 def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_config, tmp_path):
