@@ -52,6 +52,9 @@ class SamplingParams:
     Without top_k, tokens as probable as the least probable one kept are all kept (a tie)."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 = off."""
+    min_p: float = 0.0
+    """Keep only tokens at least min_p times as probable as the most probable one (after
+    temperature); 0 = off. With top_k and top_p, a token must pass all three."""
     n: int = 1
     """Samples per prompt; they share one prefill of the prompt."""
     seed: int = 0
@@ -76,6 +79,7 @@ class SamplingParams:
                 "sampling.temperature", self.temperature, "a number >= 0 (0 = greedy), not inf")
         require(_is_number(self.top_p) and 0 < self.top_p <= 1, "sampling.top_p", self.top_p, "a number in (0, 1]")
         require(_is_int(self.top_k) and self.top_k >= 0, "sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
+        require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "sampling.min_p", self.min_p, "a number in [0, 1] (0 = off)")
         require(_is_int(self.n) and self.n > 0, "sampling.n", self.n, "an integer > 0")
         # jax.random.key keeps 32 bits: seeds outside [0, 2**32) would silently share keys.
         require(_is_int(self.seed) and 0 <= self.seed < 2**32, "sampling.seed", self.seed, "an integer in [0, 2**32)")

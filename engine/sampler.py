@@ -155,7 +155,9 @@ def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams) -> jax.Ar
     Without top_k, a row draws one uniform number and takes the token where it falls in the
     cumulative distribution (`inverse_cdf`), over the whole vocabulary or over the nucleus
     (`nucleus_floor`; tokens tied with its least probable one are all kept). With top_k, its k
-    best tokens (`top_k`) are cut by top_p in order and drawn with Gumbel noise. On the CPU
+    best tokens (`top_k`) are cut by top_p in order and drawn with Gumbel noise. min_p then
+    drops the tokens less than min_p times as probable as the row's best, as transformers'
+    `MinPLogitsWarper` does after its top-k and top-p. On the CPU
     the Gumbel draw over a whole vocabulary ([64, 32000]) took 30 ms and top_p's sort 430 ms,
     against 1-7 ms this way."""
     if not draws(params):
@@ -166,11 +168,15 @@ def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams) -> jax.Ar
         if params.top_p < 1.0:
             probs = weights / jnp.sum(weights, axis=0)[None, :]
             weights = jnp.where(probs >= nucleus_floor(probs, params.top_p)[None, :], probs, 0.0)
+        if params.min_p > 0.0:  # weights are relative to the best token's (1, or its probability)
+            weights = jnp.where(weights >= params.min_p * jnp.max(weights, axis=0)[None, :], weights, 0.0)
         return inverse_cdf(weights, jax.vmap(lambda key: jax.random.uniform(key, ()))(keys))
     values, indices = top_k(logits / params.temperature, min(params.top_k, logits.shape[0]))  # most likely first
     if params.top_p < 1.0:
         probs = jax.nn.softmax(values, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         values = jnp.where(mass_before < params.top_p, values, -jnp.inf)  # the first always stays
+    if params.min_p > 0.0:
+        values = jnp.where(values >= values[:, :1] + jnp.log(params.min_p), values, -jnp.inf)
     choice = jax.vmap(jax.random.categorical)(keys, values)
     return jnp.take_along_axis(indices, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)

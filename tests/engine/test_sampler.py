@@ -101,6 +101,37 @@ def test_top_p_without_top_k_draws_from_the_renormalized_nucleus():
         assert shares.sum() == 1.0 and np.abs(shares - expected).max() < 0.03, (top_p, shares, expected)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (0, 0.9), (40, 1.0), (40, 0.9)])
+def test_min_p_keeps_the_tokens_transformers_keeps(top_k, top_p):
+    """min_p 0.1 at temperature 1.3 over 300 tokens, with and without top_k and top_p: the tokens
+    drawn in 3,000 rows are those transformers' warpers (temperature, top-k, top-p, min-p, in its
+    order) leave a probability, every one of them, and in its proportions."""
+    import torch
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    )
+
+    rows, temperature = 3000, 1.3
+    row = np.random.default_rng(7).standard_normal(300).astype(np.float32) * 3
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=0.1)
+    drawn = _drawn(np.repeat(row[:, None], rows, axis=1), params, seed=top_k)
+
+    def transformers_probs(min_p: float) -> np.ndarray:
+        scores = torch.tensor(row)[None, :]
+        warpers = [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else []) + (
+            [TopPLogitsWarper(top_p)] if top_p < 1 else []) + ([MinPLogitsWarper(min_p)] if min_p else [])
+        for warper in warpers:
+            scores = warper(None, scores)
+        return torch.softmax(scores[0], -1).numpy()
+
+    expected = transformers_probs(0.1)
+    kept = np.flatnonzero(expected > 0)
+    assert 5 < len(kept) < np.count_nonzero(transformers_probs(0.0)), "min_p should cut a tail, and leave a choice"
+    assert set(drawn.tolist()) == set(kept.tolist())
+    shares = np.bincount(drawn, minlength=300) / rows
+    assert np.abs(shares - expected).max() < 0.03
+
+
 def test_tokens_tied_with_the_least_probable_in_the_nucleus_are_all_kept():
     rows = 3000
     logits = np.full((40, rows), -np.inf, np.float32)
