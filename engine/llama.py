@@ -44,8 +44,8 @@ from haliax import Axis, NamedArray
 from engine import checkpoint, cpu_attention, kernels
 from engine.jax_compat import hax
 
-SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2", "qwen2_moe",
-                         "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "granite", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2",
+                         "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -62,8 +62,9 @@ class LoadStopped(Exception):
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    """gemma2, gemma3_text, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3 or
-    qwen3_moe: the weight names are the same; qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of
+    """gemma2, gemma3_text, granite, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe,
+    qwen3 or qwen3_moe: the weight names are the same; granite is llama with four scales
+    (`embedding_multiplier`, `residual_multiplier`, `attention_multiplier`, `logits_scaling`); qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of
     the queries and keys (`qk_norm`), olmo2 norms after each part of a layer instead of before
     (`post_norm`), the Gemmas both (`gemma`), phi3 saves q/k/v and gate/up fused
     (`fused_projections`), mixtral's MLP is a mixture of experts (`num_experts`), qwen3_moe is
@@ -148,6 +149,14 @@ class LlamaConfig:
     round_router_weights: bool = False
     """Qwen3-MoE: the top k weights are rounded to the activations' dtype before they weigh the
     experts' outputs, as transformers' model rounds them (its Mixtral weighs in float32)."""
+    embedding_multiplier: float = 1.0
+    """Granite: the embeddings are scaled by it (in float32, rounded once to the model's dtype)."""
+    residual_multiplier: float = 1.0
+    """Granite: attention's and the MLP's outputs are scaled by it before they join the residual."""
+    attention_multiplier: float | None = None
+    """Granite: the attention scores' scale, in place of 1 / sqrt(head_dim)."""
+    logits_scaling: float = 1.0
+    """Granite: the logits are divided by it."""
 
     def has_experts(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of experts (`Experts`)."""
@@ -165,7 +174,10 @@ class LlamaConfig:
 
     @property
     def attention_scale(self) -> float:
-        """What the queries' scores are scaled by: 1 / sqrt(head_dim), Gemma's 1 / sqrt(query_pre_attn_scalar)."""
+        """What the queries' scores are scaled by: 1 / sqrt(head_dim), Gemma's 1 / sqrt(query_pre_attn_scalar),
+        Granite's attention_multiplier."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
 
     def window_of(self, layer: int) -> int | None:
@@ -317,6 +329,12 @@ class LlamaConfig:
         if heads % kv_heads:
             raise refuse("num_key_value_heads", kv_heads, f"does not divide num_attention_heads {heads}")
         attention_bias = bool(cfg.get("attention_bias", False))
+        granite = {}
+        if model_type == "granite":  # transformers' GraniteConfig defaults: every scale 1
+            granite = dict(embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                           residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                           attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
+                           logits_scaling=float(cfg.get("logits_scaling", 1.0)))
         return LlamaConfig(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -348,6 +366,7 @@ class LlamaConfig:
             sliding_window=sliding_window,
             **_experts(cfg, model_type, refuse),
             **longrope,
+            **granite,
         )
 
 
@@ -1212,6 +1231,8 @@ class DecoderLayer(eqx.Module):
     mlp: Mlp | Experts
     post_feedforward_layernorm: RmsNorm | None = None
     pre_feedforward_layernorm: RmsNorm | None = None
+    residual_multiplier: float = eqx.field(static=True, default=1.0)
+    """Granite's scale of each part's output before it joins the residual."""
 
     @staticmethod
     def init(config: LlamaConfig, *, key: jax.Array, layer: int = 0) -> "DecoderLayer":
@@ -1224,6 +1245,7 @@ class DecoderLayer(eqx.Module):
             Experts.init(config, key=k_mlp) if config.has_experts(layer) else Mlp.init(config, key=k_mlp),
             norm() if config.post_norm or config.gemma else None,
             norm() if config.gemma else None,
+            config.residual_multiplier,
         )
 
     def __call__(self, x, cos, sin, context):
@@ -1238,9 +1260,15 @@ class DecoderLayer(eqx.Module):
             x = x + self.post_feedforward_layernorm(self.mlp(x))
             return x, new_kv
         attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, context)
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + _scaled(attn, self.residual_multiplier)
+        x = x + _scaled(self.mlp(self.post_attention_layernorm(x)), self.residual_multiplier)
         return x, new_kv
+
+
+def _scaled(x: NamedArray, scale: float) -> NamedArray:
+    """x times a Python float as torch multiplies a tensor by one: in float32, rounded once to x's
+    dtype (Granite's scales); x itself at 1."""
+    return x if scale == 1.0 else (x.astype(jnp.float32) * scale).astype(x.dtype)
 
 
 @eqx.filter_jit
@@ -1286,6 +1314,7 @@ class LlamaLM(eqx.Module):
         x = embed(self.embed_tokens, tokens).rearrange(("embed", ...))  # feature first: `linear`
         if c.gemma:  # sqrt(hidden) as a float32, rounded to the model's dtype, as transformers scales
             x = x * jnp.asarray(np.float32(math.sqrt(c.hidden_size))).astype(x.dtype)
+        x = _scaled(x, c.embedding_multiplier)
         x = hax.auto_sharded(x)
         ropes = dict.fromkeys(c.rope_of(i) for i in range(len(self.layers)))
         tables = {rope: rotary_tables(c, positions, x.dtype, rope) for rope in ropes}
@@ -1304,6 +1333,8 @@ class LlamaLM(eqx.Module):
         # On a global mesh each device makes its own part of the vocabulary (engine/mesh.py).
         logits = hax.auto_sharded(hax.dot(head, hidden, axis="embed", preferred_element_type=jnp.float32))
         cap = self.config.final_logit_softcapping
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         return logits if cap is None else hax.tanh(logits / cap) * cap
 
 

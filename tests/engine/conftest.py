@@ -281,6 +281,20 @@ def qwen2_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def granite(tmp_path_factory):
+    """(path, torch model): Granite, Llama with four scales (the embeddings', the residual
+    branches', attention's in place of 1 / sqrt(head_dim), and the logits' divisor), its head
+    tied to the embeddings as Granite 3's."""
+    from transformers import GraniteConfig
+
+    return _built(tmp_path_factory, GraniteConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, embedding_multiplier=3.0, residual_multiplier=0.8,
+        attention_multiplier=0.3, logits_scaling=0.5, tie_word_embeddings=True, pad_token_id=None, eos_token_id=None,
+    ))
+
+
+@pytest.fixture(scope="session")
 def olmoe(tmp_path_factory):
     """(path, torch model): OLMoE, every layer's MLP 8 experts of width 24, 3 a token, their
     weights not renormalized; its queries and keys normed over all heads together, as OLMo 2's."""

@@ -29,7 +29,7 @@ from engine_testlib import VOCAB, hf_greedy
 LOGIT_TOL = 1e-4
 PROMPTS = [np.random.RandomState(i).randint(0, VOCAB, n).tolist() for i, n in enumerate([5, 23, 9, 17, 30, 12])]
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi4_mini", "gemma2", "gemma3", "gemma3_image_text", "mixtral",
-                 "qwen3_moe", "olmoe", "qwen2_moe"]
+                 "qwen3_moe", "olmoe", "qwen2_moe", "granite"]
 """A fixture (tests/engine/conftest.py) of each architecture and checkpoint layout the engine reads."""
 ROTATION_VARIANTS = ["phi3_longrope", "gemma3_wide"]
 """Fixtures of an architecture above with another rotation: Phi-3.5's longrope, and Gemma 3's
