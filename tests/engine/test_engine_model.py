@@ -360,7 +360,7 @@ def _edited_checkpoint(src: str, dst, **config_values) -> str:
 
 def test_unsupported_architecture_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "gpt2", model_type="gpt2")
-    supported = r"\(supported: gemma2, gemma3_text, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma3's text model\)"
+    supported = r"\(supported: gemma2, gemma3_text, granite, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma3's text model\)"
     with pytest.raises(UnsupportedModelError, match=r"config.json: model_type 'gpt2' is not supported " + supported):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
 
