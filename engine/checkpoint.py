@@ -360,7 +360,7 @@ def _llama_config(folder: _Folder):
     if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") and
                                                   a != "Gemma3ForConditionalGeneration" for a in architectures):
         raise NotACheckpoint(f"model.path {folder.url}: architectures {architectures!r} in config.json is not a "
-                             f"causal LM (supported: LlamaForCausalLM, GraniteForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
+                             f"causal LM (supported: LlamaForCausalLM, GraniteForCausalLM, GraniteMoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
                              f"Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, OlmoeForCausalLM, "
                              f"Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model)")
     try:

@@ -44,8 +44,8 @@ from haliax import Axis, NamedArray
 from engine import checkpoint, cpu_attention, kernels
 from engine.jax_compat import hax
 
-SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "granite", "llama", "mistral", "mixtral", "olmo2", "olmoe", "phi3", "qwen2",
-                         "qwen2_moe", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "granite", "granitemoe", "llama", "mistral", "mixtral", "olmo2", "olmoe",
+                         "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -62,9 +62,11 @@ class LoadStopped(Exception):
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
-    """gemma2, gemma3_text, granite, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe,
-    qwen3 or qwen3_moe: the weight names are the same; granite is llama with four scales
-    (`embedding_multiplier`, `residual_multiplier`, `attention_multiplier`, `logits_scaling`); qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of
+    """gemma2, gemma3_text, granite, granitemoe, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2,
+    qwen2_moe, qwen3 or qwen3_moe: the weight names are the same; granite is llama with four
+    scales (`embedding_multiplier`, `residual_multiplier`, `attention_multiplier`,
+    `logits_scaling`), granitemoe granite with a mixture of experts in every layer, saved
+    stacked (each layer's experts one tensor a projection, gate and up fused); qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of
     the queries and keys (`qk_norm`), olmo2 norms after each part of a layer instead of before
     (`post_norm`), the Gemmas both (`gemma`), phi3 saves q/k/v and gate/up fused
     (`fused_projections`), mixtral's MLP is a mixture of experts (`num_experts`), qwen3_moe is
@@ -330,7 +332,7 @@ class LlamaConfig:
             raise refuse("num_key_value_heads", kv_heads, f"does not divide num_attention_heads {heads}")
         attention_bias = bool(cfg.get("attention_bias", False))
         granite = {}
-        if model_type == "granite":  # transformers' GraniteConfig defaults: every scale 1
+        if model_type in ("granite", "granitemoe"):  # transformers' GraniteConfig defaults: every scale 1
             granite = dict(embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
                            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
                            attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
@@ -403,9 +405,11 @@ def _experts(cfg: dict[str, Any], model_type: str, refuse) -> dict[str, Any]:
     mlp_only_layers, on every decoder_sparse_step-th layer; Qwen2-MoE's shared expert's
     shared_expert_intermediate_size; OLMoE's num_experts and norm_topk_prob, every layer experts
     of intermediate_size. All but Mixtral round the top k weights (`round_router_weights`)."""
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "granitemoe"):
         experts, top_k, key = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)), "num_local_experts"
-        found: dict[str, Any] = {}
+        # GraniteMoE softmaxes its top k scores (the same weights as Mixtral's top k of a softmax,
+        # renormalized) and rounds them to the activations' dtype.
+        found: dict[str, Any] = {"round_router_weights": model_type == "granitemoe"}
     elif model_type in MIXTURE_DEFAULTS:
         key = "num_experts" if "num_experts" in cfg else "num_local_experts"
         defaults = MIXTURE_DEFAULTS[model_type]
@@ -1374,6 +1378,8 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
     # w2 (down) in block_sparse_moe, Qwen3-MoE's gate_proj, up_proj and down_proj in mlp.
     if config.model_type == "mixtral":
         experts_block, expert_tensors = "block_sparse_moe", (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+    elif config.model_type == "granitemoe":
+        experts_block, expert_tensors = "block_sparse_moe", ()
     else:
         experts_block, expert_tensors = "mlp", tuple((f"{name}_proj", name) for name in ("gate", "up", "down"))
     for i in range(config.num_hidden_layers):
@@ -1403,7 +1409,10 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
             if not config.has_experts(i):
                 mapping += [Saved(p + f"mlp.{name}_proj.weight", mlp(f"{name}_proj")) for name in ("gate", "up")]
             mapping += [Saved(p + f"self_attn.{name}_proj.weight", attention(f"{name}_proj")) for name in ("q", "k", "v")]
-        if config.has_experts(i):  # the router, then each expert's gate, up and down projections
+        if config.has_experts(i) and config.model_type == "granitemoe":  # its router, then stacked tensors
+            mapping.append(Saved(p + f"{experts_block}.router.layer.weight", lambda m, L=layer: L(m).mlp.router))
+            mapping += _stacked_experts(config, p + experts_block, layer)
+        elif config.has_experts(i):  # the router, then each expert's gate, up and down projections
             mapping.append(Saved(p + f"{experts_block}.gate.weight", lambda m, L=layer: L(m).mlp.router))
             mapping += [Saved(p + f"{experts_block}.experts.{e}.{saved}.weight",
                               lambda m, L=layer, name=name: getattr(L(m).mlp.experts, f"{name}_proj"), expert=e)
@@ -1429,20 +1438,40 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
     return [saved._replace(name=config.weights_prefix + saved.name) for saved in mapping]
 
 
+def _stacked_experts(config: LlamaConfig, block: str, layer: Callable) -> list[Saved]:
+    """GraniteMoE's experts, each layer's saved as two stacked tensors: `input_linear` (experts,
+    gate and up rows, hidden), `output_linear` (experts, hidden, width). Each expert's gate, up and
+    down are rows of them, read as rows of the expert's shape."""
+    width, hidden, experts = config.ExpertMlp.size, config.hidden_size, config.num_experts
+
+    def weight(name: str) -> Callable[[LlamaLM], NamedArray]:
+        return lambda m: getattr(layer(m).mlp.experts, f"{name}_proj")
+
+    return ([Saved(f"{block}.input_linear.weight", weight("gate"), e * 2 * width, expert=e) for e in range(experts)]
+            + [Saved(f"{block}.input_linear.weight", weight("up"), e * 2 * width + width, expert=e) for e in range(experts)]
+            + [Saved(f"{block}.output_linear.weight", weight("down"), e * hidden, expert=e) for e in range(experts)])
+
+
 def saved_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the loader reads (`checkpoint_mapping`) and its shape as transformers saves it:
-    the model's own, but a bias flattened to one axis (the model keeps its head axes), and a fused
-    projection its blocks' rows stacked."""
+    the model's own, but a bias flattened to one axis (the model keeps its head axes), a fused
+    projection its blocks' rows stacked, and a tensor of every expert's (GraniteMoE) the experts
+    first."""
     skeleton = _skeleton(config)
     shapes: dict[str, tuple[int, ...]] = {}
+    experts: dict[str, set[int | None]] = {}
     for saved in checkpoint_mapping(config):
         shape = tuple(saved.where(skeleton).array.shape)[0 if saved.expert is None else 1:]
         if saved.name.endswith(".bias"):
             shape = (math.prod(shape),)
-        if saved.name in shapes:  # the next block of a fused tensor
-            assert saved.first_row == shapes[saved.name][0], saved
-            shape = (shapes[saved.name][0] + shape[0], *shape[1:])
+        if saved.name in shapes:  # another block of a fused or stacked tensor: as many rows as its blocks reach
+            shape = (max(shapes[saved.name][0], saved.first_row + shape[0]), *shape[1:])
         shapes[saved.name] = shape
+        experts.setdefault(saved.name, set()).add(saved.expert)
+    for name, seen in experts.items():
+        if len(seen) > 1:  # one tensor holds every expert (GraniteMoE's): the experts' axis first, as saved
+            rows, *rest = shapes[name]
+            shapes[name] = (len(seen), rows // len(seen), *rest)
     return shapes
 
 
@@ -1503,7 +1532,7 @@ def _block_reader(group: list[Saved], tensors: dict[str, checkpoint.Tensor], sha
 
     def block(index: tuple) -> np.ndarray:
         if stacked:
-            return np.stack([rows(reads[e], index[1:], 0).astype(dtype) for e in range(shape[0])[index[0]]])
+            return np.stack([rows(reads[e], index[1:], group[e].first_row).astype(dtype) for e in range(shape[0])[index[0]]])
         return rows(reads[0], index, group[0].first_row).astype(dtype)
 
     def forget() -> None:

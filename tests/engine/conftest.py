@@ -295,6 +295,21 @@ def granite(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def granitemoe(tmp_path_factory):
+    """(path, torch model): GraniteMoE, Granite's four scales and in every layer 8 experts of width
+    24, 2 a token, saved as transformers saves them: each layer's experts two stacked tensors,
+    gate and up fused in one."""
+    from transformers import GraniteMoeConfig
+
+    return _built(tmp_path_factory, GraniteMoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, num_local_experts=8, num_experts_per_tok=2,
+        embedding_multiplier=3.0, residual_multiplier=0.8, attention_multiplier=0.3, logits_scaling=0.5,
+        tie_word_embeddings=True, pad_token_id=None, eos_token_id=None,
+    ))
+
+
+@pytest.fixture(scope="session")
 def olmoe(tmp_path_factory):
     """(path, torch model): OLMoE, every layer's MLP 8 experts of width 24, 3 a token, their
     weights not renormalized; its queries and keys normed over all heads together, as OLMo 2's."""

@@ -107,6 +107,9 @@ def test_sharded_bfloat16_picks_transformers_top_tokens(llama, sharded):
     # stored split over `data` by expert (not by embed, as other weights are) and each expert's
     # units over `model` as one MLP's are: each device reads its block of its experts' tensors.
     ("mixtral", "mlp.experts.down_proj", "P('data', None, 'model')"),
+    # GraniteMoE saves a layer's experts stacked, gate and up fused: each device reads, for each
+    # of its experts, its rows of the gate block inside that expert's part of the tensor.
+    ("granitemoe", "mlp.experts.gate_proj", "P('data', 'model', None)"),
 ])
 def test_an_architecture_with_its_heads_split_gives_the_tokens_of_one_device(name, weight, spec, request):
     """Greedy float32 tokens on a global mesh (data 2 x model 2) as on one device, with the

@@ -29,7 +29,7 @@ from engine_testlib import VOCAB, hf_greedy
 LOGIT_TOL = 1e-4
 PROMPTS = [np.random.RandomState(i).randint(0, VOCAB, n).tolist() for i, n in enumerate([5, 23, 9, 17, 30, 12])]
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "olmo2", "phi3", "phi4_mini", "gemma2", "gemma3", "gemma3_image_text", "mixtral",
-                 "qwen3_moe", "olmoe", "qwen2_moe", "granite"]
+                 "qwen3_moe", "olmoe", "qwen2_moe", "granite", "granitemoe"]
 """A fixture (tests/engine/conftest.py) of each architecture and checkpoint layout the engine reads."""
 ROTATION_VARIANTS = ["phi3_longrope", "gemma3_wide"]
 """Fixtures of an architecture above with another rotation: Phi-3.5's longrope, and Gemma 3's
@@ -264,10 +264,11 @@ def test_the_pipelines_check_accepts_each_supported_checkpoint(name, request, to
     found = check_checkpoint(str(folder))
     assert found["model_type"] == hf.config.get_text_config().model_type  # an image-and-text model: its text model
     # A tied head is not saved; transformers holds a layer's experts as two fused tensors
-    # (gate_up_proj [experts, ...] and down_proj), the checkpoint three tensors an expert.
+    # (gate_up_proj [experts, ...] and down_proj), the checkpoint three tensors an expert (but
+    # GraniteMoE's, which saves the two as they are).
     saved = len(hf.state_dict()) - hf.config.tie_word_embeddings
     saved += sum(3 * module.gate_up_proj.shape[0] - 2 for module in hf.modules()
-                 if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter))
+                 if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and name != "granitemoe")
     assert found["tensors"] == saved
 
 
@@ -360,7 +361,7 @@ def _edited_checkpoint(src: str, dst, **config_values) -> str:
 
 def test_unsupported_architecture_is_refused(llama, tmp_path):
     path = _edited_checkpoint(llama[0], tmp_path / "gpt2", model_type="gpt2")
-    supported = r"\(supported: gemma2, gemma3_text, granite, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma3's text model\)"
+    supported = r"\(supported: gemma2, gemma3_text, granite, granitemoe, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma3's text model\)"
     with pytest.raises(UnsupportedModelError, match=r"config.json: model_type 'gpt2' is not supported " + supported):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=1), max_prompt_tokens=8)
 
