@@ -121,6 +121,8 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     assert table["columns"] == [*merged.column_names, "completion_logprob_sum", "completion_logprob_mean"]
     assert [json.loads(row[-3]) for row in table["data"]] == [pytest.approx(x, abs=5e-5) for x in logprobs]
     assert [row[-2:] for row in table["data"]] == [pytest.approx([sum(x), sum(x) / len(x)]) for x in logprobs]
+    shown = invoke("show", "--config", config, *changes, "-n", "2").output  # the mean per token, a column of its own
+    assert "logprob / token" in shown and f"{sum(logprobs[0]) / len(logprobs[0]):.3f}" in shown
 
 
 def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_config, tmp_path):

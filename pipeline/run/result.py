@@ -1,7 +1,8 @@
 """Where a config's result is, and its first rows as a table a person can read.
 
 Owns finding the merged files of a config (merge's output for the config's hash, through its
-success marker's manifest) and `pipeline show`'s table: prompt, completion, finish reason.
+success marker's manifest) and `pipeline show`'s table: prompt, completion, finish reason (and,
+with `sampling.logprobs`, each completion's mean log-probability per token).
 Reads only, and refuses to look into a merge output without its marker: a reader trusts the
 marker, not the files.
 
@@ -26,6 +27,8 @@ from pipeline.run.config import Config
 from pipeline.run.step import Step
 
 SHOWN_COLUMNS = ["prompt_index", "prompt_id", "sample_index", "prompt", "completion", "finish_reason"]
+LOGPROBS_COLUMN = "completion_logprobs"
+"""Shown as its mean where the result has it (`sampling.logprobs`)."""
 TEXT_CHARS = 500
 """Longer prompts and completions are cut in the table (the Parquet files hold them whole)."""
 MERGED_FIX = "rerun `pipeline run merge --config FILE --force` to write the merged files again"
@@ -61,7 +64,9 @@ def first_rows(result: MergedResult, count: int) -> list[dict[str, Any]]:
             break
         fs, path = storage.filesystem(url)
         with storage.unreadable("merged file", url, MERGED_FIX), fs.open(path, "rb") as f:
-            for batch in pq.ParquetFile(f).iter_batches(batch_size=max(count, 1), columns=SHOWN_COLUMNS):
+            parquet = pq.ParquetFile(f)
+            columns = SHOWN_COLUMNS + [LOGPROBS_COLUMN] * (LOGPROBS_COLUMN in parquet.schema_arrow.names)
+            for batch in parquet.iter_batches(batch_size=max(count, 1), columns=columns):
                 rows.extend(batch.slice(0, count - len(rows)).to_pylist())
                 if len(rows) >= count:
                     break
@@ -88,9 +93,16 @@ def _table(rows: list[dict[str, Any]], total: int) -> str:
     table.add_column("prompt (id, sample)", overflow="fold", ratio=2)
     table.add_column("completion", overflow="fold", ratio=3)
     table.add_column("finish", no_wrap=True)
+    logprobs = bool(rows) and LOGPROBS_COLUMN in rows[0]
+    if logprobs:
+        table.add_column("logprob / token", no_wrap=True, justify="right")
     for r in rows:
-        table.add_row(f"{_cut(r['prompt'])}\n[dim]({r['prompt_id']}, {r['sample_index']})[/dim]",
-                      _cut(r["completion"]), r["finish_reason"])
+        cells = [f"{_cut(r['prompt'])}\n[dim]({r['prompt_id']}, {r['sample_index']})[/dim]", _cut(r["completion"]),
+                 r["finish_reason"]]
+        if logprobs:
+            values = r[LOGPROBS_COLUMN]
+            cells.append(f"{sum(values) / len(values):.3f}" if values else "-")
+        table.add_row(*cells)
     buffer = io.StringIO()
     # The terminal's width when there is one; 120 columns in a pipe or a log.
     width = shutil.get_terminal_size((120, 24)).columns if sys.stdout.isatty() else 120
