@@ -127,6 +127,8 @@ class TokenizeSummary:
     rejected_reasons: dict[str, int]
     """Rejected rows counted by reason."""
     chat_template: bool
+    conversations: int
+    """Accepted prompts given as conversations (lists of messages, with the chat template)."""
     add_special_tokens: bool
     """Whether the tokenizer added BOS (false when the chat template already holds it)."""
     input_files: list[dict[str, Any]]
@@ -172,7 +174,7 @@ def tokenize(cfg: Config, out: StepOutput) -> StepResult:
     return StepResult(rows=shards.rows, files=files, summary=TokenizeSummary(
         rows_in=reader.rows_in, rows=shards.rows, rejected=rejects.count, tokens=shards.tokens,
         max_tokens=shards.max_tokens, num_shards=shards.used, blank_lines=reader.blank_lines,
-        rejected_reasons=dict(rejects.kinds), chat_template=options.chat_template,
+        rejected_reasons=dict(rejects.kinds), chat_template=options.chat_template, conversations=reader.conversations,
         add_special_tokens=encode.add_special_tokens, input_files=inputs,
     ))
 
@@ -289,6 +291,7 @@ class _Reader:
         self.options, self.encode, self.shards, self.rejects = options, encode, shards, rejects
         self.rows_in = 0
         self.blank_lines = 0
+        self.conversations = 0
         self.seen_ids: set[str] | None = set() if options.id_field else None
 
     def take(self, url: str, rows: list[Row]) -> _Batch:
@@ -339,6 +342,7 @@ class _Reader:
             if len(keep) < len(token_ids):
                 columns = tuple([col[i] for i in keep] for col in columns)
             indices, ids, texts, token_ids = columns
+            self.conversations += sum(isinstance(text, Conversation) for text in texts)
             self.shards.add(pa.record_batch([
                 pa.array(indices, pa.int64()), pa.array(ids, pa.string()), pa.array(texts, pa.string()),
                 _int32_lists(token_ids, lengths), pa.array(lengths, pa.int32()),

@@ -312,7 +312,7 @@ def test_conversations_are_rendered_whole_by_the_chat_template(tmp_path, demo_mo
     assert [r["input_ids"] for r in got] == reference(rendered)["input_ids"]
     assert [r["prompt"] if isinstance(c, str) else json.loads(r["prompt"]) for r, c in zip(got, given)] == given
     assert got[1]["prompt"] == '[{"role":"system","content":"Be terse."},{"role":"user","content":"Why is the sky blue?"}]'
-    assert record.summary["rejected"] == 0
+    assert record.summary["rejected"] == 0 and record.summary["conversations"] == 2
 
 
 BAD_CONVERSATIONS = {
@@ -341,7 +341,7 @@ def test_bad_conversations_are_rejected_naming_the_message(tmp_path, demo_model)
     path.write_bytes(jsonl({"messages": CONVERSATIONS[0]}, *({"messages": m} for m, _ in BAD_CONVERSATIONS.values())))
     url, record = run_tokenize(write_config(tmp_path, str(model), path=str(path), text_field="messages",
                                             chat_template=True, on_invalid="skip"))
-    assert [r["prompt_index"] for r in all_rows(url, record)] == [0]
+    assert [r["prompt_index"] for r in all_rows(url, record)] == [0] and record.summary["conversations"] == 1
     rejected = storage.read_parquet(storage.join(url, "rejected.parquet")).to_pylist()
     assert [r["reason"] for r in rejected] == [reason for _, reason in BAD_CONVERSATIONS.values()]
     assert [r["line"] for r in rejected] == list(range(2, 2 + len(BAD_CONVERSATIONS)))
