@@ -13,9 +13,9 @@ all, or `(kind, detail)`. Kinds: invalid UTF-8, invalid JSON, not a JSON object,
 text, text not a string, empty prompt, bad conversation, missing id, bad id. An id is a
 non-empty string or an integer (any size; kept as its decimal string). With
 `prompts.chat_template` a JSONL or Parquet text may also be a conversation, a list of
-{role, content} messages: its text is then a `Conversation`. Problems with a whole file (unknown type,
-unreadable, corrupt) raise StepFailed naming the URL; a .txt file with `id_field` set is a
-ConfigError.
+{role, content} messages: its text is then a `Conversation`. Problems with a whole file
+(unknown type, unreadable, corrupt) raise StepFailed naming the URL; a .txt file with
+`id_field` set is a ConfigError.
 
 Reading: text formats in READ_BYTES blocks of whole lines; a JSONL block is parsed by
 Arrow's C++ reader when it is clean, else line by line with `json` so each problem gets its
