@@ -360,9 +360,10 @@ def _llama_config(folder: _Folder):
     if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") and
                                                   a != "Gemma3ForConditionalGeneration" for a in architectures):
         raise NotACheckpoint(f"model.path {folder.url}: architectures {architectures!r} in config.json is not a "
-                             f"causal LM (supported: LlamaForCausalLM, GraniteForCausalLM, GraniteMoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
-                             f"Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, OlmoeForCausalLM, "
-                             f"Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model)")
+                             f"causal LM (supported: LlamaForCausalLM, GraniteForCausalLM, GraniteMoeForCausalLM, "
+                             f"MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, "
+                             f"Qwen3MoeForCausalLM, Olmo2ForCausalLM, OlmoeForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, "
+                             f"Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model)")
     try:
         config = LlamaConfig.from_hf(data, source=url)
     except UnsupportedModelError as err:

@@ -66,9 +66,9 @@ class LlamaConfig:
     qwen2_moe, qwen3 or qwen3_moe: the weight names are the same; granite is llama with four
     scales (`embedding_multiplier`, `residual_multiplier`, `attention_multiplier`,
     `logits_scaling`), granitemoe granite with a mixture of experts in every layer, saved
-    stacked (each layer's experts one tensor a projection, gate and up fused); qwen2 adds q/k/v biases, qwen3, olmo2 and gemma3_text norms of
-    the queries and keys (`qk_norm`), olmo2 norms after each part of a layer instead of before
-    (`post_norm`), the Gemmas both (`gemma`), phi3 saves q/k/v and gate/up fused
+    stacked (each layer's experts one tensor a projection, gate and up fused); qwen2 adds q/k/v
+    biases, qwen3, olmo2 and gemma3_text norms of the queries and keys (`qk_norm`), olmo2 norms
+    after each part of a layer instead of before (`post_norm`), the Gemmas both (`gemma`), phi3 saves q/k/v and gate/up fused
     (`fused_projections`), mixtral's MLP is a mixture of experts (`num_experts`), qwen3_moe is
     qwen3 with one in the layers `expert_layers` names (qwen2_moe qwen2 with one, and a shared
     expert), and olmoe is llama with olmo2's norms of the queries and keys and one in every
@@ -1374,14 +1374,15 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
     """Every weight of LlamaLM and the transformers tensor it is read from; a fused tensor's
     blocks in the order of their rows, a stacked weight's experts one after another from 0."""
     mapping = [Saved("model.embed_tokens.weight", lambda m: m.embed_tokens)]
-    # A mixture's block and each expert's tensors by projection: Mixtral's w1 (gate), w3 (up) and
-    # w2 (down) in block_sparse_moe, Qwen3-MoE's gate_proj, up_proj and down_proj in mlp.
+    # A mixture's block, its router and each expert's tensors by projection: Mixtral's w1 (gate),
+    # w3 (up) and w2 (down) in block_sparse_moe, Qwen3-MoE's gate_proj, up_proj and down_proj in
+    # mlp; GraniteMoE's stacked tensors (`_stacked_experts`) in block_sparse_moe.
+    experts_block, router = "mlp", "gate"
+    expert_tensors = tuple((f"{name}_proj", name) for name in ("gate", "up", "down"))
     if config.model_type == "mixtral":
         experts_block, expert_tensors = "block_sparse_moe", (("w1", "gate"), ("w3", "up"), ("w2", "down"))
     elif config.model_type == "granitemoe":
-        experts_block, expert_tensors = "block_sparse_moe", ()
-    else:
-        experts_block, expert_tensors = "mlp", tuple((f"{name}_proj", name) for name in ("gate", "up", "down"))
+        experts_block, router = "block_sparse_moe", "router.layer"
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
 
@@ -1409,14 +1410,14 @@ def checkpoint_mapping(config: LlamaConfig) -> list[Saved]:
             if not config.has_experts(i):
                 mapping += [Saved(p + f"mlp.{name}_proj.weight", mlp(f"{name}_proj")) for name in ("gate", "up")]
             mapping += [Saved(p + f"self_attn.{name}_proj.weight", attention(f"{name}_proj")) for name in ("q", "k", "v")]
-        if config.has_experts(i) and config.model_type == "granitemoe":  # its router, then stacked tensors
-            mapping.append(Saved(p + f"{experts_block}.router.layer.weight", lambda m, L=layer: L(m).mlp.router))
-            mapping += _stacked_experts(config, p + experts_block, layer)
-        elif config.has_experts(i):  # the router, then each expert's gate, up and down projections
-            mapping.append(Saved(p + f"{experts_block}.gate.weight", lambda m, L=layer: L(m).mlp.router))
-            mapping += [Saved(p + f"{experts_block}.experts.{e}.{saved}.weight",
-                              lambda m, L=layer, name=name: getattr(L(m).mlp.experts, f"{name}_proj"), expert=e)
-                        for saved, name in expert_tensors for e in range(config.num_experts)]
+        if config.has_experts(i):  # the router, then each expert's gate, up and down projections
+            mapping.append(Saved(p + f"{experts_block}.{router}.weight", lambda m, L=layer: L(m).mlp.router))
+            if config.model_type == "granitemoe":
+                mapping += _stacked_experts(config, p + experts_block, layer)
+            else:
+                mapping += [Saved(p + f"{experts_block}.experts.{e}.{saved}.weight",
+                                  lambda m, L=layer, name=name: getattr(L(m).mlp.experts, f"{name}_proj"), expert=e)
+                            for saved, name in expert_tensors for e in range(config.num_experts)]
             if config.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert and its gate
                 mapping += [Saved(p + f"mlp.shared_expert.{name}_proj.weight",
                                   lambda m, L=layer, name=name: getattr(L(m).mlp.shared, f"{name}_proj"))

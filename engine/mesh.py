@@ -9,7 +9,8 @@ values in).
 - global mesh (`Layout.pod`): a 2-D mesh ("data", "model") over every device of the pod
   (`jax.devices()`). Weights are sharded by the haliax axis mapping PARAM_MAPPING: head, MLP
   and vocabulary axes over "model" (tensor parallel), the embedding axis over "data"
-  (FSDP-style; a mixture's experts' axis instead, where the weight has one), so each device holds 1/(data x model) of a weight whose axes divide evenly.
+  (FSDP-style; a mixture's experts' axis instead, where the weight has one), so each device
+  holds 1/(data x model) of a weight whose axes divide evenly.
   A decode call gathers each weight back over "data" (XLA hoists the gathers out of its loop),
   so a device needs 1/model of the weights while it runs (engine/memory.py plans it so).
   The KV cache [batch, kv_heads, ...] is split on both axes; activations keep their batch

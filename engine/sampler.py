@@ -57,8 +57,7 @@ def sample_at(logits: jax.Array, keys: jax.Array, steps: jax.Array, params: Samp
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """Each row's log-probability of its token under the model: log-softmax of logits [vocab,
-    rows] in float32, before temperature, top-k and top-p (`SamplingParams.logprobs`). 0.3 ms for
-    16 rows of 32,000 on this CPU, 0.9 ms for 64."""
+    rows] in float32, before temperature, top-k and top-p (`SamplingParams.logprobs`)."""
     logits = logits.astype(jnp.float32)
     return jnp.take_along_axis(logits, tokens[None, :], axis=0)[0] - jax.nn.logsumexp(logits, axis=0)
 

@@ -171,7 +171,8 @@ def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pas
         assert {(c.prompt_index, c.sample_index): c.token_ids for c in first} == {(c.prompt_index, c.sample_index): c.token_ids for c in second}
     tokens = sum(len(c.token_ids) for c in second)
     assert tokens == len(prompts) * p["new"], "every row should make exactly --new tokens"
-    assert all(len(c.logprobs) == len(c.token_ids) for c in second) if p.get("logprobs") else True
+    if p.get("logprobs"):
+        assert all(len(c.logprobs) == len(c.token_ids) for c in second)
     attention = engine.attention + (f" ({kernels.TUNING})" if engine.attention == "pallas" else "")
     return dict(tok_s=tokens / wall, wall_s=wall, prefill_s=prefill_s, first_pass_s=first_wall, compile_s=compile_s,
                 compilations=compilations, lanes=engine.plan.lanes, attention=attention,
@@ -190,14 +191,15 @@ def bench_hf(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
     # The same temperature, top_p and top_k as ours: top_k=0 switches off transformers' default of 50.
     draw = dict(do_sample=True, **p["sampling"]) if "sampling" in p else dict(do_sample=False)
 
+    # With --logprobs, transformers' way to the same numbers: each step's raw logits, log-softmaxed, at the token drawn.
+    logits = dict(output_logits=True, return_dict_in_generate=True) if p.get("logprobs") else {}
+
     def run(ids: torch.Tensor, new: int) -> torch.Tensor:
         with torch.inference_mode():
-            if not p.get("logprobs"):
-                return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                      pad_token_id=0, **draw)
-            # transformers' way to the same numbers: each step's raw logits, log-softmaxed, at the token drawn.
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True, **draw)
+                                 pad_token_id=0, **draw, **logits)
+            if not logits:
+                return out
             new_ids = out.sequences[:, ids.shape[1]:]
             logprobs = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new_ids[..., None])
             assert logprobs.shape[:2] == new_ids.shape
