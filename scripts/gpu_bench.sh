@@ -12,11 +12,12 @@
 # gpu-bench-out/) as it runs, so a step cut short still leaves what it printed. Each step has
 # its own time limit. On an H100, 2026-11-26: the sweep about a minute, the TinyLlama and seed
 # steps about 35 s and 65 s per engine (plus 15 and 30 s to build the checkpoint), each
-# attention step 20-30 s. On a card bigger than an H100, JAX gets an H100's memory. With
+# attention step 20-30 s; on an H200, 2026-11-29, the three benchmark steps with ATTENTION=pallas
+# took 4.5 minutes together. On a card bigger than an H100, JAX gets an H100's memory. With
 # --profile, two more steps trace the decode program of TinyLlama and of the 8B
 # (scripts/profile_decode.py: kernels per layer and step, the optimized programs in
 # $OUT/hlo.tar.gz); about 3 minutes more (the 8B's runs out of memory on an H100:
-# docs/performance-notes.md). ONLY, a regular expression, runs only the steps whose names it
+# docs/performance-notes.md; TinyLlama's printed nothing in 100 s on an H200, 2026-11-29). ONLY, a regular expression, runs only the steps whose names it
 # matches.
 #
 #   bash scripts/offline_wheels.sh          # first, where PyPI is reachable, if haliax is missing there
@@ -113,8 +114,8 @@ for i in "${!attention[@]}"; do
     step "attention-$i" 60 "$python" scripts/bench_decode_attention.py ${attention[$i]}
 done
 if [ -n "$profile" ]; then
-    step profile-tinyllama 100 "$python" scripts/profile_decode.py "${profile_tiny[@]}" --dtype bfloat16 --trace --hlo "$OUT/hlo"
-    step profile-seed 150 "$python" scripts/profile_decode.py "${profile_seed[@]}" --dtype bfloat16 --trace --hlo "$OUT/hlo"
+    step profile-tinyllama 200 "$python" scripts/profile_decode.py "${profile_tiny[@]}" --dtype bfloat16 --trace --hlo "$OUT/hlo"
+    step profile-seed 200 "$python" scripts/profile_decode.py "${profile_seed[@]}" --dtype bfloat16 --trace --hlo "$OUT/hlo"
     # One file: what comes back from a lent machine is counted in files.
     [ -d "$OUT/hlo" ] && tar -czf "$OUT/hlo.tar.gz" -C "$OUT" hlo && rm -r "$OUT/hlo"
 fi

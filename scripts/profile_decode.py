@@ -127,6 +127,9 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
                        fraction_of_bound=round(step_bytes / (bandwidth * 1e12) / step_s, 3))
         row["device"] = str(jax.devices()[0].device_kind)
         if args.trace:
+            # Said before the trace: a GPU's first trace has run past its step's limit silently.
+            print(f"position {position}: {row['ms_per_step']} ms a step (compiled in {row['compile_s']} s); tracing a call",
+                  file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory() as folder:
                 state = jax.block_until_ready(fresh_state())
                 with jax.profiler.trace(folder):
