@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--attention", choices=["auto", "xla", "pallas", "cpu"], default="auto",
                         help="engine.decode_attention (cpu: the engine's C++ kernel, each row read to its length)")
+    parser.add_argument("--kernel-tuning", metavar="NAME=N,...", default="",
+                        help="how the pallas attention reads the cache (engine.kernels.KernelTuning fields, e.g. in_place=1)")
     parser.add_argument("--checkpoint", help="keep the random checkpoint in this folder (built if empty) and "
                                              "reuse it, e.g. to profile two checkouts on the same weights")
     parser.add_argument("--trace", action="store_true", help="trace one call per position and print its kernels")
@@ -71,11 +73,12 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
     import jax
     import jax.numpy as jnp
 
-    from engine import Engine, EngineConfig, SamplingParams
+    from engine import Engine, EngineConfig, SamplingParams, kernels
     from engine.decode import new_state
     from engine.engine import compiler_options
     from engine.llama import pages_covering
 
+    kernels.TUNING = kernels.KernelTuning.parse(args.kernel_tuning)  # read by Engine.load
     engine = Engine.load(folder, dtype=args.dtype, sampling=SamplingParams(max_new_tokens=preset["new"]),
                          engine=EngineConfig(batch_size=preset["batch"], decode_attention=args.attention),
                          max_prompt_tokens=preset["prompt_len"])
