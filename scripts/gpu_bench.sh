@@ -17,8 +17,8 @@
 # --profile, two more steps trace the decode program of TinyLlama and of the 8B
 # (scripts/profile_decode.py: kernels per layer and step, the optimized programs in
 # $OUT/hlo.tar.gz); about 3 minutes more (the 8B's runs out of memory on an H100:
-# docs/performance-notes.md; TinyLlama's printed nothing in 100 s on an H200, 2026-11-29). ONLY, a regular expression, runs only the steps whose names it
-# matches.
+# docs/performance-notes.md; on an H200, 2026-11-29, TinyLlama's printed nothing in 100 s).
+# ONLY, a regular expression, runs only the steps whose names it matches.
 #
 #   bash scripts/offline_wheels.sh          # first, where PyPI is reachable, if haliax is missing there
 #   bash scripts/gpu_bench.sh               # on the GPU machine, from the repository root

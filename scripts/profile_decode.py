@@ -73,14 +73,17 @@ def profile(folder: str, preset: dict, args: argparse.Namespace):
     import jax
     import jax.numpy as jnp
 
-    from engine import Engine, EngineConfig, SamplingParams, kernels
+    from engine import Engine, EngineConfig, SamplingParams
+    from engine import kernels as engine_kernels  # `kernels` is this script's trace reader
     from engine.decode import new_state
     from engine.engine import compiler_options
     from engine.llama import pages_covering
 
-    kernels.TUNING = kernels.KernelTuning.parse(args.kernel_tuning)  # read by Engine.load
-    engine = Engine.load(folder, dtype=args.dtype, sampling=SamplingParams(max_new_tokens=preset["new"]),
-                         engine=EngineConfig(batch_size=preset["batch"], decode_attention=args.attention),
+    engine_kernels.TUNING = engine_kernels.KernelTuning.parse(args.kernel_tuning)  # read by Engine.load
+    # The decode program is compiled below, alone: none of the run's programs is got while loading
+    # (on an accelerator `auto` would compile them in threads beside it).
+    config = EngineConfig(batch_size=preset["batch"], decode_attention=args.attention, compile_during_load=False)
+    engine = Engine.load(folder, dtype=args.dtype, sampling=SamplingParams(max_new_tokens=preset["new"]), engine=config,
                          max_prompt_tokens=preset["prompt_len"])
     slots, steps = preset["batch"], engine.engine_config.decode_chunk_steps
     bandwidth = args.bandwidth_tbps or (None if engine.devices[0].platform == "cpu" else 3.0)  # TB/s, for the bound
