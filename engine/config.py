@@ -55,6 +55,13 @@ class SamplingParams:
     min_p: float = 0.0
     """Keep only tokens at least min_p times as probable as the most probable one (after
     temperature); 0 = off. With top_k and top_p, a token must pass all three."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of each token the completion already holds, however often; in
+    [-2, 2], 0 = off. As vLLM's and OpenAI's: over the generated tokens, not the prompt, before
+    temperature, top_k, top_p and min_p (greedy too). A negative one favours repeats."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once for each time the completion already holds it; in
+    [-2, 2], 0 = off. Applied with presence_penalty, as vLLM applies them."""
     n: int = 1
     """Samples per prompt; they share one prefill of the prompt."""
     seed: int = 0
@@ -80,6 +87,9 @@ class SamplingParams:
         require(_is_number(self.top_p) and 0 < self.top_p <= 1, "sampling.top_p", self.top_p, "a number in (0, 1]")
         require(_is_int(self.top_k) and self.top_k >= 0, "sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
         require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "sampling.min_p", self.min_p, "a number in [0, 1] (0 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            require(_is_number(value) and -2 <= value <= 2, f"sampling.{name}", value, "a number in [-2, 2] (0 = off)")
         require(_is_int(self.n) and self.n > 0, "sampling.n", self.n, "an integer > 0")
         # jax.random.key keeps 32 bits: seeds outside [0, 2**32) would silently share keys.
         require(_is_int(self.seed) and 0 <= self.seed < 2**32, "sampling.seed", self.seed, "an integer in [0, 2**32)")

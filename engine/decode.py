@@ -65,7 +65,7 @@ from engine.llama import (
     DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, PrefillSegments, by_pages, cache_pages, page_spans,
     set_rows,
 )
-from engine.sampler import draws, empty_keys, row_keys, sample_at, token_logprobs
+from engine.sampler import draws, empty_keys, penalize, row_keys, sample_at, token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +148,9 @@ class DecodeState(NamedTuple):
     generated: jax.Array  # [slots] int32: tokens generated so far, last_token included
     done: jax.Array  # [slots] bool: finished or empty slot
     keys: jax.Array  # [slots] PRNG keys, one per (prompt, sample) row
+    counts: jax.Array | None = None
+    """With presence or frequency penalties (`sampler.penalizes`), [slots, vocab] int32: how often
+    each token is in the row's completion before last_token; else None."""
 
 
 class HostOut(NamedTuple):
@@ -178,14 +181,15 @@ def new_cache(config: LlamaConfig, slots: int, ends: tuple[int, ...], cache_dtyp
     return KVCache(tuple(layer() for _ in range(config.num_hidden_layers)))
 
 
-def new_state(slots: int) -> DecodeState:
-    """Every slot empty (done). Separate buffers: the state is donated, and one buffer cannot be
-    donated twice."""
+def new_state(slots: int, vocab: int | None = None) -> DecodeState:
+    """Every slot empty (done); with `vocab`, token counts for the penalties. Separate buffers:
+    the state is donated, and one buffer cannot be donated twice."""
 
     def zeros():
         return jnp.zeros(slots, jnp.int32)
 
-    return DecodeState(zeros(), zeros(), zeros(), jnp.ones(slots, bool), empty_keys(slots))
+    counts = None if vocab is None else jnp.zeros((slots, vocab), jnp.int32)
+    return DecodeState(zeros(), zeros(), zeros(), jnp.ones(slots, bool), empty_keys(slots), counts)
 
 
 def _constrain(tree, sharding):
@@ -278,6 +282,8 @@ def prefill_chunk(
         generated=jnp.where(is_new, 1, state.generated),
         done=jnp.where(is_new, done, state.done),
         keys=jnp.where(is_new, keys, state.keys),
+        # A new row's completion holds only its first token, last_token: nothing counted yet.
+        counts=None if state.counts is None else jnp.where(is_new[:, None], 0, state.counts),
     )
     return _finish(KVCache(tuple(layers)), state, jnp.where(is_new, first, -1), _where(is_new, logprobs), spec)
 
@@ -407,8 +413,12 @@ def _step(model: LlamaLM, st: DecodeState, out: tuple, i: jax.Array, contexts, s
         hax.named(st.last_token[:, None], (Batch, Pos)), hax.named(st.position[:, None], (Batch, Pos)), contexts,
     )
     logits = model.logits(hidden["position", 0]).rearrange(("vocab", "batch")).array
-    token = sample_at(logits, st.keys, st.generated, spec.sampling)
     live = ~st.done
+    counts, scores = st.counts, logits
+    if counts is not None:  # the penalties: last_token joins the counts, and the choice sees them
+        counts = counts.at[jnp.arange(slots), st.last_token].add(live.astype(jnp.int32))
+        scores = penalize(logits, counts, spec.sampling)
+    token = sample_at(scores, st.keys, st.generated, spec.sampling)
     generated = st.generated + live
     done = st.done | (live & (_is_stop(token, spec.stop_ids) | (generated >= spec.sampling.max_new_tokens)))
     st = DecodeState(
@@ -417,6 +427,7 @@ def _step(model: LlamaLM, st: DecodeState, out: tuple, i: jax.Array, contexts, s
         generated=generated,
         done=done,
         keys=st.keys,
+        counts=counts,
     )
     tokens, logprobs = out
     if logprobs is not None:

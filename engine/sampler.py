@@ -1,4 +1,5 @@
-"""The per-row token choice (greedy, temperature, top-k, top-p) on device.
+"""The per-row token choice (greedy, temperature, top-k, top-p, min-p, presence and frequency
+penalties) on device.
 
 Owns the randomness rule: row (prompt p, sample s) draws its t-th token with
 `fold_in(fold_in(fold_in(key(seed), p), s), t)`, so a row's tokens do not depend on which batch,
@@ -6,7 +7,8 @@ slot or host it ran in. It does not own stop strings (the host checks those, see
 
     params = SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9)
     keys = row_keys(params.seed, prompt_index, sample_index)       # [rows]
-    tokens = sample_at(logits, keys, steps, params)                 # logits [vocab, rows] -> [rows]
+    scores = penalize(logits, counts, params) if penalizes(params) else logits  # counts [rows, vocab]
+    tokens = sample_at(scores, keys, steps, params)                 # logits [vocab, rows] -> [rows]
     logprobs = token_logprobs(logits, tokens)                       # with sampling.logprobs: [rows]
 
 A greedy choice draws nothing, so a greedy program hashes no key (`draws`).
@@ -53,6 +55,25 @@ def sample_at(logits: jax.Array, keys: jax.Array, steps: jax.Array, params: Samp
     if not draws(params):
         return greedy(logits)
     return sample(logits, step_keys(keys, steps), params)
+
+
+def penalizes(params: SamplingParams) -> bool:
+    """Whether the choice takes the completion's tokens into account (presence or frequency
+    penalty): its programs then carry each row's token counts (`DecodeState.counts`)."""
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def penalize(logits: jax.Array, counts: jax.Array, params: SamplingParams) -> jax.Array:
+    """logits [vocab, rows] less frequency_penalty times how often each row's completion holds
+    each token (counts [rows, vocab]) and less presence_penalty where it holds it at all, in
+    float32, in vLLM's order. The prompt's tokens are not counted."""
+    counts = counts.T
+    logits = logits.astype(jnp.float32)
+    if params.frequency_penalty:
+        logits = logits - params.frequency_penalty * counts.astype(jnp.float32)
+    if params.presence_penalty:
+        logits = logits - params.presence_penalty * (counts > 0).astype(jnp.float32)
+    return logits
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -41,6 +41,9 @@ def base(tmp_path, demo_model):
     ("sampling.logprobs=false", set()),  # its default: no hash made before the key existed changes
     ("sampling.min_p=0.05", FROM_GENERATE),
     ("sampling.min_p=0", set()),
+    ("sampling.presence_penalty=0.5", FROM_GENERATE),
+    ("sampling.frequency_penalty=-0.2", FROM_GENERATE),
+    ("sampling.frequency_penalty=0.0", set()),
     ("prompts.max_prompt_tokens=7", ALL),
     ("prompts.chat_template=true", ALL),
     ("prompts.on_invalid=skip", ALL),
@@ -61,7 +64,7 @@ def test_which_edits_change_which_hashes(base, override, changed):
 
 
 def test_a_key_added_later_is_in_no_hash_at_its_default(base):
-    """`sampling.logprobs` and `sampling.min_p` came after results existed: at their defaults the generate step hashes
+    """`sampling.logprobs`, `min_p` and the penalties came after results existed: at their defaults the generate step hashes
     the same values as before it did, so those results are found, not generated again."""
     from pipeline.run.identity import semantic_values
 
@@ -72,6 +75,8 @@ def test_a_key_added_later_is_in_no_hash_at_its_default(base):
         *before, "sampling.logprobs"]
     assert list(semantic_values("generate", build_config(apply_override(base, "sampling.min_p=0.1")))) == [
         *before, "sampling.min_p"]
+    assert list(semantic_values("generate", build_config(apply_override(base, "sampling.presence_penalty=0.3")))) == [
+        *before, "sampling.presence_penalty"]
 
 
 def test_content_not_location_enters_the_hash(base, tmp_path):

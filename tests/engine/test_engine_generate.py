@@ -130,6 +130,62 @@ def test_logprobs_are_transformers_log_softmax_of_each_token(llama):
     assert (c.token_ids, c.logprobs) == (row.token_ids, row.logprobs)
 
 
+def test_presence_and_frequency_penalties_are_vllms_over_the_completion(llama):
+    """`sampling.presence_penalty` and `frequency_penalty`: before each choice, a token's logit
+    loses frequency_penalty per time the completion already holds it and presence_penalty once
+    if it holds it at all; the prompt's tokens do not count (vLLM's rule, written here as a
+    transformers logits processor). Greedy, each prompt's tokens are transformers' under that
+    rule, and the penalties change some rows. In 2 slots, where rows reuse the slots of
+    finished ones (prefilled into them, or staged beside decoding and moved), the rows are the
+    same, greedy and sampled; the log-probabilities stay the model's own, as without penalties."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    path, hf = llama
+    presence, frequency = 0.5, 0.7
+
+    class Penalties:  # vLLM's: logits -= frequency * counts; logits -= presence * (counts > 0)
+        def __init__(self, prompt_len: int):
+            self.prompt_len = prompt_len
+
+        def __call__(self, input_ids, scores):
+            counts = torch.zeros_like(scores)
+            counts.scatter_add_(1, input_ids[:, self.prompt_len:], torch.ones_like(scores[:, :1]).expand(-1, input_ids.shape[1] - self.prompt_len))
+            return scores - frequency * counts - presence * (counts > 0).float()
+
+    greedy = SamplingParams(max_new_tokens=12, presence_penalty=presence, frequency_penalty=frequency)
+    engine = Engine.load(path, dtype="float32", sampling=greedy, engine=EngineConfig(batch_size=8), max_prompt_tokens=16)
+    got = _run(engine, [GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS)])
+    plain = _run(Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12),
+                             engine=EngineConfig(batch_size=8), max_prompt_tokens=16),
+                 [GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS)])
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              pad_token_id=0, logits_processor=LogitsProcessorList([Penalties(len(prompt))]))
+        assert got[(i, 0)].token_ids == out[0, len(prompt):].tolist(), i
+    assert sum(got[(i, 0)].token_ids != plain[(i, 0)].token_ids for i in range(len(PROMPTS))) >= 2
+    repeats = sum(len(c.token_ids) - len(set(c.token_ids)) for c in got.values())
+    assert repeats < sum(len(c.token_ids) - len(set(c.token_ids)) for c in plain.values())
+
+    small = Engine.load(path, dtype="float32", sampling=greedy, max_prompt_tokens=16,
+                        engine=EngineConfig(batch_size=2, overlap_prefill=False))  # prefilled into the slots
+    assert {key: c.token_ids for key, c in _run(small, [GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS)]).items()} == \
+        {key: c.token_ids for key, c in got.items()}
+
+    sampled = SamplingParams(**{**SAMPLED.__dict__, "presence_penalty": presence, "frequency_penalty": frequency, "logprobs": True})
+    requests = [GenerationRequest(i, p, range(3)) for i, p in enumerate(PROMPTS)]
+    big = _run(Engine.load(path, dtype="float32", sampling=sampled, engine=EngineConfig(batch_size=8), max_prompt_tokens=16), requests)
+    two = _run(Engine.load(path, dtype="float32", sampling=sampled, max_prompt_tokens=16,
+                           engine=EngineConfig(batch_size=2, overlap_prefill=True)), requests)  # staged, then moved
+    assert {k: c.token_ids for k, c in big.items()} == {k: c.token_ids for k, c in two.items()}
+    (p, s), row = next(iter(big.items()))
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPTS[p] + row.token_ids])).logits[0, len(PROMPTS[p]) - 1 : -1]
+    expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(row.token_ids)), row.token_ids].numpy()
+    np.testing.assert_allclose(row.logprobs, expected, atol=1e-4, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def greedy_ref(llama):
     """Greedy tokens of PROMPTS[1] with no stop rule: 12 tokens, finish_reason length."""
