@@ -55,6 +55,10 @@ class SamplingParams:
     min_p: float = 0.0
     """Keep only tokens at least min_p times as probable as the most probable one (after
     temperature); 0 = off. With top_k and top_p, a token must pass all three."""
+    repetition_penalty: float = 1.0
+    """Each token already in the prompt or the completion has its logit divided by it where
+    positive, multiplied by it where negative; 1 = off, above 1 discourages repeats. As
+    transformers' and vLLM's `repetition_penalty`, applied before the two below."""
     presence_penalty: float = 0.0
     """Subtracted from the logit of each token the completion already holds, however often; in
     [-2, 2], 0 = off. As vLLM's and OpenAI's: over the generated tokens, not the prompt, before
@@ -87,6 +91,8 @@ class SamplingParams:
         require(_is_number(self.top_p) and 0 < self.top_p <= 1, "sampling.top_p", self.top_p, "a number in (0, 1]")
         require(_is_int(self.top_k) and self.top_k >= 0, "sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
         require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "sampling.min_p", self.min_p, "a number in [0, 1] (0 = off)")
+        require(_is_number(self.repetition_penalty) and math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                "sampling.repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off), not inf")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             require(_is_number(value) and -2 <= value <= 2, f"sampling.{name}", value, "a number in [-2, 2] (0 = off)")

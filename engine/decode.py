@@ -149,8 +149,10 @@ class DecodeState(NamedTuple):
     done: jax.Array  # [slots] bool: finished or empty slot
     keys: jax.Array  # [slots] PRNG keys, one per (prompt, sample) row
     counts: jax.Array | None = None
-    """With presence or frequency penalties (`sampler.penalizes`), [slots, vocab] int32: how often
-    each token is in the row's completion before last_token; else None."""
+    """With a penalty (`sampler.penalizes`), [slots, vocab] int32: how often each token is in the
+    row's completion before last_token; else None."""
+    in_prompt: jax.Array | None = None
+    """With a repetition penalty, [slots, vocab] bool: the tokens of the row's prompt; else None."""
 
 
 class HostOut(NamedTuple):
@@ -181,15 +183,17 @@ def new_cache(config: LlamaConfig, slots: int, ends: tuple[int, ...], cache_dtyp
     return KVCache(tuple(layer() for _ in range(config.num_hidden_layers)))
 
 
-def new_state(slots: int, vocab: int | None = None) -> DecodeState:
-    """Every slot empty (done); with `vocab`, token counts for the penalties. Separate buffers:
-    the state is donated, and one buffer cannot be donated twice."""
+def new_state(slots: int, vocab: int | None = None, *, in_prompt: bool = False) -> DecodeState:
+    """Every slot empty (done); with `vocab`, token counts for the penalties, and with in_prompt
+    the prompts' tokens too (a repetition penalty). Separate buffers: the state is donated, and
+    one buffer cannot be donated twice."""
 
     def zeros():
         return jnp.zeros(slots, jnp.int32)
 
     counts = None if vocab is None else jnp.zeros((slots, vocab), jnp.int32)
-    return DecodeState(zeros(), zeros(), zeros(), jnp.ones(slots, bool), empty_keys(slots), counts)
+    prompt = jnp.zeros((slots, vocab), bool) if in_prompt else None
+    return DecodeState(zeros(), zeros(), zeros(), jnp.ones(slots, bool), empty_keys(slots), counts, prompt)
 
 
 def _constrain(tree, sharding):
@@ -269,10 +273,21 @@ def prefill_chunk(
     else:  # a greedy choice draws nothing: no key is hashed (sampler.draws)
         pair_keys = empty_keys(S * n)
     pair_logits = jnp.repeat(logits, n, axis=1)
+    in_prompt = state.in_prompt
+    if in_prompt is not None:  # the repetition penalty: the tokens of each slot's prompt so far, this call's too
+        began = jnp.where(((starts == 0) & (lengths > 0))[:, None], slots, num_slots).reshape(-1)
+        in_prompt = in_prompt.at[began].set(False, mode="drop")  # a prompt's first piece: a new row
+        in_prompt = in_prompt.at[write_rows.reshape(-1), jnp.repeat(tokens.reshape(-1), n)].set(True, mode="drop")
     if S * n <= num_slots:
-        first = sample_at(pair_logits, pair_keys, jnp.zeros(S * n, jnp.int32), spec.sampling)[j]
+        scores = pair_logits
+        if in_prompt is not None:  # only pairs whose prompt ends here are kept: their slots are in range
+            scores = penalize(scores, spec.sampling, in_prompt=in_prompt[jnp.minimum(flat_slots, num_slots - 1)])
+        first = sample_at(scores, pair_keys, jnp.zeros(S * n, jnp.int32), spec.sampling)[j]
     else:
-        first = sample_at(pair_logits[:, j], pair_keys[j], jnp.zeros(num_slots, jnp.int32), spec.sampling)
+        scores = pair_logits[:, j]
+        if in_prompt is not None:
+            scores = penalize(scores, spec.sampling, in_prompt=in_prompt)
+        first = sample_at(scores, pair_keys[j], jnp.zeros(num_slots, jnp.int32), spec.sampling)
     keys = pair_keys[j]
     logprobs = token_logprobs(logits[:, j // n], first) if spec.sampling.logprobs else None
     done = _is_stop(first, spec.stop_ids) | (spec.sampling.max_new_tokens <= 1)
@@ -284,6 +299,7 @@ def prefill_chunk(
         keys=jnp.where(is_new, keys, state.keys),
         # A new row's completion holds only its first token, last_token: nothing counted yet.
         counts=None if state.counts is None else jnp.where(is_new[:, None], 0, state.counts),
+        in_prompt=in_prompt,
     )
     return _finish(KVCache(tuple(layers)), state, jnp.where(is_new, first, -1), _where(is_new, logprobs), spec)
 
@@ -417,7 +433,7 @@ def _step(model: LlamaLM, st: DecodeState, out: tuple, i: jax.Array, contexts, s
     counts, scores = st.counts, logits
     if counts is not None:  # the penalties: last_token joins the counts, and the choice sees them
         counts = counts.at[jnp.arange(slots), st.last_token].add(live.astype(jnp.int32))
-        scores = penalize(logits, counts, spec.sampling)
+        scores = penalize(logits, spec.sampling, counts, st.in_prompt)
     token = sample_at(scores, st.keys, st.generated, spec.sampling)
     generated = st.generated + live
     done = st.done | (live & (_is_stop(token, spec.stop_ids) | (generated >= spec.sampling.max_new_tokens)))
@@ -428,6 +444,7 @@ def _step(model: LlamaLM, st: DecodeState, out: tuple, i: jax.Array, contexts, s
         done=done,
         keys=st.keys,
         counts=counts,
+        in_prompt=st.in_prompt,
     )
     tokens, logprobs = out
     if logprobs is not None:

@@ -603,6 +603,7 @@ class Engine:
             prefill_chunk_tokens=engine.prefill_chunk_tokens,
             lanes=engine.lanes if engine.mode == "host_dp" else 1,
             token_counts=penalizes(sampling),
+            prompt_tokens=sampling.repetition_penalty != 1.0,
         )
         plan = plan_staging(plan, engine.overlap_prefill if engine.mode == "host_dp" else False, platform=devices[0].platform,
                             prefill_chunk_tokens=engine.prefill_chunk_tokens, samples=sampling.n, batch_shards=layout.data_size)
@@ -761,7 +762,9 @@ class Engine:
         def make():
             ends = self._spec.cache_ends(self._seq_len)
             vocab = self.config.vocab_size if penalizes(self.sampling) else None  # token counts for the penalties
-            return tuple((new_cache(self.config, n, ends, self._cache_dtype), new_state(n, vocab)) for n in slots)
+            in_prompt = self.sampling.repetition_penalty != 1.0
+            return tuple((new_cache(self.config, n, ends, self._cache_dtype), new_state(n, vocab, in_prompt=in_prompt))
+                         for n in slots)
 
         shardings = tuple((self.layout.cache_sharding, self._batch_sharding) for _ in slots)
         return "init", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name), jax.jit(make, out_shardings=shardings), shardings

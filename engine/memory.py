@@ -112,11 +112,12 @@ def decode_row_bytes(config: LlamaConfig, seq_len: int, steps: int, dtype, cache
     return chunk + logits + scores + activations
 
 
-def token_count_bytes(config: LlamaConfig) -> int:
-    """Per row with presence or frequency penalties: the completion's token counts (int32, in
-    the decode state) and their float32 copy as the penalties subtract them, over the
-    vocabulary. Each device holds its rows' whole counts (they are split by rows only)."""
-    return 2 * config.vocab_size * 4
+def token_count_bytes(config: LlamaConfig, in_prompt: bool = False) -> int:
+    """Per row with a penalty: the completion's token counts (int32, in the decode state) and
+    their float32 copy as the penalties use them, over the vocabulary, and with a repetition
+    penalty the prompt's tokens (bool). Each device holds its rows' whole counts (they are split
+    by rows only)."""
+    return (2 * 4 + in_prompt) * config.vocab_size
 
 
 def prefill_working_bytes(config: LlamaConfig, seq_len: int, rows: int, chunk: int, dtype, cache_dtype) -> int:
@@ -178,12 +179,14 @@ def plan_batch(
     prefill_chunk_tokens: int = 32,
     lanes: int | str = 1,
     token_counts: bool = False,
+    prompt_tokens: bool = False,
 ) -> BatchPlan:
     """devices: this host's devices (their memory is planned); batch_shards: ways rows are split
     (default: one per device); weight_shards / row_shards: devices sharing each weight / each row;
     prefill_tokens: a budget, or auto (`prefill_budget`); lanes: decode streams, or auto
     (`auto_lanes`, decided with the batch size and dtype); token_counts: rows carry their
-    completion's token counts (`token_count_bytes`). A staging cache is added by `plan_staging`."""
+    completion's token counts, and prompt_tokens their prompt's tokens (`token_count_bytes`). A
+    staging cache is added by `plan_staging`."""
     n = batch_shards or len(devices)
     seq_len = max_prompt_tokens + max_new_tokens
 
@@ -192,7 +195,7 @@ def plan_batch(
                                                         decode_chunk_steps=decode_chunk_steps, prefill_tokens=tokens,
                                                         prefill_chunk_tokens=prefill_chunk_tokens),
                                              weight_shards=weight_shards, row_shards=row_shards, batch_shards=n)
-        return weights, row + (token_count_bytes(config) if token_counts else 0), working
+        return weights, row + (token_count_bytes(config, prompt_tokens) if token_counts else 0), working
 
     device_bytes = device_memory_bytes(devices[0], len(devices))
     limit = int(device_bytes * memory_fraction)

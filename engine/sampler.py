@@ -1,5 +1,5 @@
-"""The per-row token choice (greedy, temperature, top-k, top-p, min-p, presence and frequency
-penalties) on device.
+"""The per-row token choice (greedy, temperature, top-k, top-p, min-p, repetition, presence and
+frequency penalties) on device.
 
 Owns the randomness rule: row (prompt p, sample s) draws its t-th token with
 `fold_in(fold_in(fold_in(key(seed), p), s), t)`, so a row's tokens do not depend on which batch,
@@ -7,7 +7,7 @@ slot or host it ran in. It does not own stop strings (the host checks those, see
 
     params = SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9)
     keys = row_keys(params.seed, prompt_index, sample_index)       # [rows]
-    scores = penalize(logits, counts, params) if penalizes(params) else logits  # counts [rows, vocab]
+    scores = penalize(logits, params, counts, in_prompt) if penalizes(params) else logits  # [rows, vocab] each
     tokens = sample_at(scores, keys, steps, params)                 # logits [vocab, rows] -> [rows]
     logprobs = token_logprobs(logits, tokens)                       # with sampling.logprobs: [rows]
 
@@ -58,17 +58,30 @@ def sample_at(logits: jax.Array, keys: jax.Array, steps: jax.Array, params: Samp
 
 
 def penalizes(params: SamplingParams) -> bool:
-    """Whether the choice takes the completion's tokens into account (presence or frequency
-    penalty): its programs then carry each row's token counts (`DecodeState.counts`)."""
-    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    """Whether the choice takes the tokens a row has seen into account (a repetition, presence
+    or frequency penalty): its programs then carry each row's token counts (`DecodeState.counts`,
+    and with a repetition penalty `DecodeState.in_prompt`)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-def penalize(logits: jax.Array, counts: jax.Array, params: SamplingParams) -> jax.Array:
-    """logits [vocab, rows] less frequency_penalty times how often each row's completion holds
-    each token (counts [rows, vocab]) and less presence_penalty where it holds it at all, in
-    float32, in vLLM's order. The prompt's tokens are not counted."""
-    counts = counts.T
+def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None = None,
+             in_prompt: jax.Array | None = None) -> jax.Array:
+    """logits [vocab, rows] with the penalties, in float32, in vLLM's order: repetition_penalty
+    over each token in the row's prompt (in_prompt [rows, vocab] bool) or completion (counts
+    [rows, vocab], how often each token is in it), logits divided by it where positive and
+    multiplied where not, as transformers' `RepetitionPenaltyLogitsProcessor`; then less
+    frequency_penalty per occurrence in the completion and presence_penalty once, the prompt
+    not counted. counts None: an empty completion (a prompt's first token)."""
     logits = logits.astype(jnp.float32)
+    if params.repetition_penalty != 1.0:
+        seen = in_prompt.T
+        if counts is not None:
+            seen = seen | (counts.T > 0)
+        penalty = params.repetition_penalty
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
+    if counts is None:
+        return logits
+    counts = counts.T
     if params.frequency_penalty:
         logits = logits - params.frequency_penalty * counts.astype(jnp.float32)
     if params.presence_penalty:

@@ -44,6 +44,8 @@ def base(tmp_path, demo_model):
     ("sampling.presence_penalty=0.5", FROM_GENERATE),
     ("sampling.frequency_penalty=-0.2", FROM_GENERATE),
     ("sampling.frequency_penalty=0.0", set()),
+    ("sampling.repetition_penalty=1.2", FROM_GENERATE),
+    ("sampling.repetition_penalty=1", set()),
     ("prompts.max_prompt_tokens=7", ALL),
     ("prompts.chat_template=true", ALL),
     ("prompts.on_invalid=skip", ALL),

@@ -130,6 +130,40 @@ def test_logprobs_are_transformers_log_softmax_of_each_token(llama):
     assert (c.token_ids, c.logprobs) == (row.token_ids, row.logprobs)
 
 
+class _VllmPenalties:
+    """vLLM's presence and frequency penalties as a transformers logits processor: a token's
+    logit loses frequency per time the completion (input_ids past the prompt) holds it, and
+    presence once if it holds it at all."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        completion = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, completion, torch.ones_like(completion, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def _hf_penalized(hf, prompt: list[int], new: int, processors: list) -> list[int]:
+    """transformers' greedy tokens with these logits processors applied in order."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                          logits_processor=LogitsProcessorList(processors))
+    return out[0, len(prompt):].tolist()
+
+
+def _greedy_rows(path: str, sampling: SamplingParams, engine: EngineConfig,
+                 prompts: list[list[int]] = PROMPTS) -> dict[tuple[int, int], list[int]]:
+    loaded = Engine.load(path, dtype="float32", sampling=sampling, engine=engine, max_prompt_tokens=32)
+    return {key: c.token_ids for key, c in _run(loaded, [GenerationRequest(i, p, [0]) for i, p in enumerate(prompts)]).items()}
+
+
 def test_presence_and_frequency_penalties_are_vllms_over_the_completion(llama):
     """`sampling.presence_penalty` and `frequency_penalty`: before each choice, a token's logit
     loses frequency_penalty per time the completion already holds it and presence_penalty once
@@ -139,34 +173,18 @@ def test_presence_and_frequency_penalties_are_vllms_over_the_completion(llama):
     finished ones (prefilled into them, or staged beside decoding and moved), the rows are the
     same, greedy and sampled; the log-probabilities stay the model's own, as without penalties."""
     import torch
-    from transformers import LogitsProcessorList
 
     path, hf = llama
     presence, frequency = 0.5, 0.7
-
-    class Penalties:  # vLLM's: logits -= frequency * counts; logits -= presence * (counts > 0)
-        def __init__(self, prompt_len: int):
-            self.prompt_len = prompt_len
-
-        def __call__(self, input_ids, scores):
-            counts = torch.zeros_like(scores)
-            counts.scatter_add_(1, input_ids[:, self.prompt_len:], torch.ones_like(scores[:, :1]).expand(-1, input_ids.shape[1] - self.prompt_len))
-            return scores - frequency * counts - presence * (counts > 0).float()
-
     greedy = SamplingParams(max_new_tokens=12, presence_penalty=presence, frequency_penalty=frequency)
     engine = Engine.load(path, dtype="float32", sampling=greedy, engine=EngineConfig(batch_size=8), max_prompt_tokens=16)
     got = _run(engine, [GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS)])
-    plain = _run(Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12),
-                             engine=EngineConfig(batch_size=8), max_prompt_tokens=16),
-                 [GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS)])
+    plain = _greedy_rows(path, SamplingParams(max_new_tokens=12), EngineConfig(batch_size=8))
     for i, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              pad_token_id=0, logits_processor=LogitsProcessorList([Penalties(len(prompt))]))
-        assert got[(i, 0)].token_ids == out[0, len(prompt):].tolist(), i
-    assert sum(got[(i, 0)].token_ids != plain[(i, 0)].token_ids for i in range(len(PROMPTS))) >= 2
+        assert got[(i, 0)].token_ids == _hf_penalized(hf, prompt, 12, [_VllmPenalties(len(prompt), presence, frequency)]), i
+    assert sum(got[(i, 0)].token_ids != plain[(i, 0)] for i in range(len(PROMPTS))) >= 2
     repeats = sum(len(c.token_ids) - len(set(c.token_ids)) for c in got.values())
-    assert repeats < sum(len(c.token_ids) - len(set(c.token_ids)) for c in plain.values())
+    assert repeats < sum(len(tokens) - len(set(tokens)) for tokens in plain.values())
 
     small = Engine.load(path, dtype="float32", sampling=greedy, max_prompt_tokens=16,
                         engine=EngineConfig(batch_size=2, overlap_prefill=False))  # prefilled into the slots
@@ -184,6 +202,51 @@ def test_presence_and_frequency_penalties_are_vllms_over_the_completion(llama):
         logits = hf(torch.tensor([PROMPTS[p] + row.token_ids])).logits[0, len(PROMPTS[p]) - 1 : -1]
     expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(row.token_ids)), row.token_ids].numpy()
     np.testing.assert_allclose(row.logprobs, expected, atol=1e-4, rtol=0)
+
+
+def test_repetition_penalty_is_transformers_over_prompt_and_completion(llama):
+    """`sampling.repetition_penalty`: each token already in the prompt or the completion has its
+    logit divided by the penalty where positive and multiplied where not, the first token too
+    (transformers' `repetition_penalty`). Greedy, the rows are transformers' with prompts split
+    over prefill calls of 8-token chunks, packed (the CPU kernel) or a chunk a row (the XLA
+    attention), with first tokens drawn per pair or per slot (n = 2 in 2 slots), and in 1 or 2
+    slots that rows reuse; with the presence and frequency penalties after it, as
+    vLLM orders them, staged beside decoding. Each prompt runs on with its greedy tokens up to
+    one that repeats a token before it, so that its first token is one the prompt holds and the
+    first token's penalty counts; and a row in a reused slot follows one whose prompt is its own
+    penalized tokens, so a prompt left from the slot's last row would change them."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    path, hf = llama
+    penalty = 1.5
+    plain = _greedy_rows(path, SamplingParams(max_new_tokens=12), EngineConfig(batch_size=8))
+    prompts = []
+    for i, p in enumerate(PROMPTS):
+        tokens = plain[(i, 0)]
+        ahead = next((t for t in range(len(tokens)) if tokens[t] in p + tokens[:t]), None)
+        if ahead is not None:  # greedy, the prompt's first token is then tokens[ahead], a repeat
+            prompts.append(p + tokens[:ahead])
+    repeated = _greedy_rows(path, SamplingParams(max_new_tokens=1), EngineConfig(batch_size=8), prompts)
+    assert len(prompts) >= 3 and all(repeated[(i, 0)][0] in p for i, p in enumerate(prompts))
+    expected = {(i, 0): _hf_penalized(hf, p, 12, [RepetitionPenaltyLogitsProcessor(penalty)]) for i, p in enumerate(prompts)}
+    assert sum(expected[(i, 0)][0] != repeated[(i, 0)][0] for i in range(len(prompts))) >= 2
+    sampling = SamplingParams(max_new_tokens=12, repetition_penalty=penalty)
+    for engine in (EngineConfig(batch_size=8, prefill_chunk_tokens=8, prefill_tokens=16),
+                   EngineConfig(batch_size=2, prefill_chunk_tokens=8, decode_attention="xla", overlap_prefill=False)):
+        assert _greedy_rows(path, sampling, engine, prompts) == expected, engine
+    # n = 2 in 2 slots: a call's 2 rows make 4 pairs, so the first tokens are drawn per slot.
+    two = SamplingParams(max_new_tokens=12, repetition_penalty=penalty, n=2)
+    assert _greedy_rows(path, two, EngineConfig(batch_size=2, overlap_prefill=False), prompts) == expected
+    # In one slot, a row whose prompt is the next row's penalized tokens goes first.
+    last = len(prompts) - 1
+    after = _greedy_rows(path, sampling, EngineConfig(batch_size=1, overlap_prefill=False), [expected[(last, 0)], prompts[last]])
+    assert after[(1, 0)] == expected[(last, 0)]
+
+    combined = SamplingParams(max_new_tokens=12, repetition_penalty=penalty, presence_penalty=0.5, frequency_penalty=0.7)
+    got = _greedy_rows(path, combined, EngineConfig(batch_size=2, overlap_prefill=True))
+    for i, p in enumerate(PROMPTS):
+        assert got[(i, 0)] == _hf_penalized(hf, p, 12, [RepetitionPenaltyLogitsProcessor(penalty),
+                                                         _VllmPenalties(len(p), 0.5, 0.7)]), i
 
 
 @pytest.fixture(scope="module")

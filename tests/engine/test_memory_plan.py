@@ -92,21 +92,24 @@ def test_auto_prefill_budget_on_the_8b_seed_leaves_its_batch_room():
         def memory_stats(self):
             return {"bytes_limit": 60_909 * 2**20}  # what JAX gave itself on an H100-sized share
 
-    def plan(layers, hidden, heads, kv_heads, intermediate, vocab, batch, prompt, new, token_counts=False):
+    def plan(layers, hidden, heads, kv_heads, intermediate, vocab, batch, prompt, new, token_counts=False, prompt_tokens=False):
         config = LlamaConfig.from_hf(dict(
             model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096, tie_word_embeddings=False))
         return plan_batch(config, dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, batch_size=batch, max_prompt_tokens=prompt,
                           max_new_tokens=new, devices=[Accelerator()], memory_fraction=0.85, prefill_tokens="auto",
-                          token_counts=token_counts)
+                          token_counts=token_counts, prompt_tokens=prompt_tokens)
 
     seed = plan(32, 4096, 32, 8, 14336, 128256, 128, 128, 2048)
     assert (seed.batch_size, seed.prefill_tokens) == (128, 512)
     assert seed.need_bytes(128, 1) <= seed.limit_bytes
-    # With presence or frequency penalties each row also holds its token counts (int32) and their
+    # With a penalty each row also holds its token counts (int32) and their
     # float32 copy, over the vocabulary: 1 MiB a row here, 128 MiB for the batch.
     penalized = plan(32, 4096, 32, 8, 14336, 128256, 128, 128, 2048, token_counts=True)
     assert penalized.row_bytes - seed.row_bytes == 8 * 128256
+    # A repetition penalty adds each row's prompt tokens, a byte per vocabulary entry.
+    repeating = plan(32, 4096, 32, 8, 14336, 128256, 128, 128, 2048, token_counts=True, prompt_tokens=True)
+    assert repeating.row_bytes - penalized.row_bytes == 128256
     tiny = plan(22, 2048, 32, 4, 5632, 32000, 256, 128, 256)
     assert (tiny.batch_size, tiny.prefill_tokens) == (256, 4096)
 
