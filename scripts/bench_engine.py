@@ -24,7 +24,7 @@ when it starts, and torch's cache would otherwise hold memory JAX needs.
     python scripts/bench_engine.py --preset cpu-125m --dtype bfloat16
     python scripts/bench_engine.py --preset cpu-tiny --dtype float32 --temperature 0.8 --top-p 0.95
     python scripts/bench_engine.py --preset cpu-tiny --logprobs                        # each token's log-probability too
-    python scripts/bench_engine.py --preset cpu-tiny --frequency-penalty 0.5           # ours with a penalty (its cost)
+    python scripts/bench_engine.py --preset cpu-tiny --penalties                       # ours with the three penalties (their cost)
     python scripts/bench_engine.py --preset tinyllama-1.1b --dtype bfloat16            # on a GPU
     python scripts/bench_engine.py --preset llama3-8b --dtype bfloat16                 # on a GPU
     python scripts/bench_engine.py --preset cpu-mixed                                  # batch 16 and 64
@@ -142,12 +142,16 @@ def build_checkpoint(p: dict, folder: str, dtype: str) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
+PENALTIES = dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.3)
+"""--penalties: ours with all three, whose programs carry each row's token counts and prompt tokens."""
+
+
 def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pass: bool, attention: str,
                lanes: int | str) -> dict:
     from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, kernels
 
-    sampling = SamplingParams(max_new_tokens=p["new"], logprobs=p.get("logprobs", False),
-                              frequency_penalty=p.get("frequency_penalty", 0.0), **p.get("sampling", {}))
+    sampling = SamplingParams(max_new_tokens=p["new"], logprobs=p.get("logprobs", False), **p.get("penalties", {}),
+                              **p.get("sampling", {}))
     engine = Engine.load(folder, dtype=dtype, sampling=sampling, engine=EngineConfig(batch_size=p["batch"], decode_attention=attention, lanes=lanes),
                          max_prompt_tokens=p["prompt_len"])
     requests = [GenerationRequest(i, row.tolist(), [0]) for i, row in enumerate(prompts)]
@@ -427,9 +431,9 @@ def main() -> None:
     parser.add_argument("--logprobs", action="store_true",
                         help="steady-state presets: each new token's log-probability too (sampling.logprobs; "
                              "transformers: generate's output_logits, log-softmaxed)")
-    parser.add_argument("--frequency-penalty", type=float, default=0.0,
-                        help="steady-state presets: ours only (sampling.frequency_penalty: token counts carried per row); "
-                             "transformers has no such rule and runs without")
+    parser.add_argument("--penalties", action="store_true",
+                        help="steady-state presets: ours with all three penalties (repetition 1.2, presence and frequency "
+                             "0.3: token counts and prompt tokens carried per row); transformers runs without")
     parser.add_argument("--attention", nargs="+", choices=["auto", "xla", "pallas", "cpu"], default=["auto"],
                         help="engine.decode_attention: each value is timed in turn (cpu: the engine's C++ kernel)")
     parser.add_argument("--lanes", nargs="+", type=_lanes, default=["auto"],
@@ -445,14 +449,15 @@ def main() -> None:
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if "mixed" in p:
-        if args.temperature or args.kernel_tuning != [""] or args.logprobs or args.frequency_penalty:
-            parser.error("--temperature, --logprobs, --frequency-penalty and --kernel-tuning apply to the steady-state presets only")
+        if args.temperature or args.kernel_tuning != [""] or args.logprobs or args.penalties:
+            parser.error("--temperature, --logprobs, --penalties and --kernel-tuning apply to the steady-state presets only")
         run_mixed(args, p)
         return
     if args.temperature:
         p["sampling"] = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     p["logprobs"] = args.logprobs
-    p["frequency_penalty"] = args.frequency_penalty
+    if args.penalties:
+        p["penalties"] = PENALTIES
     prompts = np.random.RandomState(0).randint(0, p["vocab"], (p["prompts"], p["prompt_len"]))
     from engine import kernels
 
@@ -479,7 +484,7 @@ def main() -> None:
             ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention, lanes)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
                       **{key: p[key] for key in ("window", "experts", "experts_per_token") if p.get(key)},
-                      "sampling": p.get("sampling", "greedy"), "logprobs": p["logprobs"], "ours_frequency_penalty": p["frequency_penalty"], "ours_attention": ours["attention"],
+                      "sampling": p.get("sampling", "greedy"), "logprobs": p["logprobs"], "ours_penalties": bool(p.get("penalties")), "ours_attention": ours["attention"],
                       "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
                       "ours_prefill_s": round(ours["prefill_s"], 2), "ours_lanes": ours["lanes"],
                       "ours_timed": "first pass minus its wait for programs" if args.single_pass else "second pass",
