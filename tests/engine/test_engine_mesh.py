@@ -15,7 +15,10 @@ import pytest
 import torch
 
 PROMPTS = [np.random.RandomState(20 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([5, 12, 3, 9])]
-SAMPLINGS = {"greedy": dict(max_new_tokens=6, n=2), "sampled": dict(max_new_tokens=6, temperature=0.9, top_k=20, n=2, seed=3)}
+SAMPLINGS = {"greedy": dict(max_new_tokens=6, n=2), "sampled": dict(max_new_tokens=6, temperature=0.9, top_k=20, n=2, seed=3),
+             # The penalties' token counts and prompt tokens, split by rows over the mesh's data axis.
+             "penalized": dict(max_new_tokens=6, temperature=0.9, top_k=20, n=2, seed=3, repetition_penalty=1.3,
+                               presence_penalty=0.5, frequency_penalty=0.4)}
 
 
 def _tokens(engine) -> dict[str, list[int]]:
@@ -62,6 +65,7 @@ def test_sharded_weights_give_the_tokens_of_one_device(llama, sharded):
     for name, sampling in SAMPLINGS.items():
         one = Engine.load(path, dtype="float32", sampling=SamplingParams(**sampling), engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
         assert sharded[name] == _tokens(one), name
+    assert sharded["penalized"] != sharded["sampled"]  # the penalties changed rows
 
 
 def _shortfalls(hf, prompt: list[int], tokens: list[int]) -> np.ndarray:
