@@ -45,6 +45,10 @@ def _is_number(value: Any) -> bool:
 class SamplingParams:
     max_new_tokens: int = 256
     """Upper bound on generated tokens per sample; hitting it gives finish_reason 'length'."""
+    min_new_tokens: int = 0
+    """No EOS or stop token is chosen before the completion holds this many tokens (their logits
+    are out of reach until then; a stop string can still end it); 0 = off, at most
+    max_new_tokens. transformers' `min_new_tokens`, vLLM's `min_tokens`."""
     temperature: float = 0.0
     """0 means greedy decoding."""
     top_p: float = 1.0
@@ -86,6 +90,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         require(_is_int(self.max_new_tokens) and self.max_new_tokens > 0, "sampling.max_new_tokens",
                 self.max_new_tokens, "an integer > 0")
+        require(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "sampling.min_new_tokens",
+                self.min_new_tokens, f"an integer in [0, max_new_tokens = {self.max_new_tokens}]")
         require(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
                 "sampling.temperature", self.temperature, "a number >= 0 (0 = greedy), not inf")
         require(_is_number(self.top_p) and 0 < self.top_p <= 1, "sampling.top_p", self.top_p, "a number in (0, 1]")

@@ -206,6 +206,17 @@ def _is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32))
 
 
+def _hold_stops(scores: jax.Array, generated: jax.Array, spec: DecodeSpec) -> jax.Array:
+    """scores [vocab, rows] with the stop tokens (EOS and stop_token_ids) out of reach (-inf) in
+    the rows whose completions hold fewer than `sampling.min_new_tokens` tokens (generated
+    [rows]), as transformers' `MinNewTokensLengthLogitsProcessor` does."""
+    if not spec.sampling.min_new_tokens or not spec.stop_ids:
+        return scores
+    stop = jnp.zeros(scores.shape[0], bool).at[jnp.asarray(spec.stop_ids, jnp.int32)].set(True, mode="drop")
+    early = generated < spec.sampling.min_new_tokens
+    return jnp.where(stop[:, None] & early[None, :], -jnp.inf, scores)
+
+
 def prefill_chunk(
     model: LlamaLM,
     cache: KVCache,
@@ -282,11 +293,13 @@ def prefill_chunk(
         scores = pair_logits
         if in_prompt is not None:  # only pairs whose prompt ends here are kept: their slots are in range
             scores = penalize(scores, spec.sampling, in_prompt=in_prompt[jnp.minimum(flat_slots, num_slots - 1)])
+        scores = _hold_stops(scores, jnp.zeros(S * n, jnp.int32), spec)  # a first token: none generated yet
         first = sample_at(scores, pair_keys, jnp.zeros(S * n, jnp.int32), spec.sampling)[j]
     else:
         scores = pair_logits[:, j]
         if in_prompt is not None:
             scores = penalize(scores, spec.sampling, in_prompt=in_prompt)
+        scores = _hold_stops(scores, jnp.zeros(num_slots, jnp.int32), spec)
         first = sample_at(scores, pair_keys[j], jnp.zeros(num_slots, jnp.int32), spec.sampling)
     keys = pair_keys[j]
     logprobs = token_logprobs(logits[:, j // n], first) if spec.sampling.logprobs else None
@@ -434,7 +447,7 @@ def _step(model: LlamaLM, st: DecodeState, out: tuple, i: jax.Array, contexts, s
     if counts is not None:  # the penalties: last_token joins the counts, and the choice sees them
         counts = counts.at[jnp.arange(slots), st.last_token].add(live.astype(jnp.int32))
         scores = penalize(logits, spec.sampling, counts, st.in_prompt)
-    token = sample_at(scores, st.keys, st.generated, spec.sampling)
+    token = sample_at(_hold_stops(scores, st.generated, spec), st.keys, st.generated, spec.sampling)
     generated = st.generated + live
     done = st.done | (live & (_is_stop(token, spec.stop_ids) | (generated >= spec.sampling.max_new_tokens)))
     st = DecodeState(

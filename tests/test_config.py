@@ -97,6 +97,7 @@ def test_defaults_fill_optional_sections():
     (with_section("sampling", top_p=0), "sampling.top_p must be a number in (0, 1], got 0.0"),
     (with_section("sampling", top_k=-1), "sampling.top_k must be an integer >= 0"),
     (with_section("sampling", min_p=1.5), "sampling.min_p must be a number in [0, 1] (0 = off), got 1.5"),
+    (with_section("sampling", max_new_tokens=8, min_new_tokens=9), "sampling.min_new_tokens must be an integer in [0, max_new_tokens = 8], got 9"),
     (with_section("sampling", repetition_penalty=0), "sampling.repetition_penalty must be a number > 0 (1 = off), not inf, got 0"),
     (with_section("sampling", frequency_penalty=2.5), "sampling.frequency_penalty must be a number in [-2, 2] (0 = off), got 2.5"),
     (with_section("sampling", presence_penalty="high"), "sampling.presence_penalty must be a number, got 'high' (str)"),
@@ -191,7 +192,7 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path):
 
 @pytest.mark.parametrize("override, line", [
     ("sampling.temprature=0.2", "error: --set sampling.temprature=...: unknown key sampling.temprature "
-     "(valid keys in sampling: max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, n, seed, stop, stop_token_ids, logprobs)"),
+     "(valid keys in sampling: max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, n, seed, stop, stop_token_ids, logprobs)"),
     ("sampling.n=two", "error: --set sampling.n=two: sampling.n must be an integer, got 'two' (str)"),
     ("sampling.top_p=2", "error: --set sampling.top_p=2: sampling.top_p must be a number in (0, 1], got 2.0"),
     ("engine.mesh={data: x}", "error: --set engine.mesh={data: x}: engine.mesh.data must be an integer or auto, "

@@ -46,6 +46,8 @@ def base(tmp_path, demo_model):
     ("sampling.frequency_penalty=0.0", set()),
     ("sampling.repetition_penalty=1.2", FROM_GENERATE),
     ("sampling.repetition_penalty=1", set()),
+    ("sampling.min_new_tokens=3", FROM_GENERATE),
+    ("sampling.min_new_tokens=0", set()),
     ("prompts.max_prompt_tokens=7", ALL),
     ("prompts.chat_template=true", ALL),
     ("prompts.on_invalid=skip", ALL),

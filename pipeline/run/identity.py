@@ -49,7 +49,7 @@ SEMANTIC_KEYS: dict[str, tuple[str, ...]] = {
 """Config keys whose values change each step's output."""
 
 ADDED_KEYS: dict[str, dict[str, Any]] = {
-    "generate": {"sampling.logprobs": False, "sampling.min_p": 0.0, "sampling.repetition_penalty": 1.0,
+    "generate": {"sampling.logprobs": False, "sampling.min_p": 0.0, "sampling.min_new_tokens": 0, "sampling.repetition_penalty": 1.0,
                  "sampling.presence_penalty": 0.0, "sampling.frequency_penalty": 0.0},
 }
 """Config keys added after results were made, with their defaults: each enters its step's hash

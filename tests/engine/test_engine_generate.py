@@ -249,6 +249,44 @@ def test_repetition_penalty_is_transformers_over_prompt_and_completion(llama):
                                                          _VllmPenalties(len(p), 0.5, 0.7)]), i
 
 
+def test_min_new_tokens_holds_stop_tokens_back_as_transformers_does(llama):
+    """`sampling.min_new_tokens`: no stop token is chosen before the completion holds that many
+    tokens, the first token included (transformers' `min_new_tokens`). The stop token here is the
+    first token of row 0, which this model repeats: unheld, row 0 stops at once. Held for 1 and 4
+    tokens, and for the least minimum at which a row stops on the first token it may, every row
+    is transformers' greedy row with that EOS and that minimum, cut before its stop token, in one
+    prefill call per prompt or in calls of 2 slots that draw per slot."""
+    import torch
+
+    path, hf = llama
+    plain = _greedy_rows(path, SamplingParams(max_new_tokens=12), EngineConfig(batch_size=8))
+    stop = plain[(0, 0)][0]
+    assert plain[(0, 0)][1:4].count(stop) >= 1  # the model picks it again within the minimum
+    unheld = _greedy_rows(path, SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)), EngineConfig(batch_size=8))
+    assert unheld[(0, 0)] == []
+
+    def transformers_rows(minimum: int) -> dict[tuple[int, int], tuple[list[int], bool]]:
+        """Each prompt's greedy tokens before the stop token, and whether it stopped there."""
+        rows = {}
+        for i, prompt in enumerate(PROMPTS):
+            with torch.no_grad():
+                out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=12, min_new_tokens=minimum, do_sample=False, eos_token_id=stop,
+                                  pad_token_id=stop)
+            tokens = out[0, len(prompt):].tolist()
+            rows[(i, 0)] = (tokens[: tokens.index(stop)], True) if stop in tokens else (tokens, False)
+        return rows
+
+    # A minimum at which some row stops on the first token it may stop on: one more held token
+    # would change that row, one fewer would let it stop earlier.
+    edge = next(m for m in range(1, 8) if any(stopped and len(tokens) == m for tokens, stopped in transformers_rows(m).values()))
+    for minimum in sorted({1, edge, 4}):
+        held = SamplingParams(max_new_tokens=12, min_new_tokens=minimum, stop_token_ids=(stop,))
+        expected = {key: tokens for key, (tokens, _) in transformers_rows(minimum).items()}
+        assert _greedy_rows(path, held, EngineConfig(batch_size=8)) == expected, minimum
+        assert _greedy_rows(path, SamplingParams(**{**held.__dict__, "n": 2}), EngineConfig(batch_size=2)) == expected, minimum
+
+
 @pytest.fixture(scope="module")
 def greedy_ref(llama):
     """Greedy tokens of PROMPTS[1] with no stop rule: 12 tokens, finish_reason length."""
