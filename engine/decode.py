@@ -65,7 +65,7 @@ from engine.llama import (
     DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, PrefillSegments, by_pages, cache_pages, page_spans,
     set_rows,
 )
-from engine.sampler import draws, empty_keys, penalize, row_keys, sample_at, token_logprobs
+from engine.sampler import draws, empty_keys, marks_prompts, penalize, penalizes, row_keys, sample_at, token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,16 +183,16 @@ def new_cache(config: LlamaConfig, slots: int, ends: tuple[int, ...], cache_dtyp
     return KVCache(tuple(layer() for _ in range(config.num_hidden_layers)))
 
 
-def new_state(slots: int, vocab: int | None = None, *, in_prompt: bool = False) -> DecodeState:
-    """Every slot empty (done); with `vocab`, token counts for the penalties, and with in_prompt
-    the prompts' tokens too (a repetition penalty). Separate buffers: the state is donated, and
-    one buffer cannot be donated twice."""
+def new_state(slots: int, vocab: int = 0, sampling: SamplingParams | None = None) -> DecodeState:
+    """Every slot empty (done); with a penalty in `sampling`, each row's token counts over the
+    vocabulary, and with a repetition penalty its prompt's tokens too. Separate buffers: the
+    state is donated, and one buffer cannot be donated twice."""
 
     def zeros():
         return jnp.zeros(slots, jnp.int32)
 
-    counts = None if vocab is None else jnp.zeros((slots, vocab), jnp.int32)
-    prompt = jnp.zeros((slots, vocab), bool) if in_prompt else None
+    counts = jnp.zeros((slots, vocab), jnp.int32) if sampling is not None and penalizes(sampling) else None
+    prompt = jnp.zeros((slots, vocab), bool) if sampling is not None and marks_prompts(sampling) else None
     return DecodeState(zeros(), zeros(), zeros(), jnp.ones(slots, bool), empty_keys(slots), counts, prompt)
 
 
@@ -289,18 +289,20 @@ def prefill_chunk(
         began = jnp.where(((starts == 0) & (lengths > 0))[:, None], slots, num_slots).reshape(-1)
         in_prompt = in_prompt.at[began].set(False, mode="drop")  # a prompt's first piece: a new row
         in_prompt = in_prompt.at[write_rows.reshape(-1), jnp.repeat(tokens.reshape(-1), n)].set(True, mode="drop")
-    if S * n <= num_slots:
-        scores = pair_logits
-        if in_prompt is not None:  # only pairs whose prompt ends here are kept: their slots are in range
-            scores = penalize(scores, spec.sampling, in_prompt=in_prompt[jnp.minimum(flat_slots, num_slots - 1)])
-        scores = _hold_stops(scores, jnp.zeros(S * n, jnp.int32), spec)  # a first token: none generated yet
-        first = sample_at(scores, pair_keys, jnp.zeros(S * n, jnp.int32), spec.sampling)[j]
+
+    def first_tokens(scores: jax.Array, prompts: jax.Array | None, keys: jax.Array) -> jax.Array:
+        """Each column's first token: over its prompt's tokens' repetition penalty, stop tokens
+        held back by min_new_tokens (none generated yet)."""
+        none_yet = jnp.zeros(scores.shape[1], jnp.int32)
+        if prompts is not None:
+            scores = penalize(scores, spec.sampling, in_prompt=prompts)
+        return sample_at(_hold_stops(scores, none_yet, spec), keys, none_yet, spec.sampling)
+
+    if S * n <= num_slots:  # of the pairs, only those whose prompt ends here are kept: their slots are in range
+        pair_prompts = None if in_prompt is None else in_prompt[jnp.minimum(flat_slots, num_slots - 1)]
+        first = first_tokens(pair_logits, pair_prompts, pair_keys)[j]
     else:
-        scores = pair_logits[:, j]
-        if in_prompt is not None:
-            scores = penalize(scores, spec.sampling, in_prompt=in_prompt)
-        scores = _hold_stops(scores, jnp.zeros(num_slots, jnp.int32), spec)
-        first = sample_at(scores, pair_keys[j], jnp.zeros(num_slots, jnp.int32), spec.sampling)
+        first = first_tokens(pair_logits[:, j], in_prompt, pair_keys[j])
     keys = pair_keys[j]
     logprobs = token_logprobs(logits[:, j // n], first) if spec.sampling.logprobs else None
     done = _is_stop(first, spec.stop_ids) | (spec.sampling.max_new_tokens <= 1)

@@ -73,7 +73,7 @@ from engine.decode import (
 from engine.llama import LlamaConfig, UnsupportedModelError, abstract_model, check_tensors, load_checkpoint, pages_covering
 from engine.memory import GiB, BatchPlan, peak_memory_bytes, plan_batch, plan_staging
 from engine.mesh import Layout, mesh_shape
-from engine.sampler import penalizes
+from engine.sampler import marks_prompts, penalizes
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _COMPILED: dict[tuple, Any] = {}
@@ -603,7 +603,7 @@ class Engine:
             prefill_chunk_tokens=engine.prefill_chunk_tokens,
             lanes=engine.lanes if engine.mode == "host_dp" else 1,
             token_counts=penalizes(sampling),
-            prompt_tokens=sampling.repetition_penalty != 1.0,
+            prompt_tokens=marks_prompts(sampling),
         )
         plan = plan_staging(plan, engine.overlap_prefill if engine.mode == "host_dp" else False, platform=devices[0].platform,
                             prefill_chunk_tokens=engine.prefill_chunk_tokens, samples=sampling.n, batch_shards=layout.data_size)
@@ -761,10 +761,8 @@ class Engine:
 
         def make():
             ends = self._spec.cache_ends(self._seq_len)
-            vocab = self.config.vocab_size if penalizes(self.sampling) else None  # token counts for the penalties
-            in_prompt = self.sampling.repetition_penalty != 1.0
-            return tuple((new_cache(self.config, n, ends, self._cache_dtype), new_state(n, vocab, in_prompt=in_prompt))
-                         for n in slots)
+            vocab = self.config.vocab_size  # the penalties' token counts, if any
+            return tuple((new_cache(self.config, n, ends, self._cache_dtype), new_state(n, vocab, self.sampling)) for n in slots)
 
         shardings = tuple((self.layout.cache_sharding, self._batch_sharding) for _ in slots)
         return "init", (slots, self._seq_len, jnp.dtype(self._cache_dtype).name), jax.jit(make, out_shardings=shardings), shardings

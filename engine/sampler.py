@@ -64,6 +64,12 @@ def penalizes(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
+def marks_prompts(params: SamplingParams) -> bool:
+    """Whether the choice also needs each row's prompt tokens (a repetition penalty:
+    `DecodeState.in_prompt`)."""
+    return params.repetition_penalty != 1.0
+
+
 def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None = None,
              in_prompt: jax.Array | None = None) -> jax.Array:
     """logits [vocab, rows] with the penalties, in float32, in vLLM's order: repetition_penalty
@@ -73,7 +79,7 @@ def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None
     frequency_penalty per occurrence in the completion and presence_penalty once, the prompt
     not counted. counts None: an empty completion (a prompt's first token)."""
     logits = logits.astype(jnp.float32)
-    if params.repetition_penalty != 1.0:
+    if marks_prompts(params):
         seen = in_prompt.T
         if counts is not None:
             seen = seen | (counts.T > 0)
