@@ -35,15 +35,16 @@ def run_on_forced_devices(script: str, devices: int, timeout: float = 400) -> di
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' generate, greedy, no EOS; the explicit mask keeps token 0 from being read as padding."""
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, **options) -> list[int]:
+    """transformers' generate, greedy, no EOS unless `options` (more generate arguments, e.g. a
+    logits_processor, or min_new_tokens and an eos_token_id) say otherwise; the explicit mask
+    keeps token 0 from being read as padding."""
     import torch
 
+    options = {"min_new_tokens": max_new_tokens, "pad_token_id": 0, **options}
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-        )
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, **options)
     return out[0, len(prompt):].tolist()
 
 

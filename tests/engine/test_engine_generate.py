@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine_testlib import VOCAB, run_on_forced_devices, with_generation_config
+from engine_testlib import VOCAB, hf_greedy, run_on_forced_devices, with_generation_config
 
 PROMPTS = [np.random.RandomState(10 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([4, 11, 7, 15, 9])]
 SAMPLED = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.9, n=3, seed=7)
@@ -148,14 +148,9 @@ class _VllmPenalties:
 
 def _hf_penalized(hf, prompt: list[int], new: int, processors: list) -> list[int]:
     """transformers' greedy tokens with these logits processors applied in order."""
-    import torch
     from transformers import LogitsProcessorList
 
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
-                          logits_processor=LogitsProcessorList(processors))
-    return out[0, len(prompt):].tolist()
+    return hf_greedy(hf, prompt, new, logits_processor=LogitsProcessorList(processors))
 
 
 def _greedy_rows(path: str, sampling: SamplingParams, engine: EngineConfig,
@@ -256,8 +251,6 @@ def test_min_new_tokens_holds_stop_tokens_back_as_transformers_does(llama):
     tokens, and for the least minimum at which a row stops on the first token it may, every row
     is transformers' greedy row with that EOS and that minimum, cut before its stop token, in one
     prefill call per prompt or in calls of 2 slots that draw per slot."""
-    import torch
-
     path, hf = llama
     plain = _greedy_rows(path, SamplingParams(max_new_tokens=12), EngineConfig(batch_size=8))
     stop = plain[(0, 0)][0]
@@ -269,11 +262,7 @@ def test_min_new_tokens_holds_stop_tokens_back_as_transformers_does(llama):
         """Each prompt's greedy tokens before the stop token, and whether it stopped there."""
         rows = {}
         for i, prompt in enumerate(PROMPTS):
-            with torch.no_grad():
-                out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  max_new_tokens=12, min_new_tokens=minimum, do_sample=False, eos_token_id=stop,
-                                  pad_token_id=stop)
-            tokens = out[0, len(prompt):].tolist()
+            tokens = hf_greedy(hf, prompt, 12, min_new_tokens=minimum, eos_token_id=stop, pad_token_id=stop)
             rows[(i, 0)] = (tokens[: tokens.index(stop)], True) if stop in tokens else (tokens, False)
         return rows
 
