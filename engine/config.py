@@ -83,6 +83,12 @@ class SamplingParams:
     logits in float32, before temperature, top_k and top_p (the model's own distribution, as
     vLLM's default `raw_logprobs`), one per token of `token_ids` (`Completion.logprobs`; the
     output column `completion_logprobs`)."""
+    prompt_logprobs: bool = False
+    """Also return each prompt token's log-probability given the prompt's tokens before it (the
+    log-softmax of the model's logits at the position before it, in float32), None for the first
+    token, which has no context (`Completion.prompt_logprobs`; the output columns
+    `prompt_token_ids` and `prompt_logprobs`): scoring a set of texts, as vLLM's
+    `prompt_logprobs`. Every prefill call then computes the LM head at every position."""
 
     def __post_init__(self):
         # Tuples keep the dataclass hashable (it is baked into compiled programs) when a caller passes lists.
@@ -109,6 +115,7 @@ class SamplingParams:
         require(all(t >= 0 for t in self.stop_token_ids), "sampling.stop_token_ids", list(self.stop_token_ids),
                 "token ids >= 0")
         require(isinstance(self.logprobs, bool), "sampling.logprobs", self.logprobs, "true or false")
+        require(isinstance(self.prompt_logprobs, bool), "sampling.prompt_logprobs", self.prompt_logprobs, "true or false")
 
 
 @dataclass(frozen=True)

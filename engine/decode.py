@@ -165,6 +165,9 @@ class HostOut(NamedTuple):
     logprobs: jax.Array | None
     """With `sampling.logprobs`: each new token's log-probability (`token_logprobs`), float32,
     shaped as tokens (0 where none); else None, and the programs compute none."""
+    prompt_logprobs: jax.Array | None = None
+    """From a prefill call with `sampling.prompt_logprobs`: [R x C], at each of the call's
+    positions the log-probability of its target (the prompt's next token; 0 where none); else None."""
 
 
 def new_cache(config: LlamaConfig, slots: int, ends: tuple[int, ...], cache_dtype) -> KVCache:
@@ -229,6 +232,7 @@ def prefill_chunk(
     is_last: jax.Array,
     prompt_index: jax.Array,
     sample_index: jax.Array,
+    targets: jax.Array | None = None,
     *,
     spec: DecodeSpec,
     fresh: bool,
@@ -241,12 +245,13 @@ def prefill_chunk(
     [S, n]). With `spec.prefill_in_place` (the CPU kernel) pieces go anywhere, several prompts in a
     row, one row's end running on into the next: each piece attends to its cache row in place,
     each token up to itself, the piece written there first (one kernel call a layer; first and
-    later pieces in one program). Otherwise piece r is row r (offsets r x C, S = R): fresh, every
+    later pieces in one program). targets [R, C], with `sampling.prompt_logprobs` (else None): the
+    prompt's token after each position, -1 where none (`_prompt_logprobs`). Otherwise piece r is row r (offsets r x C, S = R): fresh, every
     piece starts its prompt (the call attends to itself only, no cache row is read; the host
     never mixes first and later chunks in one call, so a prompt's numerics do not depend on its
     neighbours); else the call attends to the first pages of its cache rows covering every
     piece and to itself. Returns (cache, state, HostOut: first token per slot, -1 where none;
-    done per slot; the token's log-probability)."""
+    done per slot; the token's log-probability; each position's target's log-probability)."""
     R, C = tokens.shape
     S, n = slots.shape
     num_slots, seq_len = cache.slots, cache.seq_len
@@ -316,7 +321,35 @@ def prefill_chunk(
         counts=None if state.counts is None else jnp.where(is_new[:, None], 0, state.counts),
         in_prompt=in_prompt,
     )
-    return _finish(KVCache(tuple(layers)), state, jnp.where(is_new, first, -1), _where(is_new, logprobs), spec)
+    prompt_logprobs = None if targets is None else _prompt_logprobs(model, hidden, targets.reshape(-1))
+    return _finish(KVCache(tuple(layers)), state, jnp.where(is_new, first, -1), _where(is_new, logprobs), spec,
+                   prompt_logprobs)
+
+
+PROMPT_LOGPROB_BLOCK = 256
+"""Positions whose logits `_prompt_logprobs` holds at once: [vocab, 256] float32 is 33 MB at a
+vocabulary of 32k, 131 MB at 128k (`memory.prefill_working_bytes`)."""
+
+
+def _prompt_logprobs(model: LlamaLM, hidden: NamedArray, targets: jax.Array) -> jax.Array:
+    """Each position's log-probability of its target token (targets [T], -1: none, given 0),
+    from the call's final hidden states (embed, batch, position), read row-major as T positions:
+    the LM head over PROMPT_LOGPROB_BLOCK positions at a time, never the whole call's logits."""
+    Embed = model.config.Embed
+    flat = hidden.rearrange((Embed.name, "batch", "position")).array.reshape(Embed.size, -1)
+    total = flat.shape[1]
+    block = min(total, PROMPT_LOGPROB_BLOCK)
+    blocks = -(-total // block)
+    flat = jnp.pad(flat, ((0, 0), (0, blocks * block - total)))
+    targets = jnp.pad(targets, (0, blocks * block - total), constant_values=-1)
+
+    def one(block_of):
+        states, wanted = block_of  # [embed, block], [block]
+        logits = model.logits(hax.named(states, (Embed, Axis("batch", block)))).rearrange(("vocab", "batch")).array
+        return jnp.where(wanted >= 0, token_logprobs(logits, jnp.maximum(wanted, 0)), 0.0)
+
+    out = jax.lax.map(one, (flat.reshape(Embed.size, blocks, block).transpose(1, 0, 2), targets.reshape(blocks, block)))
+    return out.reshape(-1)[:total]
 
 
 def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.Array, *, spec: DecodeSpec, steps: int):
@@ -482,6 +515,7 @@ def adopt_rows(model: LlamaLM, cache: KVCache, state: DecodeState, staged: KVCac
     return _finish(cache, state, jnp.full((cache.slots, 0), -1, jnp.int32), None, spec)
 
 
-def _finish(cache: KVCache, state: DecodeState, tokens: jax.Array, logprobs: jax.Array | None, spec: DecodeSpec):
-    host = HostOut(tokens, state.done.copy(), logprobs)  # a copy: the state is donated to the next call
+def _finish(cache: KVCache, state: DecodeState, tokens: jax.Array, logprobs: jax.Array | None, spec: DecodeSpec,
+            prompt_logprobs: jax.Array | None = None):
+    host = HostOut(tokens, state.done.copy(), logprobs, prompt_logprobs)  # a copy: the state is donated to the next call
     return _constrain(cache, spec.cache_sharding), _constrain(state, spec.batch_sharding), _constrain(host, spec.host_sharding)

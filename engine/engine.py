@@ -161,6 +161,10 @@ class Completion:
     logprobs: list[float] | None = None
     """With `sampling.logprobs`: each of token_ids' log-probability under the model (natural log,
     float32, before temperature, top_k and top_p); else None."""
+    prompt_logprobs: list[float | None] | None = None
+    """With `sampling.prompt_logprobs`: one per token of the request's input_ids, its
+    log-probability given the tokens before it (natural log, float32), None for the first; the
+    same list for every sample of a prompt; else None."""
 
 
 @dataclasses.dataclass
@@ -227,6 +231,8 @@ class _Row:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     """The tokens' log-probabilities, with `sampling.logprobs` (else empty)."""
+    prompt_logprobs: list[float | None] | None = None
+    """With `sampling.prompt_logprobs`, its prompt's (`Completion.prompt_logprobs`), once prefilled."""
     decoding: bool = False
     """False while its prompt is being prefilled into its slot."""
 
@@ -313,6 +319,7 @@ class _PrefillInputs(NamedTuple):
     is_last: np.ndarray  # [R], the piece ends its prompt
     prompt_index: np.ndarray  # [R]
     sample_index: np.ndarray  # [R, n]
+    targets: np.ndarray | None = None  # [R, C], with sampling.prompt_logprobs: each token's next in its prompt, -1: none
 
 
 class _LaneFailed(NamedTuple):
@@ -333,6 +340,8 @@ class _Prompt:
     slots: list[int]
     written: int = 0
     """Prompt tokens already in the cache."""
+    logprobs: list[float | None] | None = None
+    """With `sampling.prompt_logprobs`: its tokens' log-probabilities so far, None for the first."""
 
 
 class _Stager:
@@ -386,8 +395,7 @@ class _Stager:
                         self._cond.wait()  # until the lane adopts rows and frees staging slots
                         continue
                     self._calling = True
-                cache, state, got = engine._prefill(self._cache, self._state, prefilling)
-                got = _on_host(got)
+                cache, state, got = engine._prefill(self._cache, self._state, prefilling)  # read back
                 with self._cond:
                     self._cache, self._state, self._calling = cache, state, False
                     for s in np.flatnonzero(got.tokens >= 0):
@@ -604,6 +612,7 @@ class Engine:
             lanes=engine.lanes if engine.mode == "host_dp" else 1,
             token_counts=penalizes(sampling),
             prompt_tokens=marks_prompts(sampling),
+            prompt_logprobs=sampling.prompt_logprobs,
         )
         plan = plan_staging(plan, engine.overlap_prefill if engine.mode == "host_dp" else False, platform=devices[0].platform,
                             prefill_chunk_tokens=engine.prefill_chunk_tokens, samples=sampling.n, batch_shards=layout.data_size)
@@ -722,10 +731,13 @@ class Engine:
     def _call_key(self, kind: str, static: tuple, args: tuple) -> tuple:
         """What tells this engine's calls' programs apart, cheaply: the model is the engine's own,
         a cache's and a state's shapes follow from their slots, the other arguments are arrays
-        (`_program` keys a program by every leaf's shape, dtype and sharding)."""
+        (`_program` keys a program by every leaf's shape, dtype and sharding), or None (an input
+        the sampling does not need, e.g. a prefill call's targets without prompt_logprobs)."""
         assert args[0] is self.model, "a call runs the engine's own model"
 
-        def shape(arg) -> tuple:
+        def shape(arg) -> tuple | None:
+            if arg is None:
+                return None
             if isinstance(arg, KVCache):
                 return ("cache", arg.slots)
             if isinstance(arg, DecodeState):
@@ -774,7 +786,8 @@ class Engine:
         zeros = functools.partial(np.zeros, R, np.int32)
         return _PrefillInputs(tokens=np.zeros((R, C), np.int32), slot_ids=np.full((R, n), slots, np.int32),
                               starts=zeros(), offsets=zeros(), lengths=zeros(), is_last=np.zeros(R, bool),
-                              prompt_index=zeros(), sample_index=np.zeros((R, n), np.int32))
+                              prompt_index=zeros(), sample_index=np.zeros((R, n), np.int32),
+                              targets=np.full((R, C), -1, np.int32) if self.sampling.prompt_logprobs else None)
 
     def _get_programs_early(self) -> None:
         """Starts getting every program a run calls (compiling it, or loading it from JAX's
@@ -1009,8 +1022,7 @@ class Engine:
                     stager, staging = _Stager(self, pending, *staging), None
                 if prefilling:
                     # Prefill first: every taken slot joins the next decode chunk.
-                    cache, state, got = self._prefill(cache, state, prefilling)
-                    got = _on_host(got)
+                    cache, state, got = self._prefill(cache, state, prefilling)  # read back
                     for s in np.flatnonzero(got.tokens >= 0):
                         row = live[s]
                         row.decoding, kill[s] = True, False
@@ -1094,17 +1106,22 @@ class Engine:
         values written into its prompt's cache rows, and the first tokens of the prompts it ends.
         A piece's keys and values are the same bits whichever pieces share its call
         (`compiler_options`), and the CPU kernel's queries whichever piece they came in, so the
-        packing changes no token."""
+        packing changes no token. Waits for the call: returns (cache, state, HostOut on the host);
+        with `sampling.prompt_logprobs` the pieces' prompts have their tokens' log-probabilities."""
         R, C = self._prefill_rows, self.engine_config.prefill_chunk_tokens
         packed = self._spec.prefill_in_place
         pieces = self._pieces(prefilling, R, C, packed)
         fresh = not packed and all(start == 0 for _, start, _ in pieces)
         inputs = self._prefill_inputs(cache.slots)  # a slot id out of range: none
         tokens = inputs.tokens.reshape(-1)  # a view: the pieces' tokens in a row
+        targets = None if inputs.targets is None else inputs.targets.reshape(-1)
         offset = 0
         for s, (job, start, length) in enumerate(pieces):
             offset = offset if packed else s * C  # packed: end to end; else a row each
             tokens[offset : offset + length] = job.ids[start : start + length]
+            if targets is not None:  # each token's next: none after the prompt's last
+                after = job.ids[start + 1 : start + length + 1]
+                targets[offset : offset + len(after)] = after
             inputs.starts[s], inputs.offsets[s], inputs.lengths[s] = start, offset, length
             offset += length
             job.written = start + length
@@ -1117,8 +1134,25 @@ class Engine:
         pages = 0 if fresh else pages_covering(int(np.max(inputs.starts + inputs.lengths)), cache.ends)
         self._count(padded_prompt_tokens=R * C, prefill_calls=1, prefill_pages_read=pages)
         kind, static, fn = self._prefill_program(fresh)
-        # One transfer call for the eight inputs.
-        return self._run(kind, fn, static, self.model, cache, state, *jax.device_put(inputs, self._batch_sharding))
+        # One transfer call for the inputs.
+        cache, state, got = self._run(kind, fn, static, self.model, cache, state, *jax.device_put(inputs, self._batch_sharding))
+        got = _on_host(got)
+        if got.prompt_logprobs is not None:
+            self._take_prompt_logprobs(pieces, inputs, got.prompt_logprobs)
+        return cache, state, got
+
+    @staticmethod
+    def _take_prompt_logprobs(pieces: list[tuple["_Prompt", int, int]], inputs: "_PrefillInputs", got: np.ndarray) -> None:
+        """Adds each piece's tokens' log-probabilities (`got` [R x C], at the position before each
+        token) to its prompt's; a prompt's rows get the whole list once its last piece is in."""
+        for s, (job, start, length) in enumerate(pieces):
+            if start == 0:
+                job.logprobs = [None]  # the first token has no context
+            offset = int(inputs.offsets[s])
+            job.logprobs += got[offset : offset + min(length, len(job.ids) - start - 1)].tolist()
+            if inputs.is_last[s]:
+                for row in job.rows:
+                    row.prompt_logprobs = job.logprobs
 
     @staticmethod
     def _pieces(prefilling: collections.deque, R: int, C: int, packed: bool) -> list[tuple["_Prompt", int, int]]:
@@ -1179,7 +1213,7 @@ class Engine:
             text = self._decode(body)
         self._count(generated_tokens=len(tokens))
         logprobs = row.logprobs[: len(body)] if self.sampling.logprobs else None
-        return Completion(row.prompt_index, row.sample_index, list(body), text, reason, logprobs)
+        return Completion(row.prompt_index, row.sample_index, list(body), text, reason, logprobs, row.prompt_logprobs)
 
     def _find_stop_string(self, tokens: list[int], *, whole: bool) -> tuple[list[int], str] | None:
         """(tokens fully before the earliest stop string, text cut before it), or None."""

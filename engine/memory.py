@@ -29,6 +29,7 @@ import resource
 import jax
 import jax.numpy as jnp
 
+from engine.decode import PROMPT_LOGPROB_BLOCK
 from engine.llama import LlamaConfig, parameter_bytes
 
 GiB = 1024**3
@@ -120,20 +121,22 @@ def token_count_bytes(config: LlamaConfig, in_prompt: bool = False) -> int:
     return (2 * 4 + in_prompt) * config.vocab_size
 
 
-def prefill_working_bytes(config: LlamaConfig, seq_len: int, rows: int, chunk: int, dtype, cache_dtype) -> int:
+def prefill_working_bytes(config: LlamaConfig, seq_len: int, rows: int, chunk: int, dtype, cache_dtype,
+                          prompt_logprobs: bool = False) -> int:
     """One prefill call (rows x chunk tokens), one layer at a time: the cache rows it attends over
     (keys and values), its attention scores and weights over the whole cache length in float32,
-    its activations, and the last position's float32 logits."""
+    its activations, and the last position's float32 logits; with prompt_logprobs also a block of
+    positions' float32 logits and their log-softmax (`decode.PROMPT_LOGPROB_BLOCK`)."""
     tokens = rows * chunk
     read = rows * kv_row_bytes(config, seq_len, cache_dtype) // config.num_hidden_layers
     scores = 2 * config.num_attention_heads * tokens * seq_len * 4
     activations = tokens * (4 * config.hidden_size + 3 * config.mlp_units) * jnp.dtype(dtype).itemsize
-    logits = 2 * rows * config.vocab_size * 4
+    logits = 2 * (rows + (min(tokens, PROMPT_LOGPROB_BLOCK) if prompt_logprobs else 0)) * config.vocab_size * 4
     return read + scores + activations + logits
 
 
 def footprint(config: LlamaConfig, *, dtype, cache_dtype, seq_len: int, decode_chunk_steps: int, prefill_tokens: int,
-              prefill_chunk_tokens: int) -> tuple[int, int, int]:
+              prefill_chunk_tokens: int, prompt_logprobs: bool = False) -> tuple[int, int, int]:
     """(weights, per row, one prefill call's working memory) in bytes, on one unsharded device."""
     weights = parameter_bytes(config, dtype)
     # The decode chunk reads the cache's pages in place (before issue 13 it copied a window of
@@ -141,7 +144,7 @@ def footprint(config: LlamaConfig, *, dtype, cache_dtype, seq_len: int, decode_c
     # new tokens against 37.5 GiB planned).
     row = kv_row_bytes(config, seq_len, cache_dtype) + decode_row_bytes(config, seq_len, decode_chunk_steps, dtype, cache_dtype)
     prefill_rows = max(1, prefill_tokens // prefill_chunk_tokens)
-    working = prefill_working_bytes(config, seq_len, prefill_rows, prefill_chunk_tokens, dtype, cache_dtype)
+    working = prefill_working_bytes(config, seq_len, prefill_rows, prefill_chunk_tokens, dtype, cache_dtype, prompt_logprobs)
     return weights, row, working
 
 
@@ -180,12 +183,14 @@ def plan_batch(
     lanes: int | str = 1,
     token_counts: bool = False,
     prompt_tokens: bool = False,
+    prompt_logprobs: bool = False,
 ) -> BatchPlan:
     """devices: this host's devices (their memory is planned); batch_shards: ways rows are split
     (default: one per device); weight_shards / row_shards: devices sharing each weight / each row;
     prefill_tokens: a budget, or auto (`prefill_budget`); lanes: decode streams, or auto
     (`auto_lanes`, decided with the batch size and dtype); token_counts: rows carry their
-    completion's token counts, and prompt_tokens their prompt's tokens (`token_count_bytes`). A
+    completion's token counts, and prompt_tokens their prompt's tokens (`token_count_bytes`);
+    prompt_logprobs: prefill calls compute every position's logits (`prefill_working_bytes`). A
     staging cache is added by `plan_staging`."""
     n = batch_shards or len(devices)
     seq_len = max_prompt_tokens + max_new_tokens
@@ -193,7 +198,8 @@ def plan_batch(
     def per_device(tokens: int) -> tuple[int, int, int]:
         weights, row, working = device_share(*footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=seq_len,
                                                         decode_chunk_steps=decode_chunk_steps, prefill_tokens=tokens,
-                                                        prefill_chunk_tokens=prefill_chunk_tokens),
+                                                        prefill_chunk_tokens=prefill_chunk_tokens,
+                                                        prompt_logprobs=prompt_logprobs),
                                              weight_shards=weight_shards, row_shards=row_shards, batch_shards=n)
         return weights, row + (token_count_bytes(config, prompt_tokens) if token_counts else 0), working
 

@@ -193,7 +193,8 @@ def show_command(
 ) -> None:
     """Show the first rows of this config's result as a table: prompt, completion, finish reason.
 
-    With sampling.logprobs, also each completion's mean log-probability per token.
+    With sampling.logprobs, also each completion's mean log-probability per token; with
+    sampling.prompt_logprobs, the prompt's.
 
     Example: pipeline show --config demo/config.yaml -n 3
     """

@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=32)
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--prompt-logprobs", action="store_true",
+                        help="sampling.prompt_logprobs: the prefill program computes every position's log-probability")
     parser.add_argument("--mesh", metavar="DATAxMODEL", help="a global mesh over forced CPU devices, e.g. 2x8")
     parser.add_argument("--experts", type=int, help="a Mixtral of the preset's shape: each MLP this many experts, two a token")
     parser.add_argument("--dense-experts", action="store_true",
@@ -106,7 +108,7 @@ def main() -> None:
 
     model = abstract_model(config, dtype=dtype, sharding=param_sharding)  # the model Engine.load traces before the weights
     seq_len = prompt + new
-    spec = DecodeSpec(SamplingParams(max_new_tokens=new), (), batch_sharding, cache_sharding, host_sharding, attention)
+    spec = DecodeSpec(SamplingParams(max_new_tokens=new, prompt_logprobs=args.prompt_logprobs), (), batch_sharding, cache_sharding, host_sharding, attention)
     # With the CPU kernel a bfloat16 cache is stored as its bits, as the engine stores it (the same bytes).
     stored = cpu_attention.BFLOAT16_BITS if spec.attention == "cpu" and cache_dtype == jnp.bfloat16 else cache_dtype
     cache = abstract(jax.eval_shape(functools.partial(new_cache, config, batch, spec.cache_ends(seq_len), stored)), cache_sharding)
@@ -115,7 +117,8 @@ def main() -> None:
     data, model_ways = mesh or (1, 1)
     weights, row, working = device_share(
         *footprint(config, dtype=dtype, cache_dtype=cache_dtype, seq_len=prompt + new, decode_chunk_steps=args.decode_steps,
-                   prefill_tokens=args.prefill_tokens, prefill_chunk_tokens=args.prefill_chunk),
+                   prefill_tokens=args.prefill_tokens, prefill_chunk_tokens=args.prefill_chunk,
+                   prompt_logprobs=args.prompt_logprobs),
         weight_shards=data * model_ways, row_shards=model_ways, batch_shards=data)
     planned = weights + working + -(-batch // data) * row
     print(json.dumps({"model": f"{config.num_hidden_layers}x{config.hidden_size}, {config.num_key_value_heads} KV heads, vocab {config.vocab_size}",
@@ -134,7 +137,7 @@ def main() -> None:
 
         programs["prefill"] = (functools.partial(prefill_chunk, spec=spec, fresh=False),
                                (model, cache, state, i32(R, C), i32(R, 1), i32(R), i32(R), i32(R), i32(R, kind=jnp.bool_), i32(R),
-                                i32(R, 1)))
+                                i32(R, 1), i32(R, C) if args.prompt_logprobs else None))
     for name, (fn, inputs) in programs.items():
         start = time.perf_counter()
         jitted = jax.jit(fn, donate_argnums=(1, 2), out_shardings=(cache_sharding, batch_sharding, host_sharding))

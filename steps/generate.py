@@ -64,12 +64,18 @@ SCHEMA = pa.schema([
 ])
 """The merged output's columns (docs/contract.md, "Result"); parts already hold them."""
 LOGPROBS = pa.field("completion_logprobs", pa.list_(pa.float32()))
-"""With `sampling.logprobs`, one more column last: each completion token's log-probability."""
+"""With `sampling.logprobs`, one more column: each completion token's log-probability."""
+PROMPT_TOKEN_IDS = pa.field("prompt_token_ids", pa.list_(pa.int32()))
+PROMPT_LOGPROBS = pa.field("prompt_logprobs", pa.list_(pa.float32()))
+"""With `sampling.prompt_logprobs`, two more columns last: the prompt's token ids (chat template
+and BOS applied) and each one's log-probability given those before it (null for the first)."""
 
 
 def schema(cfg: Config) -> pa.Schema:
-    """The columns of this config's parts and merged files: SCHEMA, and LOGPROBS if asked for."""
-    return SCHEMA.append(LOGPROBS) if cfg.sampling.logprobs else SCHEMA
+    """The columns of this config's parts and merged files: SCHEMA, then LOGPROBS and the
+    prompt's token ids and PROMPT_LOGPROBS where asked for."""
+    fields = [*SCHEMA, *[LOGPROBS] * cfg.sampling.logprobs, *[PROMPT_TOKEN_IDS, PROMPT_LOGPROBS] * cfg.sampling.prompt_logprobs]
+    return pa.schema(fields)
 
 PART_FIX = ("delete it, then run `pipeline run generate --config FILE --force`: it makes that part's rows again "
             "and keeps the other parts")
@@ -317,8 +323,9 @@ class _ShardTodo:
                 batch.column(name).to_pylist() for name in ("prompt_index", "prompt_id", "prompt", "num_tokens"))
             for j, i in enumerate(rows):
                 samples = np.flatnonzero(wanted[i]).tolist()
-                sources[prompt_index[j]] = _Source(self.name, prompt_id[j], prompt[j], num_tokens[j], len(samples))
-                yield GenerationRequest(prompt_index[j], ids[j].values.to_numpy(), samples)
+                input_ids = ids[j].values.to_numpy()
+                sources[prompt_index[j]] = _Source(self.name, prompt_id[j], prompt[j], num_tokens[j], len(samples), input_ids)
+                yield GenerationRequest(prompt_index[j], input_ids, samples)
 
 
 @dataclass
@@ -330,6 +337,8 @@ class _Source:
     prompt: str
     num_tokens: int
     samples_left: int
+    input_ids: np.ndarray
+    """Its token ids, as the engine got them (the `prompt_token_ids` column)."""
     counted: bool = False
     """This host wrote a row of the prompt (HostMetrics.prompts counts it once)."""
 
@@ -443,6 +452,8 @@ def _row(source: _Source, c: Any) -> dict[str, Any]:
     }
     if c.logprobs is not None:
         row[LOGPROBS.name] = c.logprobs
+    if c.prompt_logprobs is not None:
+        row[PROMPT_TOKEN_IDS.name], row[PROMPT_LOGPROBS.name] = source.input_ids.tolist(), c.prompt_logprobs
     return row
 
 

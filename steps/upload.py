@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -51,7 +52,7 @@ from pipeline.run.config import Config
 from pipeline.run.result import MERGED_FIX
 from pipeline.errors import StepFailed
 from pipeline.run.step import StepOutput, StepResult
-from steps.generate import LOGPROBS
+from steps.generate import LOGPROBS, PROMPT_LOGPROBS
 from steps.merge import MergeSummary
 
 RUN_FILE = "wandb_run.json"
@@ -343,8 +344,8 @@ def _table_data(paths: list[str], max_rows: int) -> tuple[list[str], list[list[A
     List columns (completion_token_ids) go in as compact JSON text: W&B types and converts a list
     element by element, which took ~5 s for 10k rows of ~50 ids (~0.5 s as text) and grows with
     max_new_tokens. The Parquet files in the same artifact keep the lists. Log-probabilities
-    (`sampling.logprobs`) go in to LOGPROB_DIGITS decimals, and each row's sum and mean besides
-    them, columns a table can sort by.
+    (`sampling.logprobs`, `sampling.prompt_logprobs`) go in to LOGPROB_DIGITS decimals, and each
+    row's sum and mean besides them, columns a table can sort by (LOGPROB_SUMMARIES).
     """
     columns: list[str] = []
     data: list[list[Any]] = []
@@ -356,31 +357,39 @@ def _table_data(paths: list[str], max_rows: int) -> tuple[list[str], list[list[A
                 break
             batch = batch.slice(0, max_rows - len(data))
             values = [_as_text(c) if pa.types.is_list(c.type) else c.to_pylist() for c in batch.columns]
-            if LOGPROBS.name in columns:
-                values += _logprob_sums_and_means(batch.column(LOGPROBS.name))
+            for name in LOGPROB_SUMMARIES:
+                if name in columns:
+                    values += _logprob_sums_and_means(batch.column(name))
             data.extend(list(row) for row in zip(*values))
         if len(data) >= max_rows:
             break
-    if LOGPROBS.name in columns:
-        columns = [*columns, *LOGPROB_SUMMARIES]
-    return columns, data
+    summaries = [summary for name, summary in LOGPROB_SUMMARIES.items() if name in columns]
+    return [*columns, *itertools.chain(*summaries)], data
 
 
 LOGPROB_DIGITS = 4
 """Decimals of a log-probability in the table's text: 20 characters a token in full, 7 so."""
-LOGPROB_SUMMARIES = ("completion_logprob_sum", "completion_logprob_mean")
-"""The table's columns after the merged ones with `sampling.logprobs`: the completion's
-log-likelihood, and that per token (None for an empty completion)."""
+LOGPROB_SUMMARIES = {
+    LOGPROBS.name: ("completion_logprob_sum", "completion_logprob_mean"),
+    PROMPT_LOGPROBS.name: ("prompt_logprob_sum", "prompt_logprob_mean"),
+}
+"""The table's columns after the merged ones, per log-probability column the result has: the
+completion's (or the prompt's) log-likelihood, and that per token that has one (None for an
+empty completion, or a prompt of one token)."""
 
 
 def _as_text(lists: pa.Array) -> list[str | None]:
     digits = LOGPROB_DIGITS if pa.types.is_floating(lists.type.value_type) else None
-    return [None if v is None else json.dumps(v if digits is None else [round(x, digits) for x in v], separators=(",", ":"))
+
+    def rounded(v: list) -> list:
+        return [None if x is None else round(x, digits) for x in v]
+
+    return [None if v is None else json.dumps(v if digits is None else rounded(v), separators=(",", ":"))
             for v in lists.to_pylist()]
 
 
 def _logprob_sums_and_means(lists: pa.Array) -> list[list[float | None]]:
-    rows = lists.to_pylist()
+    rows = [[x for x in v if x is not None] for v in lists.to_pylist()]  # a prompt's first token has none
     sums = [math.fsum(v) for v in rows]
     return [sums, [total / len(v) if v else None for total, v in zip(sums, rows)]]
 

@@ -125,6 +125,46 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     assert "logprob / token" in shown and f"{sum(logprobs[0]) / len(logprobs[0]):.3f}" in shown
 
 
+def test_prompt_logprobs_score_each_prompt_token_in_the_result_and_the_table(make_config, tmp_path, demo_model):
+    """`sampling.prompt_logprobs`: two more columns, the prompt's token ids and each one's
+    log-probability given those before it (null for the first; transformers' teacher-forced
+    log-softmax of the same checkpoint), the same for each sample of a prompt, after
+    `completion_logprobs`; the W&B table sums and averages them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(sampling={"n": 2, "max_new_tokens": 3, "logprobs": True, "prompt_logprobs": True})
+    assert invoke("run", "all", "--config", config).exit_code == 0
+    merged = pq.read_table(glob.glob(str(tmp_path / "runs" / "merge-*" / "merged-00000.parquet"))[0])
+    assert merged.column_names == COLUMNS + ["completion_logprobs", "prompt_token_ids", "prompt_logprobs"]
+    rows = merged.to_pylist()
+    assert len(rows) == 24
+    hf = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
+    for i, row in enumerate(rows):  # ordered by (prompt, sample): a second sample follows its first
+        ids, scores = row["prompt_token_ids"], row["prompt_logprobs"]
+        assert len(ids) == len(scores) == row["num_prompt_tokens"] > 2 and scores[0] is None
+        if row["sample_index"] == 0:
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids])).logits[0, :-1]
+            expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]].tolist()
+            assert scores[1:] == pytest.approx(expected, abs=1e-4)
+        else:
+            assert (ids, scores) == (rows[i - 1]["prompt_token_ids"], rows[i - 1]["prompt_logprobs"])
+
+    (table,) = glob.glob(str(tmp_path / "runs" / "upload-*" / "wandb" / "offline-run-*" / "files" / "media" / "table" / "generations_*.table.json"))
+    table = json.load(open(table))
+    assert table["columns"] == [*merged.column_names, "completion_logprob_sum", "completion_logprob_mean",
+                                "prompt_logprob_sum", "prompt_logprob_mean"]
+    for row, shown in zip(rows, table["data"]):
+        scores = row["prompt_logprobs"][1:]
+        text = json.loads(shown[-5])
+        assert text[0] is None and text[1:] == pytest.approx(scores, abs=5e-5)
+        assert shown[-2:] == pytest.approx([sum(scores), sum(scores) / len(scores)])
+    shown = invoke("show", "--config", config, "-n", "1").output  # each mean per token, a column of its own
+    scores = rows[0]["prompt_logprobs"][1:]
+    assert "prompt logprob / token" in shown and f"{sum(scores) / len(scores):.3f}" in shown
+
+
 def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_config, tmp_path):
     """A shard, a part, a host's metrics or a merged file damaged after its step (cut short): the step
     that reads it exits 1 naming the file and what makes it again, and doing just that gives the

@@ -48,6 +48,8 @@ def base(tmp_path, demo_model):
     ("sampling.repetition_penalty=1", set()),
     ("sampling.min_new_tokens=3", FROM_GENERATE),
     ("sampling.min_new_tokens=0", set()),
+    ("sampling.prompt_logprobs=true", FROM_GENERATE),
+    ("sampling.prompt_logprobs=false", set()),
     ("prompts.max_prompt_tokens=7", ALL),
     ("prompts.chat_template=true", ALL),
     ("prompts.on_invalid=skip", ALL),

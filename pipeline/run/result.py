@@ -2,7 +2,8 @@
 
 Owns finding the merged files of a config (merge's output for the config's hash, through its
 success marker's manifest) and `pipeline show`'s table: prompt, completion, finish reason (and,
-with `sampling.logprobs`, each completion's mean log-probability per token).
+with `sampling.logprobs`, each completion's mean log-probability per token, and with
+`sampling.prompt_logprobs` the prompt's).
 Reads only, and refuses to look into a merge output without its marker: a reader trusts the
 marker, not the files.
 
@@ -27,8 +28,9 @@ from pipeline.run.config import Config
 from pipeline.run.step import Step
 
 SHOWN_COLUMNS = ["prompt_index", "prompt_id", "sample_index", "prompt", "completion", "finish_reason"]
-LOGPROBS_COLUMN = "completion_logprobs"
-"""Shown as its mean where the result has it (`sampling.logprobs`)."""
+MEAN_COLUMNS = {"completion_logprobs": "logprob / token", "prompt_logprobs": "prompt logprob / token"}
+"""Shown as their means per token, under these headings, where the result has them
+(`sampling.logprobs`, `sampling.prompt_logprobs`)."""
 TEXT_CHARS = 500
 """Longer prompts and completions are cut in the table (the Parquet files hold them whole)."""
 MERGED_FIX = "rerun `pipeline run merge --config FILE --force` to write the merged files again"
@@ -65,7 +67,7 @@ def first_rows(result: MergedResult, count: int) -> list[dict[str, Any]]:
         fs, path = storage.filesystem(url)
         with storage.unreadable("merged file", url, MERGED_FIX), fs.open(path, "rb") as f:
             parquet = pq.ParquetFile(f)
-            columns = SHOWN_COLUMNS + [LOGPROBS_COLUMN] * (LOGPROBS_COLUMN in parquet.schema_arrow.names)
+            columns = SHOWN_COLUMNS + [name for name in MEAN_COLUMNS if name in parquet.schema_arrow.names]
             for batch in parquet.iter_batches(batch_size=max(count, 1), columns=columns):
                 rows.extend(batch.slice(0, count - len(rows)).to_pylist())
                 if len(rows) >= count:
@@ -93,14 +95,14 @@ def _table(rows: list[dict[str, Any]], total: int) -> str:
     table.add_column("prompt (id, sample)", overflow="fold", ratio=2)
     table.add_column("completion", overflow="fold", ratio=3)
     table.add_column("finish", no_wrap=True)
-    logprobs = bool(rows) and LOGPROBS_COLUMN in rows[0]
-    if logprobs:
-        table.add_column("logprob / token", no_wrap=True, justify="right")
+    means = [name for name in MEAN_COLUMNS if rows and name in rows[0]]
+    for name in means:
+        table.add_column(MEAN_COLUMNS[name], no_wrap=True, justify="right")
     for r in rows:
         cells = [f"{_cut(r['prompt'])}\n[dim]({r['prompt_id']}, {r['sample_index']})[/dim]", _cut(r["completion"]),
                  r["finish_reason"]]
-        if logprobs:
-            values = r[LOGPROBS_COLUMN]
+        for name in means:
+            values = [v for v in r[name] if v is not None]  # a prompt's first token has none
             cells.append(f"{sum(values) / len(values):.3f}" if values else "-")
         table.add_row(*cells)
     buffer = io.StringIO()

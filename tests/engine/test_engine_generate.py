@@ -130,6 +130,53 @@ def test_logprobs_are_transformers_log_softmax_of_each_token(llama):
     assert (c.token_ids, c.logprobs) == (row.token_ids, row.logprobs)
 
 
+def test_prompt_logprobs_are_transformers_log_softmax_of_each_prompt_token(llama, monkeypatch):
+    """`sampling.prompt_logprobs`: each prompt token's log-probability given the tokens before it
+    is transformers' log-softmax of the prompt's logits (float32), None for the first token, for
+    prompts of one piece and of several (a 40-token prompt over three packed calls of 16 tokens),
+    the same list for each of a prompt's samples. The XLA attention's unpacked calls (rows of 8)
+    give them within rounding (their LM head in blocks of 5 positions, the last one padded), and another
+    batch size (a resume asking for one sample) the same numbers."""
+    from engine import decode
+
+    import torch
+
+    path, hf = llama
+    prompts = PROMPTS + [np.random.RandomState(3).randint(0, VOCAB, 40).tolist()]
+    requests = [GenerationRequest(i, p, range(2)) for i, p in enumerate(prompts)]
+    sampling = SamplingParams(max_new_tokens=3, n=2, prompt_logprobs=True)
+
+    def run(**engine) -> dict:
+        loaded = Engine.load(path, dtype="float32", sampling=sampling, max_prompt_tokens=40,
+                             engine=EngineConfig(prefill_chunk_tokens=8, prefill_tokens=16, **engine))
+        return _run(loaded, requests if engine.get("batch_size", 8) == 8 else [GenerationRequest(5, prompts[5], [1])])
+
+    got = run(batch_size=8, overlap_prefill=True)  # prefilled by the staging thread
+    assert sorted(got) == [(p, s) for p in range(len(prompts)) for s in range(2)]
+    every = []
+    for p, prompt in enumerate(prompts):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0, :-1]
+        expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(prompt) - 1), prompt[1:]].numpy()
+        first, second = got[(p, 0)].prompt_logprobs, got[(p, 1)].prompt_logprobs
+        assert len(first) == len(prompt) and first[0] is None and first == second, p
+        np.testing.assert_allclose(first[1:], expected, atol=1e-4, rtol=0)
+        every += first[1:]
+    assert max(every) < 0 and max(every) - min(every) > 1.0, "the test model's tokens are not all alike"
+
+    with monkeypatch.context() as patch:
+        patch.setattr(decode, "PROMPT_LOGPROB_BLOCK", 5)  # 16 positions a call
+        unpacked = run(batch_size=8, decode_attention="xla", overlap_prefill=False)  # prefilled by the lane
+    for key, c in got.items():
+        np.testing.assert_allclose(unpacked[key].prompt_logprobs[1:], c.prompt_logprobs[1:], atol=1e-5, rtol=0)
+    (c,) = run(batch_size=2).values()
+    assert c.token_ids == got[(5, 1)].token_ids and c.prompt_logprobs[0] is None
+    np.testing.assert_allclose(c.prompt_logprobs[1:], got[(5, 1)].prompt_logprobs[1:], atol=1e-6, rtol=0)
+    assert all(c.prompt_logprobs is None for c in _run(
+        Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=3), max_prompt_tokens=16),
+        requests[:2]).values())
+
+
 class _VllmPenalties:
     """vLLM's presence and frequency penalties as a transformers logits processor: a token's
     logit loses frequency per time the completion (input_ids past the prompt) holds it, and

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 PROMPTS = [np.random.RandomState(20 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([5, 12, 3, 9])]
-SAMPLINGS = {"greedy": dict(max_new_tokens=6, n=2), "sampled": dict(max_new_tokens=6, temperature=0.9, top_k=20, n=2, seed=3),
+SAMPLINGS = {"greedy": dict(max_new_tokens=6, n=2, prompt_logprobs=True),  # the LM head over each prefill call's positions
+             "sampled": dict(max_new_tokens=6, temperature=0.9, top_k=20, n=2, seed=3),
              # The penalties' token counts and prompt tokens, split by rows over the mesh's data axis.
              "penalized": dict(max_new_tokens=6, temperature=0.9, top_k=20, n=2, seed=3, repetition_penalty=1.3,
                                presence_penalty=0.5, frequency_penalty=0.4)}
@@ -52,8 +53,9 @@ def sharded(llama) -> dict:
             attn = engine.model.layers[0].self_attn
             out["layout"] = [str(attn.q_proj.array.sharding.spec), str(engine.model.layers[0].input_layernorm.weight.array.sharding.spec)]
             out["describe"] = engine.describe()
-            out[name] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in engine.generate(
-                GenerationRequest(i, p, [0, 1]) for i, p in enumerate({PROMPTS!r}))}}
+            got = list(engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate({PROMPTS!r})))
+            out[name] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in got}}
+            out[name + " prompt_logprobs"] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.prompt_logprobs for c in got}}
         print(json.dumps(out))
     """, devices=4)
 
@@ -64,7 +66,14 @@ def test_sharded_weights_give_the_tokens_of_one_device(llama, sharded):
     assert "global mesh data 2 x model 2 over 4 cpu devices of 1 host(s)" in sharded["describe"]
     for name, sampling in SAMPLINGS.items():
         one = Engine.load(path, dtype="float32", sampling=SamplingParams(**sampling), engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
-        assert sharded[name] == _tokens(one), name
+        got = list(one.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate(PROMPTS)))
+        assert sharded[name] == {f"{c.prompt_index},{c.sample_index}": c.token_ids for c in got}, name
+        for c in got:  # each prompt token's log-probability, with the greedy run's prompt_logprobs
+            theirs = sharded[f"{name} prompt_logprobs"][f"{c.prompt_index},{c.sample_index}"]
+            assert (theirs is None) == (c.prompt_logprobs is None) == (name != "greedy"), name
+            if theirs is not None:
+                assert theirs[0] is None and len(theirs) == len(PROMPTS[c.prompt_index])
+                np.testing.assert_allclose(theirs[1:], c.prompt_logprobs[1:], atol=1e-5, rtol=0)
     assert sharded["penalized"] != sharded["sampled"]  # the penalties changed rows
 
 

@@ -52,12 +52,14 @@ def test_a_global_mesh_keeps_each_devices_heads_and_matches_the_plan(mesh):
 
 
 @pytest.mark.skipif(cpu_attention.unavailable() is not None, reason="the CPU kernel cannot be built here")
-def test_a_bfloat16_model_on_the_cpu_is_analysed_with_both_programs():
+@pytest.mark.parametrize("options", [[], ["--prompt-logprobs"]])
+def test_a_bfloat16_model_on_the_cpu_is_analysed_with_both_programs(options):
     """The script's own example on a CPU: a bfloat16 cache there is the CPU kernel's (stored as
     its bits, as the engine stores it; the script had built it in bfloat16, which the kernel
-    refuses), and both the decode and the packed prefill program compile, each within the plan."""
+    refuses), and both the decode and the packed prefill program compile, each within the plan;
+    so too with `sampling.prompt_logprobs` (the LM head over blocks of the call's positions)."""
     done = subprocess.run(
-        [sys.executable, SCRIPT, "--preset", "cpu-tiny", "--batch", "64", "--prompt", "64", "--new", "128"],
+        [sys.executable, SCRIPT, "--preset", "cpu-tiny", "--batch", "64", "--prompt", "64", "--new", "128", *options],
         capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
