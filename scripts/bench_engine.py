@@ -273,6 +273,26 @@ def _mixed_requests(prompts: list[list[int]]):
     return (GenerationRequest(i, ids, [0]) for i, ids in enumerate(prompts))
 
 
+def by_length(prompts: list[list[int]], batch: int) -> list[list[int]]:
+    """The prompts' indices sorted by length, in batches: transformers' fairest padding."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    return [order[b : b + batch] for b in range(0, len(order), batch)]
+
+
+def padded(rows: list[list[int]], left: bool):
+    """(token ids, attention mask) as torch tensors, each row padded with 0 to the longest, on
+    the left or the right."""
+    import torch
+
+    width = max(map(len, rows))
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        where = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[r, where], mask[r, where] = torch.tensor(row), 1
+    return ids, mask
+
+
 def bench_hf_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[list[int]]) -> dict:
     process_start = time.perf_counter()
     import torch
@@ -280,17 +300,11 @@ def bench_hf_mixed(folder: str, p: dict, dtype: str, batch: int, prompts: list[l
 
     load_start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: dict[int, list[int]] = {}
     start = time.perf_counter()
-    for b in range(0, len(order), batch):
-        idx = order[b : b + batch]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.zeros((len(idx), width), dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):  # left padding, as generate expects for decoder-only models
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
+    for idx in by_length(prompts, batch):
+        ids, mask = padded([prompts[i] for i in idx], left=True)  # as generate expects for decoder-only models
+        width = ids.shape[1]
         with torch.inference_mode():
             gen = model.generate(ids, attention_mask=mask, max_new_tokens=p["new"], min_new_tokens=p["new"],
                                  do_sample=False, pad_token_id=0)

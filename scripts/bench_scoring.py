@@ -40,18 +40,11 @@ def score_hf(folder: str, dtype: str, batch: int, prompts: list[list[int]], repe
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     best, out = float("inf"), {}
     for _ in range(repeats):
         start = time.perf_counter()
-        for b in range(0, len(order), batch):
-            idx = order[b : b + batch]
-            width = max(len(prompts[i]) for i in idx)
-            ids = torch.zeros((len(idx), width), dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            for r, i in enumerate(idx):
-                ids[r, : len(prompts[i])] = torch.tensor(prompts[i])
-                mask[r, : len(prompts[i])] = 1
+        for idx in bench.by_length(prompts, batch):
+            ids, mask = bench.padded([prompts[i] for i in idx], left=False)
             with torch.inference_mode():
                 logits = model(ids, attention_mask=mask).logits[:, :-1].float()
                 scores = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
