@@ -407,22 +407,28 @@ def test_generator_can_be_abandoned(llama, greedy_ref):
 
 
 def test_data_parallel_over_two_forced_devices_matches_one(llama):
+    """Rows split over two local devices get one device's tokens, and with prompt_logprobs its
+    prompt log-probabilities (each prefill call's positions split over the devices too)."""
     path, _ = llama
+    sampling = dict(max_new_tokens=6, temperature=0.9, n=2, prompt_logprobs=True)
     two = run_on_forced_devices(f"""
         import json, sys
         sys.path.insert(0, {str(os.getcwd())!r})
         import jax
         from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
         assert jax.local_device_count() == 2
-        engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(max_new_tokens=6, temperature=0.9, n=2),
+        engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(**{sampling!r}),
                              engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
-        out = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in engine.generate(
+        out = {{f"{{c.prompt_index}},{{c.sample_index}}": [c.token_ids, c.prompt_logprobs] for c in engine.generate(
             GenerationRequest(i, p, [0, 1]) for i, p in enumerate({PROMPTS!r}))}}
         print(json.dumps(out))
     """, devices=2, timeout=300)
-    one_engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=6, temperature=0.9, n=2), engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
-    one = {f"{c.prompt_index},{c.sample_index}": c.token_ids for c in one_engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate(PROMPTS))}
-    assert two == one
+    one_engine = Engine.load(path, dtype="float32", sampling=SamplingParams(**sampling), engine=EngineConfig(batch_size=4), max_prompt_tokens=16)
+    one = {f"{c.prompt_index},{c.sample_index}": c for c in one_engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate(PROMPTS))}
+    assert {key: tokens for key, (tokens, _) in two.items()} == {key: c.token_ids for key, c in one.items()}
+    for key, (_, scores) in two.items():
+        assert scores[0] is None and len(scores) == len(one[key].prompt_logprobs), key
+        np.testing.assert_allclose(scores[1:], one[key].prompt_logprobs[1:], atol=1e-5, rtol=0)
 
 
 def _lane_threads() -> list[str]:
