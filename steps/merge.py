@@ -18,6 +18,7 @@ the parts that hold them.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from pipeline.run.config import Config
 from pipeline.errors import StepFailed
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
-from steps.generate import PART_FIX, check_part_keys, schema
+from steps.generate import LOGPROBS, PART_FIX, PROMPT_LOGPROBS, check_part_keys, schema
 from steps.tokenize import read_shard
 
 FILE_ROWS = 1_000_000
@@ -65,6 +66,40 @@ class MergeSummary:
     completion_tokens: int
     finish_reasons: dict[str, int]
     """Rows by finish_reason (eos, stop, length)."""
+    completion_logprob_mean: float | None = None
+    """With `sampling.logprobs`: the mean log-probability of every completion token of the result."""
+    completion_perplexity: float | None = None
+    """exp(-completion_logprob_mean)."""
+    prompt_logprob_mean: float | None = None
+    """With `sampling.prompt_logprobs`: the mean log-probability of every prompt token that has
+    one (all but each prompt's first), each prompt counted once whatever `sampling.n`."""
+    prompt_perplexity: float | None = None
+    """exp(-prompt_logprob_mean): the prompt set's perplexity under the model."""
+
+
+class _LogprobTotals:
+    """The sums and counts of the result's log-probabilities, file by file (`MergeSummary`)."""
+
+    def __init__(self):
+        self.sums: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()
+
+    def add(self, table: pa.Table) -> None:
+        if LOGPROBS.name in table.column_names:
+            self._add("completion", table[LOGPROBS.name])
+        if PROMPT_LOGPROBS.name in table.column_names:  # a prompt's samples share its list: its first sample's
+            self._add("prompt", table.filter(pc.equal(table["sample_index"], 0))[PROMPT_LOGPROBS.name])
+
+    def _add(self, name: str, lists: pa.ChunkedArray) -> None:
+        values = pc.list_flatten(lists).cast(pa.float64())
+        self.sums[name] += float(pc.sum(values, min_count=0).as_py())  # nulls (a prompt's first token) left out
+        self.counts[name] += len(values) - values.null_count
+
+    def summary(self) -> dict[str, float]:
+        """{name}_logprob_mean and {name}_perplexity for each kind the result has."""
+        means = {name: self.sums[name] / count for name, count in self.counts.items() if count}
+        return {**{f"{name}_logprob_mean": mean for name, mean in means.items()},
+                **{f"{name}_perplexity": math.exp(-mean) for name, mean in means.items()}}
 
 
 def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_bytes: int = FILE_BYTES) -> StepResult:
@@ -83,7 +118,7 @@ def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_byte
     for old in storage.list_files(out.url, suffix=".parquet"):
         if old.rsplit("/", 1)[-1].startswith(FILE_PREFIX):
             storage.remove(old)  # a partial earlier attempt; this one rewrites every file
-    files, finish_reasons = _write_merged(out, parts, keys, first, file_rows, file_bytes)
+    files, finish_reasons, logprobs = _write_merged(out, parts, keys, first, file_rows, file_bytes)
     rows = sum(f["rows"] for f in files)
     if rows != len(accepted) * n:  # the rows in must be the rows out, whatever happened above
         raise StepFailed(f"merge wrote {rows} rows to {out.url}, expected {len(accepted) * n} (a bug)")
@@ -93,6 +128,7 @@ def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_byte
         prompt_tokens=sum(f["prompt_tokens"] for f in files),
         completion_tokens=sum(f["completion_tokens"] for f in files),
         finish_reasons=dict(sorted(finish_reasons.items())),
+        **logprobs.summary(),
     ))
 
 
@@ -301,11 +337,12 @@ def _more(count: int) -> str:
 
 
 def _write_merged(out: StepOutput, parts: _Parts, keys: _Keys, first: np.ndarray, file_rows: int,
-                  file_bytes: int) -> tuple[list[dict[str, Any]], Counter[str]]:
+                  file_bytes: int) -> tuple[list[dict[str, Any]], Counter[str], _LogprobTotals]:
     """Write the rows `first` names (row numbers, in output order) into files of bounded size.
 
     A part is read when the first file that needs it is planned and dropped after the last one.
-    Returns the files' manifest entries and how many rows end for each finish_reason.
+    Returns the files' manifest entries, how many rows end for each finish_reason, and the
+    log-probabilities' totals.
     """
     total = len(first)
     last_use = np.full(len(parts.paths), -1, np.int64)
@@ -315,6 +352,7 @@ def _write_merged(out: StepOutput, parts: _Parts, keys: _Keys, first: np.ndarray
     loaded: dict[int, pa.Table] = {}
     files: list[dict[str, Any]] = []
     finish_reasons: Counter[str] = Counter()
+    logprobs = _LogprobTotals()
     start = 0
     with Progress(total=total, desc="merge", unit="row") as bar:
         while start < total or not files:  # an empty result still gets one (empty) file
@@ -332,11 +370,12 @@ def _write_merged(out: StepOutput, parts: _Parts, keys: _Keys, first: np.ndarray
             files.append(_write_file(out, len(files), table))
             for count in pc.value_counts(table["finish_reason"]).to_pylist():
                 finish_reasons[count["values"]] += count["counts"]
+            logprobs.add(table)
             bar.update(end)
             start += end
             for p in [p for p in loaded if last_use[p] < start]:
                 del loaded[p]
-    return files, finish_reasons
+    return files, finish_reasons, logprobs
 
 
 class _RowBytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 
 import pyarrow.parquet as pq
@@ -125,11 +126,13 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     assert "logprob / token" in shown and f"{sum(logprobs[0]) / len(logprobs[0]):.3f}" in shown
 
 
-def test_prompt_logprobs_score_each_prompt_token_in_the_result_and_the_table(make_config, tmp_path, demo_model):
+def test_prompt_logprobs_score_each_prompt_token_in_the_result_and_the_table(make_config, tmp_path, demo_model,
+                                                                              read_wandb_run):
     """`sampling.prompt_logprobs`: two more columns, the prompt's token ids and each one's
     log-probability given those before it (null for the first; transformers' teacher-forced
     log-softmax of the same checkpoint), the same for each sample of a prompt, after
-    `completion_logprobs`; the W&B table sums and averages them."""
+    `completion_logprobs`; the W&B table sums and averages them, and the run's summary holds the
+    prompt set's and the completions' mean log-probability per token and perplexity."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -160,6 +163,14 @@ def test_prompt_logprobs_score_each_prompt_token_in_the_result_and_the_table(mak
         text = json.loads(shown[-5])
         assert text[0] is None and text[1:] == pytest.approx(scores, abs=5e-5)
         assert shown[-2:] == pytest.approx([sum(scores), sum(scores) / len(scores)])
+    prompt_scores = [x for row in rows if row["sample_index"] == 0 for x in row["prompt_logprobs"][1:]]
+    completion_scores = [x for row in rows for x in row["completion_logprobs"]]
+    (run_dir,) = glob.glob(str(tmp_path / "runs" / "upload-*" / "wandb" / "offline-run-*"))
+    logged = read_wandb_run(run_dir)["summary"]
+    for name, scores in (("prompt", prompt_scores), ("completion", completion_scores)):
+        mean = sum(scores) / len(scores)
+        assert logged[f"merge/{name}_logprob_mean"] == pytest.approx(mean, rel=1e-6), name
+        assert logged[f"merge/{name}_perplexity"] == pytest.approx(math.exp(-mean), rel=1e-6), name
     shown = invoke("show", "--config", config, "-n", "1").output  # each mean per token, a column of its own
     scores = rows[0]["prompt_logprobs"][1:]
     assert "prompt logprob / token" in shown and f"{sum(scores) / len(scores):.3f}" in shown
