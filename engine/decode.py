@@ -245,13 +245,14 @@ def prefill_chunk(
     [S, n]). With `spec.prefill_in_place` (the CPU kernel) pieces go anywhere, several prompts in a
     row, one row's end running on into the next: each piece attends to its cache row in place,
     each token up to itself, the piece written there first (one kernel call a layer; first and
-    later pieces in one program). targets [R, C], with `sampling.prompt_logprobs` (else None): the
-    prompt's token after each position, -1 where none (`_prompt_logprobs`). Otherwise piece r is row r (offsets r x C, S = R): fresh, every
+    later pieces in one program). Otherwise piece r is row r (offsets r x C, S = R): fresh, every
     piece starts its prompt (the call attends to itself only, no cache row is read; the host
     never mixes first and later chunks in one call, so a prompt's numerics do not depend on its
     neighbours); else the call attends to the first pages of its cache rows covering every
-    piece and to itself. Returns (cache, state, HostOut: first token per slot, -1 where none;
-    done per slot; the token's log-probability; each position's target's log-probability)."""
+    piece and to itself. targets [R, C], with `sampling.prompt_logprobs` (else None): the prompt's
+    token after each position, -1 where none (`_prompt_logprobs`). Returns (cache, state,
+    HostOut: first token per slot, -1 where none; done per slot; the token's log-probability;
+    each position's target's log-probability)."""
     R, C = tokens.shape
     S, n = slots.shape
     num_slots, seq_len = cache.slots, cache.seq_len
@@ -271,8 +272,8 @@ def prefill_chunk(
     hidden, layers = model.forward(hax.named(tokens, (Batch, Pos)), hax.named(positions, (Batch, Pos)), contexts)
 
     ends = jnp.maximum(offsets + lengths - 1, 0)  # each piece's last token, row-major
-    last = hidden.rearrange(("embed", "batch", "position")).array.reshape(-1, R * C)[:, ends]
-    logits = model.logits(hax.named(last, (model.config.Embed, Axis("batch", S)))).rearrange(("vocab", "batch")).array
+    flat = hidden.rearrange(("embed", "batch", "position")).array.reshape(-1, R * C)  # [embed, R x C]
+    logits = model.logits(hax.named(flat[:, ends], (model.config.Embed, Axis("batch", S)))).rearrange(("vocab", "batch")).array
 
     # Each (piece, sample) pair j = s * n + i that starts decoding now, and which slot it fills.
     flat_slots = jnp.where(jnp.repeat(is_last, n), slots.reshape(-1), num_slots)
@@ -321,7 +322,7 @@ def prefill_chunk(
         counts=None if state.counts is None else jnp.where(is_new[:, None], 0, state.counts),
         in_prompt=in_prompt,
     )
-    prompt_logprobs = None if targets is None else _prompt_logprobs(model, hidden, targets.reshape(-1))
+    prompt_logprobs = None if targets is None else _prompt_logprobs(model, flat, targets.reshape(-1))
     return _finish(KVCache(tuple(layers)), state, jnp.where(is_new, first, -1), _where(is_new, logprobs), spec,
                    prompt_logprobs)
 
@@ -331,12 +332,11 @@ PROMPT_LOGPROB_BLOCK = 256
 vocabulary of 32k, 131 MB at 128k (`memory.prefill_working_bytes`)."""
 
 
-def _prompt_logprobs(model: LlamaLM, hidden: NamedArray, targets: jax.Array) -> jax.Array:
+def _prompt_logprobs(model: LlamaLM, flat: jax.Array, targets: jax.Array) -> jax.Array:
     """Each position's log-probability of its target token (targets [T], -1: none, given 0),
-    from the call's final hidden states (embed, batch, position), read row-major as T positions:
-    the LM head over PROMPT_LOGPROB_BLOCK positions at a time, never the whole call's logits."""
+    from the call's final hidden states flat [embed, T]: the LM head over PROMPT_LOGPROB_BLOCK
+    positions at a time, never the whole call's logits."""
     Embed = model.config.Embed
-    flat = hidden.rearrange((Embed.name, "batch", "position")).array.reshape(Embed.size, -1)
     total = flat.shape[1]
     block = min(total, PROMPT_LOGPROB_BLOCK)
     blocks = -(-total // block)

@@ -1149,7 +1149,8 @@ class Engine:
             if start == 0:
                 job.logprobs = [None]  # the first token has no context
             offset = int(inputs.offsets[s])
-            job.logprobs += got[offset : offset + min(length, len(job.ids) - start - 1)].tolist()
+            # Every position scores the token after it, but a prompt's last position (no target).
+            job.logprobs += got[offset : offset + length - int(inputs.is_last[s])].tolist()
             if inputs.is_last[s]:
                 for row in job.rows:
                     row.prompt_logprobs = job.logprobs

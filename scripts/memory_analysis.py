@@ -108,7 +108,8 @@ def main() -> None:
 
     model = abstract_model(config, dtype=dtype, sharding=param_sharding)  # the model Engine.load traces before the weights
     seq_len = prompt + new
-    spec = DecodeSpec(SamplingParams(max_new_tokens=new, prompt_logprobs=args.prompt_logprobs), (), batch_sharding, cache_sharding, host_sharding, attention)
+    sampling = SamplingParams(max_new_tokens=new, prompt_logprobs=args.prompt_logprobs)
+    spec = DecodeSpec(sampling, (), batch_sharding, cache_sharding, host_sharding, attention)
     # With the CPU kernel a bfloat16 cache is stored as its bits, as the engine stores it (the same bytes).
     stored = cpu_attention.BFLOAT16_BITS if spec.attention == "cpu" and cache_dtype == jnp.bfloat16 else cache_dtype
     cache = abstract(jax.eval_shape(functools.partial(new_cache, config, batch, spec.cache_ends(seq_len), stored)), cache_sharding)
