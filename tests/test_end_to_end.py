@@ -136,6 +136,8 @@ def test_prompt_logprobs_score_each_prompt_token_in_the_result_and_the_table(mak
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tests.engine.engine_testlib import hf_logprobs
+
     config = make_config(sampling={"n": 2, "max_new_tokens": 3, "logprobs": True, "prompt_logprobs": True})
     assert invoke("run", "all", "--config", config).exit_code == 0
     merged = pq.read_table(glob.glob(str(tmp_path / "runs" / "merge-*" / "merged-00000.parquet"))[0])
@@ -147,10 +149,7 @@ def test_prompt_logprobs_score_each_prompt_token_in_the_result_and_the_table(mak
         ids, scores = row["prompt_token_ids"], row["prompt_logprobs"]
         assert len(ids) == len(scores) == row["num_prompt_tokens"] > 2 and scores[0] is None
         if row["sample_index"] == 0:
-            with torch.no_grad():
-                logits = hf(torch.tensor([ids])).logits[0, :-1]
-            expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]].tolist()
-            assert scores[1:] == pytest.approx(expected, abs=1e-4)
+            assert scores[1:] == pytest.approx(hf_logprobs(hf, ids).tolist(), abs=1e-4)
         else:
             assert (ids, scores) == (rows[i - 1]["prompt_token_ids"], rows[i - 1]["prompt_logprobs"])
 

@@ -35,6 +35,16 @@ def run_on_forced_devices(script: str, devices: int, timeout: float = 400) -> di
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def hf_logprobs(model, ids: list[int]):
+    """transformers' log-probability of each of ids[1:] given the ids before it, teacher-forced
+    (the float32 log-softmax of its logits at the position before it), as numpy."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    return torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]].numpy()
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, **options) -> list[int]:
     """transformers' generate, greedy, no EOS unless `options` (more generate arguments, e.g. a
     logits_processor, or min_new_tokens and an eos_token_id) say otherwise; the explicit mask

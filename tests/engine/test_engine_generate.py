@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine_testlib import VOCAB, hf_greedy, run_on_forced_devices, with_generation_config
+from engine_testlib import VOCAB, hf_greedy, hf_logprobs, run_on_forced_devices, with_generation_config
 
 PROMPTS = [np.random.RandomState(10 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([4, 11, 7, 15, 9])]
 SAMPLED = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.9, n=3, seed=7)
@@ -98,8 +98,6 @@ def test_logprobs_are_transformers_log_softmax_of_each_token(llama):
     decode chunks). The same numbers come from another batch size, within rounding from the XLA
     attention, and a stop token cuts them with the tokens (without the setting there are none:
     `greedy_ref`)."""
-    import torch
-
     path, hf = llama
     sampling = SamplingParams(**{**SAMPLED.__dict__, "logprobs": True})
     big = Engine.load(path, dtype="float32", sampling=sampling, engine=EngineConfig(batch_size=8), max_prompt_tokens=16)
@@ -107,9 +105,7 @@ def test_logprobs_are_transformers_log_softmax_of_each_token(llama):
     assert len(got) == 3 * len(PROMPTS)
     every = []
     for (p, _), c in got.items():
-        with torch.no_grad():
-            logits = hf(torch.tensor([PROMPTS[p] + c.token_ids])).logits[0, len(PROMPTS[p]) - 1 : -1]
-        expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(c.token_ids)), c.token_ids].numpy()
+        expected = hf_logprobs(hf, PROMPTS[p] + c.token_ids)[len(PROMPTS[p]) - 1 :]
         assert len(c.logprobs) == len(c.token_ids) == 10
         np.testing.assert_allclose(c.logprobs, expected, atol=1e-4, rtol=0)
         every += c.logprobs
@@ -139,8 +135,6 @@ def test_prompt_logprobs_are_transformers_log_softmax_of_each_prompt_token(llama
     batch size (a resume asking for one sample) the same numbers."""
     from engine import decode
 
-    import torch
-
     path, hf = llama
     prompts = PROMPTS + [np.random.RandomState(3).randint(0, VOCAB, 40).tolist()]
     requests = [GenerationRequest(i, p, range(2)) for i, p in enumerate(prompts)]
@@ -155,9 +149,7 @@ def test_prompt_logprobs_are_transformers_log_softmax_of_each_prompt_token(llama
     assert sorted(got) == [(p, s) for p in range(len(prompts)) for s in range(2)]
     every = []
     for p, prompt in enumerate(prompts):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt])).logits[0, :-1]
-        expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(prompt) - 1), prompt[1:]].numpy()
+        expected = hf_logprobs(hf, prompt)
         first, second = got[(p, 0)].prompt_logprobs, got[(p, 1)].prompt_logprobs
         assert len(first) == len(prompt) and first[0] is None and first == second, p
         np.testing.assert_allclose(first[1:], expected, atol=1e-4, rtol=0)
@@ -214,8 +206,6 @@ def test_presence_and_frequency_penalties_are_vllms_over_the_completion(llama):
     rule, and the penalties change some rows. In 2 slots, where rows reuse the slots of
     finished ones (prefilled into them, or staged beside decoding and moved), the rows are the
     same, greedy and sampled; the log-probabilities stay the model's own, as without penalties."""
-    import torch
-
     path, hf = llama
     presence, frequency = 0.5, 0.7
     greedy = SamplingParams(max_new_tokens=12, presence_penalty=presence, frequency_penalty=frequency)
@@ -240,9 +230,7 @@ def test_presence_and_frequency_penalties_are_vllms_over_the_completion(llama):
                            engine=EngineConfig(batch_size=2, overlap_prefill=True)), requests)  # staged, then moved
     assert {k: c.token_ids for k, c in big.items()} == {k: c.token_ids for k, c in two.items()}
     (p, s), row = next(iter(big.items()))
-    with torch.no_grad():
-        logits = hf(torch.tensor([PROMPTS[p] + row.token_ids])).logits[0, len(PROMPTS[p]) - 1 : -1]
-    expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(row.token_ids)), row.token_ids].numpy()
+    expected = hf_logprobs(hf, PROMPTS[p] + row.token_ids)[len(PROMPTS[p]) - 1 :]
     np.testing.assert_allclose(row.logprobs, expected, atol=1e-4, rtol=0)
 
 
