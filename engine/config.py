@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives `sampling.top_logprobs` returns per token (vLLM's and OpenAI's cap)."""
+
+
 class InvalidConfig(ValueError):
     """A setting is out of range; the message names its key path (the CLI exits 2)."""
 
@@ -89,6 +93,14 @@ class SamplingParams:
     token, which has no context (`Completion.prompt_logprobs`; the output columns
     `prompt_token_ids` and `prompt_logprobs`): scoring a set of texts, as vLLM's
     `prompt_logprobs`. Every prefill call then computes the LM head at every position."""
+    top_logprobs: int = 0
+    """Also return, for each generated token, the TOP_LOGPROBS most probable tokens at its
+    position and their log-probabilities under the model (as `logprobs`: float32, before
+    temperature and the other rules, most probable first), whether or not one of them was chosen
+    (`Completion.top_token_ids`, `Completion.top_logprobs`; the output columns
+    `completion_top_token_ids` and `completion_top_logprobs`): a teacher's distribution for
+    distillation, or calibration, as vLLM's `logprobs=K` and OpenAI's `top_logprobs`. At most
+    MAX_TOP_LOGPROBS; 0 = off."""
 
     def __post_init__(self):
         # Tuples keep the dataclass hashable (it is baked into compiled programs) when a caller passes lists.
@@ -116,6 +128,8 @@ class SamplingParams:
                 "token ids >= 0")
         require(isinstance(self.logprobs, bool), "sampling.logprobs", self.logprobs, "true or false")
         require(isinstance(self.prompt_logprobs, bool), "sampling.prompt_logprobs", self.prompt_logprobs, "true or false")
+        require(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "sampling.top_logprobs",
+                self.top_logprobs, f"an integer in [0, {MAX_TOP_LOGPROBS}] (0 = off)")
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
   causally, once the chunk is written there.
 
 Both return what the host reads back (`HostOut`: new tokens, done flags and, with
-`sampling.logprobs`, the tokens' log-probabilities) as separate arrays laid out by
+`sampling.logprobs` and `sampling.top_logprobs`, the tokens' log-probabilities and their
+alternatives) as separate arrays laid out by
 `spec.host_sharding`: on a global mesh they are replicated, so every host holds a copy.
 """
 
@@ -65,7 +66,9 @@ from engine.llama import (
     DecodeStep, LayerKV, LlamaConfig, LlamaLM, PagedKV, PrefillChunk, PrefillSegments, by_pages, cache_pages, page_spans,
     set_rows,
 )
-from engine.sampler import draws, empty_keys, marks_prompts, penalize, penalizes, row_keys, sample_at, token_logprobs
+from engine.sampler import (
+    draws, empty_keys, marks_prompts, penalize, penalizes, row_keys, sample_at, token_logprobs, top_logprobs,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +171,31 @@ class HostOut(NamedTuple):
     prompt_logprobs: jax.Array | None = None
     """From a prefill call with `sampling.prompt_logprobs`: [R x C], at each of the call's
     positions the log-probability of its target (the prompt's next token; 0 where none); else None."""
+    top_logprobs: jax.Array | None = None
+    """With `sampling.top_logprobs` = k: at each new token's position the k most probable tokens'
+    log-probabilities (`sampler.top_logprobs`), shaped as tokens + [k] (0 where none); else None."""
+    top_ids: jax.Array | None = None
+    """Their ids, as top_logprobs (-1 where none)."""
+
+
+class NewTokens(NamedTuple):
+    """A call's new tokens and what the sampling asks of them, laid out as `HostOut`'s fields of
+    the same names (None where not asked for): [slots] from a prefill call, [slots, steps] from a
+    decode chunk, which fills them a column a step."""
+
+    tokens: jax.Array
+    logprobs: jax.Array | None
+    top_logprobs: jax.Array | None
+    top_ids: jax.Array | None
+
+    @classmethod
+    def at(cls, live: jax.Array, tokens: jax.Array, logits: jax.Array, spec: "DecodeSpec") -> "NewTokens":
+        """Each live row's token, from logits [vocab, rows]; -1, 0 (or None) where not live."""
+        logprobs = _where(live, token_logprobs(logits, tokens)) if spec.sampling.logprobs else None
+        top = top_logprobs(logits, spec.sampling.top_logprobs) if spec.sampling.top_logprobs else (None, None)
+        return cls(jnp.where(live, tokens, -1), logprobs,
+                   None if top[0] is None else jnp.where(live[:, None], top[0], 0.0),
+                   None if top[1] is None else jnp.where(live[:, None], top[1], -1))
 
 
 def new_cache(config: LlamaConfig, slots: int, ends: tuple[int, ...], cache_dtype) -> KVCache:
@@ -310,7 +338,6 @@ def prefill_chunk(
     else:
         first = first_tokens(pair_logits[:, j], in_prompt, pair_keys[j])
     keys = pair_keys[j]
-    logprobs = token_logprobs(logits[:, j // n], first) if spec.sampling.logprobs else None
     done = _is_stop(first, spec.stop_ids) | (spec.sampling.max_new_tokens <= 1)
     state = DecodeState(
         last_token=jnp.where(is_new, first, state.last_token),
@@ -323,7 +350,7 @@ def prefill_chunk(
         in_prompt=in_prompt,
     )
     prompt_logprobs = None if targets is None else _prompt_logprobs(model, flat, targets.reshape(-1))
-    return _finish(KVCache(tuple(layers)), state, jnp.where(is_new, first, -1), _where(is_new, logprobs), spec,
+    return _finish(KVCache(tuple(layers)), state, NewTokens.at(is_new, first, logits[:, j // n], spec), spec,
                    prompt_logprobs)
 
 
@@ -371,7 +398,7 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
     state = state._replace(done=state.done | kill)
     if spec.decode_in_place and len(cache.ends) == 1:
         cache, state, out = _decode_in_place(model, cache, state, spec=spec, steps=steps)
-        return _finish(cache, state, *out, spec)
+        return _finish(cache, state, out, spec)
     start = state.position
     was_live = ~state.done
 
@@ -386,13 +413,13 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
     positions = jnp.where(was_live, start, seq_len)[:, None] + jnp.arange(steps)[None, :]
     layers = tuple(kv.write(rows, positions, jnp.swapaxes(ckv.k.array, 1, 2), jnp.swapaxes(ckv.v.array, 1, 2))
                    for kv, ckv in zip(cache.layers, chunks))
-    return _finish(KVCache(layers), state, *out, spec)
+    return _finish(KVCache(layers), state, out, spec)
 
 
 def _decode_loop(model: LlamaLM, cache: KVCache, count: int, state: DecodeState, *, spec: DecodeSpec, steps: int):
     """The decode steps of one chunk over the first `count` pages of `cache` (read only), as one
     lax.while_loop that stops early once every slot is done. Returns (the chunk's keys/values
-    per layer, state, (tokens [slots, steps], their log-probabilities or None))."""
+    per layer, state, NewTokens [slots, steps])."""
     slots = cache.slots
     Batch, Pos, Chunk = Axis("batch", slots), Axis("position", 1), Axis("chunk", steps)
     masks = page_masks(cache.ends, count, state.position)
@@ -430,8 +457,8 @@ def _decode_in_place(model: LlamaLM, cache: KVCache, state: DecodeState, *, spec
     """The decode steps of one chunk over a one-page cache read by a kernel (`decode_in_place`):
     the cache is carried through the lax.while_loop, each step writes its keys/values at each
     live row's position and attends over the page to that row's length (no chunk buffer, no
-    scatter after the loop, no branch per page count). Returns (cache, state, (tokens [slots,
-    steps], their log-probabilities or None))."""
+    scatter after the loop, no branch per page count). Returns (cache, state, NewTokens [slots,
+    steps])."""
     seq_len = cache.seq_len
 
     def body(carry):
@@ -448,10 +475,13 @@ def _decode_in_place(model: LlamaLM, cache: KVCache, state: DecodeState, *, spec
     return KVCache(tuple(PagedKV((page,)) for page in pages)), state, out
 
 
-def _new_out(slots: int, steps: int, spec: DecodeSpec) -> tuple[jax.Array, jax.Array | None]:
-    """A decode chunk's (tokens, log-probabilities) before its first step: -1 and 0 (or None)."""
-    logprobs = jnp.zeros((slots, steps), jnp.float32) if spec.sampling.logprobs else None
-    return jnp.full((slots, steps), -1, jnp.int32), logprobs
+def _new_out(slots: int, steps: int, spec: DecodeSpec) -> NewTokens:
+    """A decode chunk's new tokens before its first step: -1 and 0 (or None where not asked for)."""
+    k = spec.sampling.top_logprobs
+    return NewTokens(jnp.full((slots, steps), -1, jnp.int32),
+                     jnp.zeros((slots, steps), jnp.float32) if spec.sampling.logprobs else None,
+                     jnp.zeros((slots, steps, k), jnp.float32) if k else None,
+                     jnp.full((slots, steps, k), -1, jnp.int32) if k else None)
 
 
 def _where(live: jax.Array, values: jax.Array | None) -> jax.Array | None:
@@ -467,7 +497,7 @@ def _running(steps: int):
     return cond
 
 
-def _step(model: LlamaLM, st: DecodeState, out: tuple, i: jax.Array, contexts, spec: DecodeSpec):
+def _step(model: LlamaLM, st: DecodeState, out: NewTokens, i: jax.Array, contexts, spec: DecodeSpec):
     """One decode step of every slot at loop index i: the model over each slot's last token,
     a sampled token for each live slot (and its log-probability), its stop rule. Returns (state,
     out (`_new_out`) with column i, each layer's keys/values as its attention returned them)."""
@@ -494,10 +524,9 @@ def _step(model: LlamaLM, st: DecodeState, out: tuple, i: jax.Array, contexts, s
         counts=counts,
         in_prompt=st.in_prompt,
     )
-    tokens, logprobs = out
-    if logprobs is not None:
-        logprobs = logprobs.at[:, i].set(_where(live, token_logprobs(logits, token)))
-    return st, (tokens.at[:, i].set(jnp.where(live, token, -1)), logprobs), kvs
+    column = NewTokens.at(live, token, logits, spec)
+    out = NewTokens(*(None if a is None else a.at[:, i].set(c) for a, c in zip(out, column)))
+    return st, out, kvs
 
 
 def adopt_rows(model: LlamaLM, cache: KVCache, state: DecodeState, staged: KVCache, staged_state: DecodeState,
@@ -512,10 +541,10 @@ def adopt_rows(model: LlamaLM, cache: KVCache, state: DecodeState, staged: KVCac
     leaves, treedef = jax.tree.flatten(cache)
     cache = jax.tree.unflatten(treedef, [set_rows(a, to, b) for a, b in zip(leaves, jax.tree.leaves(staged))])
     state = jax.tree.map(lambda into, rows: set_rows(into, to, rows), state, staged_state)
-    return _finish(cache, state, jnp.full((cache.slots, 0), -1, jnp.int32), None, spec)
+    return _finish(cache, state, NewTokens(jnp.full((cache.slots, 0), -1, jnp.int32), None, None, None), spec)
 
 
-def _finish(cache: KVCache, state: DecodeState, tokens: jax.Array, logprobs: jax.Array | None, spec: DecodeSpec,
-            prompt_logprobs: jax.Array | None = None):
-    host = HostOut(tokens, state.done.copy(), logprobs, prompt_logprobs)  # a copy: the state is donated to the next call
+def _finish(cache: KVCache, state: DecodeState, new: NewTokens, spec: DecodeSpec, prompt_logprobs: jax.Array | None = None):
+    host = HostOut(new.tokens, state.done.copy(), new.logprobs, prompt_logprobs,  # done: a copy, the state is donated to the next call
+                   new.top_logprobs, new.top_ids)
     return _constrain(cache, spec.cache_sharding), _constrain(state, spec.batch_sharding), _constrain(host, spec.host_sharding)

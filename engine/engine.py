@@ -165,6 +165,11 @@ class Completion:
     """With `sampling.prompt_logprobs`: one per token of the request's input_ids, its
     log-probability given the tokens before it (natural log, float32), None for the first; the
     same list for every sample of a prompt; else None."""
+    top_token_ids: list[list[int]] | None = None
+    """With `sampling.top_logprobs` = k: for each of token_ids, the k most probable tokens at its
+    position under the model, most probable first (the chosen token need not be among them); else None."""
+    top_logprobs: list[list[float]] | None = None
+    """Their log-probabilities (natural log, float32, as `logprobs`), as top_token_ids."""
 
 
 @dataclasses.dataclass
@@ -231,10 +236,26 @@ class _Row:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     """The tokens' log-probabilities, with `sampling.logprobs` (else empty)."""
+    top_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[float]] = dataclasses.field(default_factory=list)
+    """Each token's most probable alternatives, with `sampling.top_logprobs` (else empty)."""
     prompt_logprobs: list[float | None] | None = None
     """With `sampling.prompt_logprobs`, its prompt's (`Completion.prompt_logprobs`), once prefilled."""
     decoding: bool = False
     """False while its prompt is being prefilled into its slot."""
+
+    def add(self, got: HostOut, s: int) -> None:
+        """Appends slot s's new tokens from a program's `got` (a prefill call's one, or a decode
+        chunk's, -1 where none) and what the sampling asks of them."""
+        tokens = got.tokens[s].reshape(-1)
+        new = tokens >= 0
+        self.tokens += tokens[new].tolist()
+        if got.logprobs is not None:
+            self.logprobs += got.logprobs[s].reshape(-1)[new].tolist()
+        if got.top_ids is not None:
+            k = got.top_ids.shape[-1]
+            self.top_ids += got.top_ids[s].reshape(-1, k)[new].tolist()
+            self.top_logprobs += got.top_logprobs[s].reshape(-1, k)[new].tolist()
 
 
 READ_AHEAD_ROWS_PER_SLOT = 32
@@ -1043,10 +1064,8 @@ class Engine:
                 kill[:] = False
                 got = _on_host(got)
                 for s in decoding:
-                    row, new = live[s], got.tokens[s] >= 0
-                    row.tokens += got.tokens[s][new].tolist()
-                    if got.logprobs is not None:
-                        row.logprobs += got.logprobs[s][new].tolist()
+                    row = live[s]
+                    row.add(got, s)
                     completion = self._maybe_finish(row, device_done=bool(got.done[s]))
                     if completion is not None:
                         live[s], kill[s] = None, not got.done[s]
@@ -1060,9 +1079,7 @@ class Engine:
     def _first_token(self, row: _Row, got: HostOut, s: int) -> Completion | None:
         """Adds a row's first token, from its prefill call's `got` at slot s; its Completion if
         that finished it."""
-        row.tokens.append(int(got.tokens[s]))
-        if got.logprobs is not None:
-            row.logprobs.append(float(got.logprobs[s]))
+        row.add(got, s)
         return self._maybe_finish(row, device_done=bool(got.done[s]))
 
     def _adopt(self, cache, state, staged_cache, staged_state, to: np.ndarray):
@@ -1213,8 +1230,10 @@ class Engine:
         else:
             text = self._decode(body)
         self._count(generated_tokens=len(tokens))
-        logprobs = row.logprobs[: len(body)] if self.sampling.logprobs else None
-        return Completion(row.prompt_index, row.sample_index, list(body), text, reason, logprobs, row.prompt_logprobs)
+        kept = len(body)
+        logprobs = row.logprobs[:kept] if self.sampling.logprobs else None
+        top = (row.top_ids[:kept], row.top_logprobs[:kept]) if self.sampling.top_logprobs else (None, None)
+        return Completion(row.prompt_index, row.sample_index, list(body), text, reason, logprobs, row.prompt_logprobs, *top)
 
     def _find_stop_string(self, tokens: list[int], *, whole: bool) -> tuple[list[int], str] | None:
         """(tokens fully before the earliest stop string, text cut before it), or None."""

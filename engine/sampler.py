@@ -10,6 +10,7 @@ slot or host it ran in. It does not own stop strings (the host checks those, see
     scores = penalize(logits, params, counts, in_prompt) if penalizes(params) else logits  # [rows, vocab] each
     tokens = sample_at(scores, keys, steps, params)                 # logits [vocab, rows] -> [rows]
     logprobs = token_logprobs(logits, tokens)                       # with sampling.logprobs: [rows]
+    values, ids = top_logprobs(logits, params.top_logprobs)         # with sampling.top_logprobs: [rows, k] each
 
 A greedy choice draws nothing, so a greedy program hashes no key (`draws`).
 """
@@ -100,6 +101,15 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     rows] in float32, before temperature, top-k and top-p (`SamplingParams.logprobs`)."""
     logits = logits.astype(jnp.float32)
     return jnp.take_along_axis(logits, tokens[None, :], axis=0)[0] - jax.nn.logsumexp(logits, axis=0)
+
+
+def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Each row's k most probable tokens under the model, most probable first: (log-probabilities
+    [rows, k] float32, ids [rows, k] int32), from logits [vocab, rows] as `token_logprobs`
+    (`SamplingParams.top_logprobs`). Ties go to the lower id (`top_k`)."""
+    logits = logits.astype(jnp.float32)
+    values, ids = top_k(logits, k)
+    return values - jax.nn.logsumexp(logits, axis=0)[:, None], ids.astype(jnp.int32)
 
 
 ARGMAX_BLOCK = 128

@@ -24,6 +24,7 @@ when it starts, and torch's cache would otherwise hold memory JAX needs.
     python scripts/bench_engine.py --preset cpu-125m --dtype bfloat16
     python scripts/bench_engine.py --preset cpu-tiny --dtype float32 --temperature 0.8 --top-p 0.95
     python scripts/bench_engine.py --preset cpu-tiny --logprobs                        # each token's log-probability too
+    python scripts/bench_engine.py --preset cpu-tiny --top-logprobs 5                  # and its 5 likeliest alternatives
     python scripts/bench_engine.py --preset cpu-tiny --penalties                       # ours with the three penalties (their cost)
     python scripts/bench_engine.py --preset tinyllama-1.1b --dtype bfloat16            # on a GPU
     python scripts/bench_engine.py --preset llama3-8b --dtype bfloat16                 # on a GPU
@@ -150,8 +151,8 @@ def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pas
                lanes: int | str) -> dict:
     from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, kernels
 
-    sampling = SamplingParams(max_new_tokens=p["new"], logprobs=p.get("logprobs", False), **p.get("penalties", {}),
-                              **p.get("sampling", {}))
+    sampling = SamplingParams(max_new_tokens=p["new"], logprobs=p.get("logprobs", False), top_logprobs=p.get("top_logprobs", 0),
+                              **p.get("penalties", {}), **p.get("sampling", {}))
     engine = Engine.load(folder, dtype=dtype, sampling=sampling, engine=EngineConfig(batch_size=p["batch"], decode_attention=attention, lanes=lanes),
                          max_prompt_tokens=p["prompt_len"])
     requests = [GenerationRequest(i, row.tolist(), [0]) for i, row in enumerate(prompts)]
@@ -179,6 +180,8 @@ def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pas
     assert tokens == len(prompts) * p["new"], "every row should make exactly --new tokens"
     if p.get("logprobs"):
         assert all(len(c.logprobs) == len(c.token_ids) for c in second)
+    if p.get("top_logprobs"):
+        assert all(len(c.top_logprobs) == len(c.token_ids) for c in second)
     attention = engine.attention + (f" ({kernels.TUNING})" if engine.attention == "pallas" else "")
     return dict(tok_s=tokens / wall, wall_s=wall, prefill_s=prefill_s, first_pass_s=first_wall, compile_s=compile_s,
                 compilations=compilations, lanes=engine.plan.lanes, attention=attention,
@@ -197,8 +200,9 @@ def bench_hf(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
     # The same temperature, top_p and top_k as ours: top_k=0 switches off transformers' default of 50.
     draw = dict(do_sample=True, **p["sampling"]) if "sampling" in p else dict(do_sample=False)
 
-    # With --logprobs, transformers' way to the same numbers: each step's raw logits, log-softmaxed, at the token drawn.
-    logits = dict(output_logits=True, return_dict_in_generate=True) if p.get("logprobs") else {}
+    # With --logprobs (--top-logprobs), transformers' way to the same numbers: each step's raw logits,
+    # log-softmaxed, at the token drawn (their K largest).
+    logits = dict(output_logits=True, return_dict_in_generate=True) if p.get("logprobs") or p.get("top_logprobs") else {}
 
     def run(ids: torch.Tensor, new: int) -> torch.Tensor:
         with torch.inference_mode():
@@ -207,8 +211,13 @@ def bench_hf(folder: str, p: dict, dtype: str, prompts: np.ndarray) -> dict:
             if not logits:
                 return out
             new_ids = out.sequences[:, ids.shape[1]:]
-            logprobs = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new_ids[..., None])
-            assert logprobs.shape[:2] == new_ids.shape
+            distributions = torch.stack(out.logits, 1).float().log_softmax(-1)
+            if p.get("logprobs"):
+                logprobs = distributions.gather(-1, new_ids[..., None])
+                assert logprobs.shape[:2] == new_ids.shape
+            if p.get("top_logprobs"):
+                top = distributions.topk(p["top_logprobs"], dim=-1)
+                assert top.values.shape[:2] == new_ids.shape
             return out.sequences
 
     def timed(new: int) -> tuple[int, float]:
@@ -445,6 +454,9 @@ def main() -> None:
     parser.add_argument("--logprobs", action="store_true",
                         help="steady-state presets: each new token's log-probability too (sampling.logprobs; "
                              "transformers: generate's output_logits, log-softmaxed)")
+    parser.add_argument("--top-logprobs", type=int, default=0, metavar="K",
+                        help="steady-state presets: each new token's K likeliest alternatives too (sampling.top_logprobs; "
+                             "transformers: generate's output_logits, log-softmaxed, topk)")
     parser.add_argument("--penalties", action="store_true",
                         help="steady-state presets: ours with all three penalties (repetition 1.2, presence and frequency "
                              "0.3: token counts and prompt tokens carried per row); transformers runs without")
@@ -463,13 +475,14 @@ def main() -> None:
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if "mixed" in p:
-        if args.temperature or args.kernel_tuning != [""] or args.logprobs or args.penalties:
-            parser.error("--temperature, --logprobs, --penalties and --kernel-tuning apply to the steady-state presets only")
+        if args.temperature or args.kernel_tuning != [""] or args.logprobs or args.top_logprobs or args.penalties:
+            parser.error("--temperature, --logprobs, --top-logprobs, --penalties and --kernel-tuning apply to the "
+                         "steady-state presets only")
         run_mixed(args, p)
         return
     if args.temperature:
         p["sampling"] = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    p["logprobs"] = args.logprobs
+    p["logprobs"], p["top_logprobs"] = args.logprobs, args.top_logprobs
     if args.penalties:
         p["penalties"] = PENALTIES
     prompts = np.random.RandomState(0).randint(0, p["vocab"], (p["prompts"], p["prompt_len"]))
@@ -498,7 +511,7 @@ def main() -> None:
             ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention, lanes)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
                       **{key: p[key] for key in ("window", "experts", "experts_per_token") if p.get(key)},
-                      "sampling": p.get("sampling", "greedy"), "logprobs": p["logprobs"], "ours_penalties": bool(p.get("penalties")), "ours_attention": ours["attention"],
+                      "sampling": p.get("sampling", "greedy"), "logprobs": p["logprobs"], "top_logprobs": p["top_logprobs"], "ours_penalties": bool(p.get("penalties")), "ours_attention": ours["attention"],
                       "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
                       "ours_prefill_s": round(ours["prefill_s"], 2), "ours_lanes": ours["lanes"],
                       "ours_timed": "first pass minus its wait for programs" if args.single_pass else "second pass",

@@ -65,6 +65,10 @@ SCHEMA = pa.schema([
 """The merged output's columns (docs/contract.md, "Result"); parts already hold them."""
 LOGPROBS = pa.field("completion_logprobs", pa.list_(pa.float32()))
 """With `sampling.logprobs`, one more column: each completion token's log-probability."""
+TOP_TOKEN_IDS = pa.field("completion_top_token_ids", pa.list_(pa.list_(pa.int32())))
+TOP_LOGPROBS = pa.field("completion_top_logprobs", pa.list_(pa.list_(pa.float32())))
+"""With `sampling.top_logprobs` = k, two more columns: for each completion token, the k most
+probable tokens at its position (most probable first) and their log-probabilities."""
 PROMPT_TOKEN_IDS = pa.field("prompt_token_ids", pa.list_(pa.int32()))
 PROMPT_LOGPROBS = pa.field("prompt_logprobs", pa.list_(pa.float32()))
 """With `sampling.prompt_logprobs`, two more columns last: the prompt's token ids (chat template
@@ -72,9 +76,11 @@ and BOS applied) and each one's log-probability given those before it (null for 
 
 
 def schema(cfg: Config) -> pa.Schema:
-    """The columns of this config's parts and merged files: SCHEMA, then LOGPROBS and the
-    prompt's token ids and PROMPT_LOGPROBS where asked for."""
-    fields = [*SCHEMA, *[LOGPROBS] * cfg.sampling.logprobs, *[PROMPT_TOKEN_IDS, PROMPT_LOGPROBS] * cfg.sampling.prompt_logprobs]
+    """The columns of this config's parts and merged files: SCHEMA, then LOGPROBS, the top
+    alternatives and the prompt's token ids and PROMPT_LOGPROBS, each where asked for."""
+    sampling = cfg.sampling
+    fields = [*SCHEMA, *[LOGPROBS] * sampling.logprobs, *[TOP_TOKEN_IDS, TOP_LOGPROBS] * bool(sampling.top_logprobs),
+              *[PROMPT_TOKEN_IDS, PROMPT_LOGPROBS] * sampling.prompt_logprobs]
     return pa.schema(fields)
 
 PART_FIX = ("delete it, then run `pipeline run generate --config FILE --force`: it makes that part's rows again "
@@ -452,6 +458,8 @@ def _row(source: _Source, c: Any) -> dict[str, Any]:
     }
     if c.logprobs is not None:
         row[LOGPROBS.name] = c.logprobs
+    if c.top_token_ids is not None:
+        row[TOP_TOKEN_IDS.name], row[TOP_LOGPROBS.name] = c.top_token_ids, c.top_logprobs
     if c.prompt_logprobs is not None:
         row[PROMPT_TOKEN_IDS.name], row[PROMPT_LOGPROBS.name] = source.input_ids.tolist(), c.prompt_logprobs
     return row

@@ -344,8 +344,9 @@ def _table_data(paths: list[str], max_rows: int) -> tuple[list[str], list[list[A
     List columns (completion_token_ids) go in as compact JSON text: W&B types and converts a list
     element by element, which took ~5 s for 10k rows of ~50 ids (~0.5 s as text) and grows with
     max_new_tokens. The Parquet files in the same artifact keep the lists. Log-probabilities
-    (`sampling.logprobs`, `sampling.prompt_logprobs`) go in to LOGPROB_DIGITS decimals, and each
-    row's sum and mean besides them, columns a table can sort by (LOGPROB_SUMMARIES).
+    (`sampling.logprobs`, `sampling.prompt_logprobs`, `sampling.top_logprobs`) go in to
+    LOGPROB_DIGITS decimals; the first two with each row's sum and mean besides them, columns a
+    table can sort by (LOGPROB_SUMMARIES).
     """
     columns: list[str] = []
     data: list[list[Any]] = []
@@ -379,10 +380,17 @@ empty completion, or a prompt of one token)."""
 
 
 def _as_text(lists: pa.Array) -> list[str | None]:
-    digits = LOGPROB_DIGITS if pa.types.is_floating(lists.type.value_type) else None
+    """Each list as compact JSON; floats (log-probabilities, in lists of lists too:
+    `sampling.top_logprobs`) to LOGPROB_DIGITS decimals."""
+    inner = lists.type.value_type
+    while pa.types.is_list(inner):
+        inner = inner.value_type
+    digits = LOGPROB_DIGITS if pa.types.is_floating(inner) else None
 
-    def rounded(v: list) -> list:
-        return [None if x is None else round(x, digits) for x in v]
+    def rounded(v):
+        if isinstance(v, list):
+            return [rounded(x) for x in v]
+        return None if v is None else round(v, digits)
 
     return [None if v is None else json.dumps(v if digits is None else rounded(v), separators=(",", ":"))
             for v in lists.to_pylist()]

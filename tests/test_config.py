@@ -192,7 +192,7 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path):
 
 @pytest.mark.parametrize("override, line", [
     ("sampling.temprature=0.2", "error: --set sampling.temprature=...: unknown key sampling.temprature "
-     "(valid keys in sampling: max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, n, seed, stop, stop_token_ids, logprobs, prompt_logprobs)"),
+     "(valid keys in sampling: max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, n, seed, stop, stop_token_ids, logprobs, prompt_logprobs, top_logprobs)"),
     ("sampling.n=two", "error: --set sampling.n=two: sampling.n must be an integer, got 'two' (str)"),
     ("sampling.top_p=2", "error: --set sampling.top_p=2: sampling.top_p must be a number in (0, 1], got 2.0"),
     ("engine.mesh={data: x}", "error: --set engine.mesh={data: x}: engine.mesh.data must be an integer or auto, "

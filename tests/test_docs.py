@@ -21,7 +21,7 @@ import typer.main
 from pipeline.cli import app
 from pipeline.errors import ConfigError, Interrupted, StepFailed
 from pipeline.run.config import Config
-from steps.generate import LOGPROBS, PROMPT_LOGPROBS, PROMPT_TOKEN_IDS, SCHEMA
+from steps.generate import LOGPROBS, PROMPT_LOGPROBS, PROMPT_TOKEN_IDS, SCHEMA, TOP_LOGPROBS, TOP_TOKEN_IDS
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACT = REPO / "docs" / "contract.md"
@@ -137,12 +137,12 @@ def test_documented_defaults_are_the_real_defaults():
 
 
 def test_result_columns_are_the_schema_merge_writes():
-    """The section's three tables: every result's columns, then the one `sampling.logprobs` adds,
-    then the two `sampling.prompt_logprobs` adds."""
+    """The section's four tables: every result's columns, then the one `sampling.logprobs` adds,
+    the two `sampling.top_logprobs` adds and the two `sampling.prompt_logprobs` adds."""
     rows = table_rows(section(CONTRACT.read_text(), "Result"))
     documented = [(name.strip("`"), tp) for name, tp, _ in rows]
     assert documented == [(f.name, str(f.type).replace("item: ", ""))
-                          for f in [*SCHEMA, LOGPROBS, PROMPT_TOKEN_IDS, PROMPT_LOGPROBS]]
+                          for f in [*SCHEMA, LOGPROBS, TOP_TOKEN_IDS, TOP_LOGPROBS, PROMPT_TOKEN_IDS, PROMPT_LOGPROBS]]
 
 
 def test_exit_codes_are_the_ones_the_code_uses():

@@ -100,8 +100,9 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     assert "resolved config:" in dry.output and "  temperature: 0.3" in dry.output  # --verbose shows it
     assert snapshot(runs) == before
 
-    # Another temperature, and each token's log-probability asked for: a new result, one more column.
-    changes = ("--set", "sampling.temperature=0.3", "--set", "sampling.logprobs=true")
+    # Another temperature, and each token's log-probability and its 2 likeliest alternatives asked
+    # for: a new result, three more columns.
+    changes = ("--set", "sampling.temperature=0.3", "--set", "sampling.logprobs=true", "--set", "sampling.top_logprobs=2")
     changed = invoke("run", "all", "--config", config, *changes)
     assert changed.exit_code == 0, changed.output
     after = snapshot(runs)
@@ -113,14 +114,26 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
     assert result["rows"] == 24 and len(result["files"]) == 1 and merge_url not in result["files"][0]
     assert os.path.relpath(result["files"][0], runs).split(os.sep)[0] in new_dirs
     merged = pq.read_table(result["files"][0])
-    assert merged.column_names == COLUMNS + ["completion_logprobs"]
+    assert merged.column_names == COLUMNS + ["completion_logprobs", "completion_top_token_ids", "completion_top_logprobs"]
     ids, logprobs = merged["completion_token_ids"].to_pylist(), merged["completion_logprobs"].to_pylist()
     assert [len(x) for x in logprobs] == [len(x) for x in ids] and all(v < 0 for x in logprobs for v in x)
+    top_ids, top_logprobs = merged["completion_top_token_ids"].to_pylist(), merged["completion_top_logprobs"].to_pylist()
+    assert [len(x) for x in top_ids] == [len(x) for x in top_logprobs] == [len(x) for x in ids]
+    chosen_in_top = 0
+    for row in zip(ids, logprobs, top_ids, top_logprobs):
+        for token, logprob, alternatives, scores in zip(*row):  # the likeliest first; the chosen token scores no higher
+            assert len(alternatives) == len(set(alternatives)) == 2 and scores[0] >= scores[1] and logprob <= scores[0] + 1e-6
+            if token in alternatives:
+                chosen_in_top += 1
+                assert logprob == pytest.approx(scores[alternatives.index(token)], abs=1e-6)
+    assert chosen_in_top > 0
     upload = next(os.path.join(runs, d) for d in new_dirs if d.startswith("upload-"))
     (table,) = glob.glob(f"{upload}/wandb/offline-run-*/files/media/table/generations_*.table.json")
     table = json.load(open(table))  # the log-probabilities to 4 decimals, and each row's sum and mean to sort by
     assert table["columns"] == [*merged.column_names, "completion_logprob_sum", "completion_logprob_mean"]
-    assert [json.loads(row[-3]) for row in table["data"]] == [pytest.approx(x, abs=5e-5) for x in logprobs]
+    assert [json.loads(row[-5]) for row in table["data"]] == [pytest.approx(x, abs=5e-5) for x in logprobs]
+    assert [json.loads(row[-4]) for row in table["data"]] == top_ids
+    assert [json.loads(row[-3]) for row in table["data"]] == [[[round(v, 4) for v in scores] for scores in x] for x in top_logprobs]
     assert [row[-2:] for row in table["data"]] == [pytest.approx([sum(x), sum(x) / len(x)]) for x in logprobs]
     shown = invoke("show", "--config", config, *changes, "-n", "2").output  # the mean per token, a column of its own
     assert "logprob / token" in shown and f"{sum(logprobs[0]) / len(logprobs[0]):.3f}" in shown

@@ -50,6 +50,8 @@ def base(tmp_path, demo_model):
     ("sampling.min_new_tokens=0", set()),
     ("sampling.prompt_logprobs=true", FROM_GENERATE),
     ("sampling.prompt_logprobs=false", set()),
+    ("sampling.top_logprobs=5", FROM_GENERATE),
+    ("sampling.top_logprobs=0", set()),
     ("prompts.max_prompt_tokens=7", ALL),
     ("prompts.chat_template=true", ALL),
     ("prompts.on_invalid=skip", ALL),

@@ -50,7 +50,8 @@ SEMANTIC_KEYS: dict[str, tuple[str, ...]] = {
 
 ADDED_KEYS: dict[str, dict[str, Any]] = {
     "generate": {"sampling.logprobs": False, "sampling.min_p": 0.0, "sampling.min_new_tokens": 0, "sampling.repetition_penalty": 1.0,
-                 "sampling.presence_penalty": 0.0, "sampling.frequency_penalty": 0.0, "sampling.prompt_logprobs": False},
+                 "sampling.presence_penalty": 0.0, "sampling.frequency_penalty": 0.0, "sampling.prompt_logprobs": False,
+                 "sampling.top_logprobs": 0},
 }
 """Config keys added after results were made, with their defaults: each enters its step's hash
 only when set to another value, so that a result made before the key existed keeps its hash

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 VOCAB = 128
 
 
@@ -35,14 +37,19 @@ def run_on_forced_devices(script: str, devices: int, timeout: float = 400) -> di
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def hf_logprobs(model, ids: list[int]):
-    """transformers' log-probability of each of ids[1:] given the ids before it, teacher-forced
-    (the float32 log-softmax of its logits at the position before it), as numpy."""
+def hf_log_softmax(model, ids: list[int]) -> np.ndarray:
+    """transformers' distribution of the next token at each position of ids but the last,
+    teacher-forced: the float32 log-softmax of its logits there, [len(ids) - 1, vocab]."""
     import torch
 
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1]
-    return torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]].numpy()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def hf_logprobs(model, ids: list[int]) -> np.ndarray:
+    """transformers' log-probability of each of ids[1:] given the ids before it (`hf_log_softmax`)."""
+    return hf_log_softmax(model, ids)[np.arange(len(ids) - 1), ids[1:]]
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, **options) -> list[int]:

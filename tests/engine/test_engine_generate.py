@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine_testlib import VOCAB, hf_greedy, hf_logprobs, run_on_forced_devices, with_generation_config
+from engine_testlib import VOCAB, hf_greedy, hf_log_softmax, hf_logprobs, run_on_forced_devices, with_generation_config
 
 PROMPTS = [np.random.RandomState(10 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([4, 11, 7, 15, 9])]
 SAMPLED = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.9, n=3, seed=7)
@@ -95,21 +95,28 @@ def test_logprobs_are_transformers_log_softmax_of_each_token(llama):
     """`sampling.logprobs`: each sampled token's log-probability under the model, before
     temperature, top-k and top-p, is transformers' log-softmax of its logits over the prompt and
     the tokens before it (float32), for the first token (from a prefill call) and the rest (from
-    decode chunks). The same numbers come from another batch size, within rounding from the XLA
-    attention, and a stop token cuts them with the tokens (without the setting there are none:
-    `greedy_ref`)."""
+    decode chunks); `sampling.top_logprobs`: the 5 most probable tokens there and theirs, whether
+    or not the sampled one is among them. The same numbers come from another batch size, within
+    rounding from the XLA attention, and a stop token cuts them with the tokens (without the
+    settings there are none: `greedy_ref`)."""
     path, hf = llama
-    sampling = SamplingParams(**{**SAMPLED.__dict__, "logprobs": True})
+    sampling = SamplingParams(**{**SAMPLED.__dict__, "logprobs": True, "top_logprobs": 5})
     big = Engine.load(path, dtype="float32", sampling=sampling, engine=EngineConfig(batch_size=8), max_prompt_tokens=16)
     got = _run(big, [GenerationRequest(i, p, range(3)) for i, p in enumerate(PROMPTS)])
     assert len(got) == 3 * len(PROMPTS)
-    every = []
+    every, chosen_in_top = [], []
     for (p, _), c in got.items():
-        expected = hf_logprobs(hf, PROMPTS[p] + c.token_ids)[len(PROMPTS[p]) - 1 :]
-        assert len(c.logprobs) == len(c.token_ids) == 10
+        distributions = hf_log_softmax(hf, PROMPTS[p] + c.token_ids)[len(PROMPTS[p]) - 1 :]
+        expected = distributions[np.arange(10), c.token_ids]
+        assert len(c.logprobs) == len(c.token_ids) == len(c.top_token_ids) == len(c.top_logprobs) == 10
         np.testing.assert_allclose(c.logprobs, expected, atol=1e-4, rtol=0)
+        best = np.argsort(-distributions, axis=1, kind="stable")[:, :5]
+        assert c.top_token_ids == best.tolist()
+        np.testing.assert_allclose(c.top_logprobs, np.take_along_axis(distributions, best, axis=1), atol=1e-4, rtol=0)
         every += c.logprobs
+        chosen_in_top += [token in top for token, top in zip(c.token_ids, c.top_token_ids)]
     assert max(every) < 0 and max(every) - min(every) > 1.0, "the test model's tokens are not all alike"
+    assert any(chosen_in_top) and not all(chosen_in_top), "sampled tokens both among the top 5 and not"
 
     (p, s), row = next((key, c) for key, c in got.items() if len(set(c.token_ids[2:])) > 1)
     stop = row.token_ids[next(t for t in range(2, 10) if row.token_ids[t] not in row.token_ids[:t])]
@@ -120,10 +127,13 @@ def test_logprobs_are_transformers_log_softmax_of_each_token(llama):
     (c,) = other.generate([GenerationRequest(p, PROMPTS[p], [s])])
     assert (c.finish_reason, c.token_ids) == ("stop", row.token_ids[:cut])
     np.testing.assert_allclose(c.logprobs, row.logprobs[:cut], atol=1e-5, rtol=0)
+    assert c.top_token_ids == row.top_token_ids[:cut]
+    np.testing.assert_allclose(c.top_logprobs, row.top_logprobs[:cut], atol=1e-5, rtol=0)
 
     small = Engine.load(path, dtype="float32", sampling=sampling, engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
     (c,) = small.generate([GenerationRequest(p, PROMPTS[p], [s])])
-    assert (c.token_ids, c.logprobs) == (row.token_ids, row.logprobs)
+    assert (c.token_ids, c.logprobs, c.top_token_ids, c.top_logprobs) == (
+        row.token_ids, row.logprobs, row.top_token_ids, row.top_logprobs)
 
 
 def test_prompt_logprobs_are_transformers_log_softmax_of_each_prompt_token(llama, monkeypatch):
@@ -317,7 +327,7 @@ def greedy_ref(llama):
     path, _ = llama
     engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
     (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
-    assert c.finish_reason == "length" and len(c.token_ids) == 12 and c.text == "" and c.logprobs is None
+    assert c.finish_reason == "length" and len(c.token_ids) == 12 and c.text == "" and c.logprobs is None and c.top_token_ids is c.top_logprobs is None
     return c.token_ids
 
 

@@ -16,7 +16,8 @@ import torch
 
 PROMPTS = [np.random.RandomState(20 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([5, 12, 3, 9])]
 SAMPLINGS = {"greedy": dict(max_new_tokens=6, n=2, prompt_logprobs=True),  # the LM head over each prefill call's positions
-             "sampled": dict(max_new_tokens=6, temperature=0.9, top_k=20, n=2, seed=3),
+             # The top alternatives, over logits whose vocabulary is split over the model axis.
+             "sampled": dict(max_new_tokens=6, temperature=0.9, top_k=20, n=2, seed=3, top_logprobs=3),
              # The penalties' token counts and prompt tokens, split by rows over the mesh's data axis.
              "penalized": dict(max_new_tokens=6, temperature=0.9, top_k=20, n=2, seed=3, repetition_penalty=1.3,
                                presence_penalty=0.5, frequency_penalty=0.4)}
@@ -56,6 +57,7 @@ def sharded(llama) -> dict:
             got = list(engine.generate(GenerationRequest(i, p, [0, 1]) for i, p in enumerate({PROMPTS!r})))
             out[name] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.token_ids for c in got}}
             out[name + " prompt_logprobs"] = {{f"{{c.prompt_index}},{{c.sample_index}}": c.prompt_logprobs for c in got}}
+            out[name + " top"] = {{f"{{c.prompt_index}},{{c.sample_index}}": [c.top_token_ids, c.top_logprobs] for c in got}}
         print(json.dumps(out))
     """, devices=4)
 
@@ -74,6 +76,11 @@ def test_sharded_weights_give_the_tokens_of_one_device(llama, sharded):
             if theirs is not None:
                 assert theirs[0] is None and len(theirs) == len(PROMPTS[c.prompt_index])
                 np.testing.assert_allclose(theirs[1:], c.prompt_logprobs[1:], atol=1e-5, rtol=0)
+            top_ids, top_logprobs = sharded[f"{name} top"][f"{c.prompt_index},{c.sample_index}"]
+            assert top_ids == c.top_token_ids and (top_ids is None) == (name != "sampled"), name
+            if top_ids is not None:
+                assert len(top_ids) == len(c.token_ids) and all(len(top) == 3 for top in top_ids)
+                np.testing.assert_allclose(top_logprobs, c.top_logprobs, atol=1e-5, rtol=0)
     assert sharded["penalized"] != sharded["sampled"]  # the penalties changed rows
 
 
