@@ -52,7 +52,7 @@ from pipeline.run.config import Config
 from pipeline.run.result import MERGED_FIX
 from pipeline.errors import StepFailed
 from pipeline.run.step import StepOutput, StepResult
-from steps.generate import LOGPROBS, PROMPT_LOGPROBS
+from steps.generate import LOGPROBS, PROMPT_LOGPROBS, TOP_LOGPROBS, TOP_TOKEN_IDS
 from steps.merge import MergeSummary
 
 RUN_FILE = "wandb_run.json"
@@ -339,21 +339,21 @@ def _artifact(wandb: Any, cfg: Config, run_id: str, merged: status.StepRecord, m
 
 
 def _table_data(paths: list[str], max_rows: int) -> tuple[list[str], list[list[Any]]]:
-    """Columns and rows of a wandb.Table of the first `max_rows` merged rows, every column.
+    """Columns and rows of a wandb.Table of the first `max_rows` merged rows, every column but
+    NOT_IN_TABLE.
 
     List columns (completion_token_ids) go in as compact JSON text: W&B types and converts a list
     element by element, which took ~5 s for 10k rows of ~50 ids (~0.5 s as text) and grows with
     max_new_tokens. The Parquet files in the same artifact keep the lists. Log-probabilities
-    (`sampling.logprobs`, `sampling.prompt_logprobs`, `sampling.top_logprobs`) go in to
-    LOGPROB_DIGITS decimals; the first two with each row's sum and mean besides them, columns a
-    table can sort by (LOGPROB_SUMMARIES).
+    (`sampling.logprobs`, `sampling.prompt_logprobs`) go in to LOGPROB_DIGITS decimals, and each
+    row's sum and mean besides them, columns a table can sort by (LOGPROB_SUMMARIES).
     """
     columns: list[str] = []
     data: list[list[Any]] = []
     for path in paths:
         parquet = pq.ParquetFile(path)
-        columns = parquet.schema_arrow.names
-        for batch in parquet.iter_batches(batch_size=min(max(max_rows, 1), 65536)):
+        columns = [name for name in parquet.schema_arrow.names if name not in NOT_IN_TABLE]
+        for batch in parquet.iter_batches(batch_size=min(max(max_rows, 1), 65536), columns=columns):
             if len(data) >= max_rows:
                 break
             batch = batch.slice(0, max_rows - len(data))
@@ -368,6 +368,10 @@ def _table_data(paths: list[str], max_rows: int) -> tuple[list[str], list[list[A
     return [*columns, *itertools.chain(*summaries)], data
 
 
+NOT_IN_TABLE = (TOP_TOKEN_IDS.name, TOP_LOGPROBS.name)
+"""Columns only the artifact's Parquet files hold (`sampling.top_logprobs`): K alternatives per
+completion token, as text about 13 x K characters a token (20 alternatives of 2,048 tokens: 0.5 MB
+a row, 5 GB for the default 10,000 rows), and nothing a person reads in a table."""
 LOGPROB_DIGITS = 4
 """Decimals of a log-probability in the table's text: 20 characters a token in full, 7 so."""
 LOGPROB_SUMMARIES = {
@@ -380,17 +384,10 @@ empty completion, or a prompt of one token)."""
 
 
 def _as_text(lists: pa.Array) -> list[str | None]:
-    """Each list as compact JSON; floats (log-probabilities, in lists of lists too:
-    `sampling.top_logprobs`) to LOGPROB_DIGITS decimals."""
-    inner = lists.type.value_type
-    while pa.types.is_list(inner):
-        inner = inner.value_type
-    digits = LOGPROB_DIGITS if pa.types.is_floating(inner) else None
+    digits = LOGPROB_DIGITS if pa.types.is_floating(lists.type.value_type) else None
 
-    def rounded(v):
-        if isinstance(v, list):
-            return [rounded(x) for x in v]
-        return None if v is None else round(v, digits)
+    def rounded(v: list) -> list:
+        return [None if x is None else round(x, digits) for x in v]
 
     return [None if v is None else json.dumps(v if digits is None else rounded(v), separators=(",", ":"))
             for v in lists.to_pylist()]
