@@ -5,7 +5,8 @@ by shard number (shard i -> host i % hosts), and output is keyed by shard, never
 `{out}/shard-00003/part-<time>-<rand>.parquet`. On start a host reads which
 (prompt_index, sample_index) pairs its shards already committed and asks the engine only for
 the missing ones, so a rerun with another host count resumes the same output. A part is one
-atomic write of at most `engine.part_rows` rows (or 60 s of work): a hard kill loses at most
+atomic write of at most `engine.part_rows` rows (or 60 s of work, or fewer rows when the
+buffered rows hold many list entries: BUFFER_MAX_VALUES): a hard kill loses at most
 the rows not yet committed; SIGTERM stops taking new work, commits what finished, exits 75.
 Hosts never wait on each other while generating. The leader's `finish` checks that every
 shard is covered (exactly-once is merge's job: retries may leave identical duplicates).
@@ -50,6 +51,11 @@ from steps.tokenize import SHARD_FIX, read_shard
 
 PART_MAX_AGE_S = 60.0
 """Commit a shard's finished rows at least this often, so a hard kill loses little work."""
+BUFFER_MAX_VALUES = 16_000_000
+"""List entries (token ids, log-probabilities) the rows buffered for all shards may hold, about
+0.6 GB as Python objects, before the fullest shard's rows are committed early. With
+`sampling.top_logprobs` = K a row holds 2K + 2 entries a token (K = 20, 2,048 tokens: 3.2 MB a
+row), and `engine.part_rows` rows of each shard in flight would not fit in a host's memory."""
 
 SCHEMA = pa.schema([
     ("prompt_index", pa.int64()),
@@ -476,6 +482,8 @@ class _PartWriter:
         self.owned = owned
         self.rows: dict[str, list[dict]] = defaultdict(list)
         self.since: dict[str, float] = {}
+        self.values: dict[str, int] = defaultdict(int)
+        """List entries buffered per shard (BUFFER_MAX_VALUES)."""
 
     def add(self, shard: str, row: dict) -> bool:
         """Buffer the row if this host writes `shard`; True if it does."""
@@ -483,13 +491,18 @@ class _PartWriter:
             return False
         self.rows[shard].append(row)
         self.since.setdefault(shard, time.monotonic())
+        self.values[shard] += sum(len(v) * (len(v[0]) if v and isinstance(v[0], list) else 1)
+                                  for v in row.values() if isinstance(v, list))
         if len(self.rows[shard]) >= self.part_rows or time.monotonic() - self.since[shard] >= PART_MAX_AGE_S:
             self.flush(shard)
+        elif sum(self.values.values()) > BUFFER_MAX_VALUES:
+            self.flush(max(self.values, key=self.values.__getitem__))
         return True
 
     def flush(self, shard: str) -> None:
         rows = self.rows.pop(shard, [])
         self.since.pop(shard, None)
+        self.values.pop(shard, None)
         if rows:
             rows.sort(key=lambda r: (r["prompt_index"], r["sample_index"]))
             table = pa.Table.from_pylist(rows, schema=self.schema)

@@ -1,5 +1,6 @@
 """generate on real pods of local processes (`pipeline launch`): same rows for any host
-count, resume after SIGKILL / SIGTERM without losing or duplicating a (prompt, sample)."""
+count, resume after SIGKILL / SIGTERM without losing or duplicating a (prompt, sample); and its
+parts, bounded by rows and by the list entries buffered."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import re
 import sys
 import time
 
+import pyarrow.parquet as pq
 import pytest
+from typer.testing import CliRunner
 
+from pipeline.cli import app
 from tests.conftest import generated_rows, pipeline
 
 GREEDY = {"sampling": {"max_new_tokens": 12, "temperature": 0.0, "n": 2}, "engine": {"batch_size": 4, "part_rows": 4}}
@@ -221,3 +225,24 @@ def test_a_stop_signal_while_the_weights_are_read(make_config, tmp_path, slow_re
     assert result.stderr.splitlines()[-1].startswith("error: stopped by SIGTERM"), result.stderr[-3000:]
     assert re.findall(r"host 0 reading tensor \d+", result.stdout) == ["host 0 reading tensor 1"], result.stdout
     assert not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS")
+
+
+def test_rows_holding_many_values_are_committed_in_smaller_parts(make_config, tmp_path, monkeypatch):
+    """With `sampling.top_logprobs` a row holds 2K + 2 list entries a token: once the rows buffered
+    for all shards hold more than BUFFER_MAX_VALUES, the fullest shard is committed before it has
+    `engine.part_rows` rows. Every row is still there once, with K alternatives a token."""
+    import steps.generate
+
+    monkeypatch.setattr(steps.generate, "BUFFER_MAX_VALUES", 100)  # about 3 rows of 4 tokens, K = 3
+    config = make_config(sampling={"n": 2, "max_new_tokens": 4, "top_logprobs": 3}, engine={"part_rows": 1000},
+                         prompts={"num_shards": 1})
+    result = CliRunner().invoke(app, ["run", "all", "--config", config], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    parts = glob.glob(str(tmp_path / "runs" / PARTS))
+    rows = [pq.read_table(p).num_rows for p in parts]
+    assert len(parts) >= 6 and max(rows) <= 4, rows  # one shard: without the bound, one part
+    (merged,) = glob.glob(str(tmp_path / "runs" / "merge-*" / "merged-*.parquet"))
+    table = pq.read_table(merged)
+    assert sum(rows) == table.num_rows == 2 * len(set(table["prompt_index"].to_pylist()))
+    for ids, top in zip(table["completion_token_ids"].to_pylist(), table["completion_top_token_ids"].to_pylist()):
+        assert len(top) == len(ids) and all(len(alternatives) == 3 for alternatives in top)
