@@ -94,7 +94,7 @@ class SamplingParams:
     `prompt_token_ids` and `prompt_logprobs`): scoring a set of texts, as vLLM's
     `prompt_logprobs`. Every prefill call then computes the LM head at every position."""
     top_logprobs: int = 0
-    """Also return, for each generated token, the TOP_LOGPROBS most probable tokens at its
+    """Also return, for each generated token, the `top_logprobs` most probable tokens at its
     position and their log-probabilities under the model (as `logprobs`: float32, before
     temperature and the other rules, most probable first), whether or not one of them was chosen
     (`Completion.top_token_ids`, `Completion.top_logprobs`; the output columns
