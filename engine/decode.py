@@ -192,10 +192,11 @@ class NewTokens(NamedTuple):
     def at(cls, live: jax.Array, tokens: jax.Array, logits: jax.Array, spec: "DecodeSpec") -> "NewTokens":
         """Each live row's token, from logits [vocab, rows]; -1, 0 (or None) where not live."""
         logprobs = _where(live, token_logprobs(logits, tokens)) if spec.sampling.logprobs else None
-        top = top_logprobs(logits, spec.sampling.top_logprobs) if spec.sampling.top_logprobs else (None, None)
-        return cls(jnp.where(live, tokens, -1), logprobs,
-                   None if top[0] is None else jnp.where(live[:, None], top[0], 0.0),
-                   None if top[1] is None else jnp.where(live[:, None], top[1], -1))
+        top_values = top_ids = None
+        if spec.sampling.top_logprobs:
+            values, ids = top_logprobs(logits, spec.sampling.top_logprobs)
+            top_values, top_ids = jnp.where(live[:, None], values, 0.0), jnp.where(live[:, None], ids, -1)
+        return cls(jnp.where(live, tokens, -1), logprobs, top_values, top_ids)
 
 
 def new_cache(config: LlamaConfig, slots: int, ends: tuple[int, ...], cache_dtype) -> KVCache:

@@ -238,9 +238,9 @@ class _Row:
     """The tokens' log-probabilities, with `sampling.logprobs` (else empty)."""
     top_ids: list[np.ndarray] = dataclasses.field(default_factory=list)
     top_logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
-    """Each token's most probable alternatives, with `sampling.top_logprobs` (else empty): [tokens,
-    k] arrays a program, made lists only when the row finishes (numpy holds a value in 4 bytes, a
-    list in about 40: K = 20 at 2,048 tokens is 3.2 MB a row as lists)."""
+    """Each token's most probable alternatives, with `sampling.top_logprobs` (else empty): one
+    [tokens, k] array per program call, made lists only when the row finishes (numpy holds a
+    value in 4 bytes, a list in about 40: K = 20 at 2,048 tokens is 3.2 MB a row as lists)."""
     prompt_logprobs: list[float | None] | None = None
     """With `sampling.prompt_logprobs`, its prompt's (`Completion.prompt_logprobs`), once prefilled."""
     decoding: bool = False
