@@ -31,7 +31,6 @@ import glob
 import hashlib
 import itertools
 import json
-import math
 import os
 import re
 import shutil
@@ -49,7 +48,7 @@ import pyarrow.parquet as pq
 from pipeline import storage
 from pipeline.run import status, steplog
 from pipeline.run.config import Config
-from pipeline.run.result import MERGED_FIX
+from pipeline.run.result import MERGED_FIX, logprob_sum_and_mean
 from pipeline.errors import StepFailed
 from pipeline.run.step import StepOutput, StepResult
 from steps.generate import LOGPROBS, PROMPT_LOGPROBS, TOP_LOGPROBS, TOP_TOKEN_IDS
@@ -394,9 +393,8 @@ def _as_text(lists: pa.Array) -> list[str | None]:
 
 
 def _logprob_sums_and_means(lists: pa.Array) -> list[list[float | None]]:
-    rows = [[x for x in v if x is not None] for v in lists.to_pylist()]  # a prompt's first token has none
-    sums = [math.fsum(v) for v in rows]
-    return [sums, [total / len(v) if v else None for total, v in zip(sums, rows)]]
+    pairs = [logprob_sum_and_mean(v) for v in lists.to_pylist()]
+    return [[total for total, _ in pairs], [mean for _, mean in pairs]]
 
 
 def _is_number(value: Any) -> bool:

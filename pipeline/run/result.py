@@ -14,6 +14,7 @@ marker, not the files.
 from __future__ import annotations
 
 import io
+import math
 import shutil
 import sys
 from dataclasses import dataclass
@@ -35,6 +36,14 @@ TEXT_CHARS = 500
 """Longer prompts and completions are cut in the table (the Parquet files hold them whole)."""
 MERGED_FIX = "rerun `pipeline run merge --config FILE --force` to write the merged files again"
 """What to do about a merged file that cannot be read or no longer matches merge's record (show, upload)."""
+
+
+def logprob_sum_and_mean(values: list[float | None]) -> tuple[float, float | None]:
+    """A row's log-probabilities' sum (its log-likelihood) and mean per token that has one (None
+    when none has: an empty completion, a one-token prompt); a prompt's first token has None."""
+    scored = [v for v in values if v is not None]
+    total = math.fsum(scored)
+    return total, total / len(scored) if scored else None
 
 
 @dataclass(frozen=True)
@@ -102,8 +111,8 @@ def _table(rows: list[dict[str, Any]], total: int) -> str:
         cells = [f"{_cut(r['prompt'])}\n[dim]({r['prompt_id']}, {r['sample_index']})[/dim]", _cut(r["completion"]),
                  r["finish_reason"]]
         for name in means:
-            values = [v for v in r[name] if v is not None]  # a prompt's first token has none
-            cells.append(f"{sum(values) / len(values):.3f}" if values else "-")
+            _, mean = logprob_sum_and_mean(r[name])
+            cells.append("-" if mean is None else f"{mean:.3f}")
         table.add_row(*cells)
     buffer = io.StringIO()
     # The terminal's width when there is one; 120 columns in a pipe or a log.
