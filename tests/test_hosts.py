@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import glob
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.pod.launch import free_port
@@ -66,3 +69,30 @@ def test_a_host_that_fails_makes_the_others_exit_1_naming_it_and_its_error(make_
     error = f"generate part {part} cannot be read (Parquet magic bytes not found in footer."
     assert f"[host 1] error: {error}" in output, output[-3000:]
     assert f"[host 0] error: host 0/2: host 1 failed generate: {error}" in output, output[-3000:]
+
+
+LEAVING_AFTER_A_FAILURE = """
+import sys, time
+from pipeline.pod import hosts
+hosts.initialize()
+if not hosts.is_leader():
+    time.sleep(3)  # still failing (committing its rows, printing its error) when the leader leaves
+    print("error: host 1's own error", file=sys.stderr, flush=True)
+hosts.leave(1)
+"""
+
+
+def test_the_leader_failing_first_lets_the_other_hosts_print_their_errors_before_it_leaves():
+    """The leader serves the coordinator: had it left at once after a failure, jax would end a
+    host still failing natively (SIGABRT) before its `error:` line, as CI once saw."""
+    env = {"PIPELINE_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "PIPELINE_NUM_PROCESSES": "2"}
+
+    def host(i: int):
+        return subprocess.run([sys.executable, "-c", LEAVING_AFTER_A_FAILURE], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, **env, "PIPELINE_PROCESS_ID": str(i)})
+
+    with ThreadPoolExecutor(2) as pool:
+        leader, other = pool.map(host, range(2))
+    assert other.returncode == 1, other.stderr[-3000:]
+    assert "error: host 1's own error" in other.stderr
+    assert leader.returncode == 1, leader.stderr[-3000:]

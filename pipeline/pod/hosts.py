@@ -43,8 +43,8 @@ WATCHDOG_GRACE_S = 15.0
 LEAVE_GRACE_S = 1.0
 """How long the leader (which serves the coordinator) outlives the other hosts' goodbyes."""
 
-LEAVE_INTERRUPTED_WAIT_S = 10.0
-"""After a stop signal, how long the leader waits for the other hosts to leave first."""
+LEAVE_FAILED_WAIT_S = 10.0
+"""After a failure or a stop signal, how long the leader waits for the other hosts to leave first."""
 
 LIVE_ANSWER_S = 1.0
 """How long a peer check waits for the coordination service's list of live hosts (`_dead_hosts`)."""
@@ -123,7 +123,7 @@ def wait_for(key: str, what: str) -> Any:
         check_peers(f"stopped waiting for {what}")
 
 
-def wait_briefly(keys: list[str], seconds: float = LEAVE_INTERRUPTED_WAIT_S) -> bool:
+def wait_briefly(keys: list[str], seconds: float = LEAVE_FAILED_WAIT_S) -> bool:
     """Wait up to `seconds` in all for every key to be published: True if all were. Never
     raises (used while failing or leaving)."""
     if _state["client"] is None:
@@ -180,10 +180,11 @@ def leave(code: int) -> None:
     jax's own shutdown needs the coordinator (on the leader) to outlive every other host's
     shutdown call, and aborts the process natively otherwise. So after a successful
     command the other hosts say goodbye and leave, and the leader, which serves the
-    coordinator, leaves last. After a failure a host leaves at once: the others learn of it
-    through `abort`. After a stop signal (exit 75) hosts often stop together (global_mesh
-    agrees on it): they leave the same way, but the leader waits at most
-    LEAVE_INTERRUPTED_WAIT_S for the others' goodbyes.
+    coordinator, leaves last. After a failure or a stop signal (exit 75) hosts often fail or stop
+    together (the others learn of a failure through `abort`; global_mesh agrees on a stop): they
+    leave the same way, but the leader waits at most LEAVE_FAILED_WAIT_S for the others'
+    goodbyes. Without that wait a failing host could lose its own `error:` line: the leader's
+    exit takes the coordinator down, and jax then ends the other host natively.
     """
     if _state["client"] is None:
         return
@@ -196,7 +197,7 @@ def leave(code: int) -> None:
             time.sleep(LEAVE_GRACE_S)
         else:
             publish(f"leaving/{process_index()}", True)
-    elif code == preemption.EXIT_INTERRUPTED:
+    else:
         try:
             if is_leader():
                 if wait_briefly([f"leaving/{index}" for index in range(1, process_count())]):
