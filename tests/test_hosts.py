@@ -75,24 +75,44 @@ LEAVING_AFTER_A_FAILURE = """
 import sys, time
 from pipeline.pod import hosts
 hosts.initialize()
-if not hosts.is_leader():
+if hosts.is_leader():
+    hosts.abort("the leader's own error", 1)
+elif sys.argv[1] == "failing":
     time.sleep(3)  # still failing (committing its rows, printing its error) when the leader leaves
     print("error: host 1's own error", file=sys.stderr, flush=True)
+else:  # stuck in a collective that waits for the leader: only the watchdog can end it
+    with hosts.watchdog("generating on the global mesh"):
+        time.sleep(120)
 hosts.leave(1)
 """
+
+
+def leave_after_the_leader_failed(host_1: str) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    env = {"PIPELINE_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "PIPELINE_NUM_PROCESSES": "2"}
+
+    def host(i: int):
+        return subprocess.run([sys.executable, "-c", LEAVING_AFTER_A_FAILURE, host_1], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, **env, "PIPELINE_PROCESS_ID": str(i)})
+
+    with ThreadPoolExecutor(2) as pool:
+        leader, other = pool.map(host, range(2))
+    assert leader.returncode == 1, leader.stderr[-3000:]
+    return leader, other
 
 
 def test_the_leader_failing_first_lets_the_other_hosts_print_their_errors_before_it_leaves():
     """The leader serves the coordinator: had it left at once after a failure, jax would end a
     host still failing natively (SIGABRT) before its `error:` line, as CI once saw."""
-    env = {"PIPELINE_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "PIPELINE_NUM_PROCESSES": "2"}
-
-    def host(i: int):
-        return subprocess.run([sys.executable, "-c", LEAVING_AFTER_A_FAILURE], capture_output=True, text=True,
-                              timeout=120, env={**os.environ, **env, "PIPELINE_PROCESS_ID": str(i)})
-
-    with ThreadPoolExecutor(2) as pool:
-        leader, other = pool.map(host, range(2))
+    _, other = leave_after_the_leader_failed("failing")
     assert other.returncode == 1, other.stderr[-3000:]
     assert "error: host 1's own error" in other.stderr
-    assert leader.returncode == 1, leader.stderr[-3000:]
+
+
+def test_a_host_stuck_in_a_collective_when_the_leader_fails_exits_1_naming_the_leaders_error():
+    """Its watchdog ends it (after WATCHDOG_GRACE_S) with the leader's error and exit code, before
+    the leader leaves, rather than jax's native abort when the coordinator goes."""
+    _, other = leave_after_the_leader_failed("stuck")
+    assert other.returncode == 1, other.stderr[-3000:]
+    last = other.stderr.strip().splitlines()[-1]
+    assert last == ("error: host 1/2: stopped generating on the global mesh: host 0 failed: the leader's own error"), \
+        other.stderr[-3000:]

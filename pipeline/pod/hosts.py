@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, TypeVar
@@ -43,8 +44,12 @@ WATCHDOG_GRACE_S = 15.0
 LEAVE_GRACE_S = 1.0
 """How long the leader (which serves the coordinator) outlives the other hosts' goodbyes."""
 
-LEAVE_FAILED_WAIT_S = 10.0
-"""After a failure or a stop signal, how long the leader waits for the other hosts to leave first."""
+LEAVE_INTERRUPTED_WAIT_S = 10.0
+"""After a stop signal, how long the leader waits for the other hosts to leave first."""
+
+LEAVE_FAILED_WAIT_S = WATCHDOG_GRACE_S + 3 * POLL_S
+"""After a failure, how long the leader waits for the other hosts to leave first: long enough for
+a host stuck in a collective to be ended by its `watchdog`."""
 
 LIVE_ANSWER_S = 1.0
 """How long a peer check waits for the coordination service's list of live hosts (`_dead_hosts`)."""
@@ -123,7 +128,7 @@ def wait_for(key: str, what: str) -> Any:
         check_peers(f"stopped waiting for {what}")
 
 
-def wait_briefly(keys: list[str], seconds: float = LEAVE_FAILED_WAIT_S) -> bool:
+def wait_briefly(keys: list[str], seconds: float = LEAVE_INTERRUPTED_WAIT_S) -> bool:
     """Wait up to `seconds` in all for every key to be published: True if all were. Never
     raises (used while failing or leaving)."""
     if _state["client"] is None:
@@ -182,9 +187,10 @@ def leave(code: int) -> None:
     command the other hosts say goodbye and leave, and the leader, which serves the
     coordinator, leaves last. After a failure or a stop signal (exit 75) hosts often fail or stop
     together (the others learn of a failure through `abort`; global_mesh agrees on a stop): they
-    leave the same way, but the leader waits at most LEAVE_FAILED_WAIT_S for the others'
-    goodbyes. Without that wait a failing host could lose its own `error:` line: the leader's
-    exit takes the coordinator down, and jax then ends the other host natively.
+    leave the same way, but the leader waits at most LEAVE_FAILED_WAIT_S (a stop:
+    LEAVE_INTERRUPTED_WAIT_S) for the others' goodbyes. Without that wait another host still
+    failing would lose its own `error:` line and exit code: the leader's exit takes the
+    coordinator down, and jax then ends that host natively (SIGABRT).
     """
     if _state["client"] is None:
         return
@@ -200,7 +206,8 @@ def leave(code: int) -> None:
     else:
         try:
             if is_leader():
-                if wait_briefly([f"leaving/{index}" for index in range(1, process_count())]):
+                wait_s = LEAVE_INTERRUPTED_WAIT_S if code == preemption.EXIT_INTERRUPTED else LEAVE_FAILED_WAIT_S
+                if wait_briefly([f"leaving/{index}" for index in range(1, process_count())], wait_s):
                     time.sleep(LEAVE_GRACE_S)
             else:
                 publish(f"leaving/{process_index()}", True)
@@ -251,7 +258,8 @@ def watchdog(doing: str) -> Iterator[None]:
                 # failed): let it, so it commits its work. Only a host still stuck is ended.
                 if done.wait(WATCHDOG_GRACE_S):
                     return
-                exit_now(err.exit_code, str(err))
+                print(f"error: {err}", file=sys.stderr, flush=True)
+                leave(err.exit_code)  # with a goodbye, so that a leader waiting in `leave` goes at once
 
     thread = threading.Thread(target=watch, daemon=True, name="pod-watchdog")
     thread.start()
