@@ -164,7 +164,7 @@ def generate(cfg: Config, out: StepOutput) -> None:
         with watch, Progress(total=n_total, desc=f"generate {hosts.describe()}", unit="sample",
                              resumed=n_total - n_missing) as bar:
             try:
-                for c, source in _completions(engine, todo):
+                for c, source in _completions(engine, todo, _StopGenerating(watch_pod=not lockstep)):
                     if writer.add(source.shard, _row(source, c)):
                         samples += 1
                         tokens += len(c.token_ids)
@@ -177,7 +177,9 @@ def generate(cfg: Config, out: StepOutput) -> None:
                 raise
             finally:
                 writer.flush_all()  # commit what is finished, also on errors and signals
-        if engine.stopped and not preemption.stop_requested():
+        if engine.stopped and not lockstep:
+            hosts.raise_if_aborted(GENERATING)  # another host failed or was stopped: its error, ours committed
+        if engine.stopped and not preemption.stop_requested():  # global_mesh: the hosts agreed to stop
             preemption.request_stop("a stop signal on another host")
         preemption.check()
         stats = engine.stats
@@ -427,6 +429,30 @@ def _stop_reading() -> bool:
     return preemption.stop_requested() or hosts.aborted() is not None
 
 
+GENERATING = "stopped generating"
+
+
+class _StopGenerating:
+    """Engine.generate's question before each program call: stop on a stop signal here, or, with
+    `watch_pod` (host_dp), once another host of the pod has failed or been stopped (its `abort`),
+    so that a host does not generate its shards to the end for a run that has already failed (on
+    a pod started by `pipeline launch`, only to be killed). The look-up is a call to the
+    coordinator: it is made at most every `hosts.POLL_S`. On a global mesh the hosts agree on
+    stopping in the engine, and a host whose peer is gone is ended by `hosts.watchdog`."""
+
+    def __init__(self, watch_pod: bool) -> None:
+        self.watch_pod = watch_pod
+        self.looked_at = float("-inf")
+
+    def __call__(self) -> bool:
+        if preemption.stop_requested():
+            return True
+        if not self.watch_pod or time.monotonic() - self.looked_at < hosts.POLL_S:
+            return False
+        self.looked_at = time.monotonic()
+        return hosts.aborted() is not None
+
+
 def _announcer() -> Callable[[str], None]:
     """A line per program the engine gets, from its threads (`Engine.load` on, or `generate`)."""
     programs, printing = itertools.count(1), threading.Lock()
@@ -439,7 +465,7 @@ def _announcer() -> Callable[[str], None]:
     return announce
 
 
-def _completions(engine, todo: list[_ShardTodo]) -> Iterator[tuple[Any, "_Source"]]:
+def _completions(engine, todo: list[_ShardTodo], stop: Callable[[], bool]) -> Iterator[tuple[Any, "_Source"]]:
     """Every completion with its prompt's source; requests are read lazily, shard by shard."""
     sources: dict[int, _Source] = {}
 
@@ -447,7 +473,7 @@ def _completions(engine, todo: list[_ShardTodo]) -> Iterator[tuple[Any, "_Source
         for t in todo:
             yield from t.requests(sources)
 
-    for c in engine.generate(requests(), stop=preemption.stop_requested):
+    for c in engine.generate(requests(), stop=stop):
         source = sources[c.prompt_index]
         source.samples_left -= 1
         if not source.samples_left:

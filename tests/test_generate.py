@@ -214,6 +214,36 @@ def test_a_stop_signal_on_the_leader_while_it_waits_for_the_others(make_config, 
     assert not glob.glob(f"{root}/generate-*/_SUCCESS.json")
 
 
+def test_a_host_stopped_alone_stops_the_others_within_seconds_keeping_their_rows(make_config, tmp_path, many_prompts,
+                                                                                start_pipeline):
+    """SIGTERM on host 1 alone (a maintenance event on one worker) while the leader has most of its
+    shards still to generate: the leader commits the rows it finished and exits 75 naming host 1
+    within seconds, instead of generating its shards to the end for a run that must be rerun
+    anyway (and, under `pipeline launch`, being killed 90 s after host 1 left)."""
+    root = tmp_path / "one-stopped"
+    config = make_config("one-stopped.yaml", run={"root": str(root)}, prompts={"path": many_prompts},
+                         sampling={"max_new_tokens": 512, "temperature": 0.0, "n": 16},
+                         engine={"batch_size": 4, "part_rows": 4})
+    assert pipeline("run", "tokenize", "--config", config).returncode == 0
+    shards = sorted(glob.glob(f"{root}/tokenize-*/shard-*.parquet"))
+    leaders_rows = 16 * sum(pq.read_metadata(path).num_rows for path in shards[0::2])  # shard i is host i % 2's
+    pod = start_pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config)
+    pod.wait_for_files(f"{root}/generate-*/shard-00001/part-*.parquet", timeout_s=300)  # both hosts generate
+    stopped_at = time.monotonic()
+    os.kill(pod.hosts()[1], signal.SIGTERM)
+    assert pod.wait_for("[host 0] error: host 0/2: stopped generating: host 1 was stopped: stopped by SIGTERM",
+                        timeout_s=120), pod.output[-3000:]
+    assert time.monotonic() - stopped_at < 15, pod.output[-3000:]
+    assert pod.finish(timeout_s=120) == 75, pod.output[-3000:]
+    assert "[launch]" not in pod.output  # nobody had to be killed
+    assert generated_rows(root)  # and none twice
+    leaders_shards = [os.path.basename(path).removesuffix(".parquet") for path in shards[0::2]]
+    committed = sum(pq.read_metadata(part).num_rows for shard in leaders_shards
+                    for part in glob.glob(f"{root}/generate-*/{shard}/part-*.parquet"))
+    assert committed < leaders_rows / 2, (committed, leaders_rows)
+    assert not glob.glob(f"{root}/generate-*/_SUCCESS.json")
+
+
 def test_a_stop_signal_while_the_weights_are_read(make_config, tmp_path, slow_read):
     """SIGTERM while Engine.load reads the weights (minutes for an 8B model from a bucket, and a
     preemption notice gives about 30 s): the read stops before the next tensor and generate exits
