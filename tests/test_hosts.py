@@ -87,7 +87,8 @@ hosts.leave(1)
 """
 
 
-def leave_after_the_leader_failed(host_1: str) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+def leave_after_the_leader_failed(host_1: str) -> subprocess.CompletedProcess:
+    """Host 1's process, once the leader has failed first (exit 1) and both have left."""
     env = {"PIPELINE_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "PIPELINE_NUM_PROCESSES": "2"}
 
     def host(i: int):
@@ -97,13 +98,13 @@ def leave_after_the_leader_failed(host_1: str) -> tuple[subprocess.CompletedProc
     with ThreadPoolExecutor(2) as pool:
         leader, other = pool.map(host, range(2))
     assert leader.returncode == 1, leader.stderr[-3000:]
-    return leader, other
+    return other
 
 
 def test_the_leader_failing_first_lets_the_other_hosts_print_their_errors_before_it_leaves():
     """The leader serves the coordinator: had it left at once after a failure, jax would end a
     host still failing natively (SIGABRT) before its `error:` line, as CI once saw."""
-    _, other = leave_after_the_leader_failed("failing")
+    other = leave_after_the_leader_failed("failing")
     assert other.returncode == 1, other.stderr[-3000:]
     assert "error: host 1's own error" in other.stderr
 
@@ -111,7 +112,7 @@ def test_the_leader_failing_first_lets_the_other_hosts_print_their_errors_before
 def test_a_host_stuck_in_a_collective_when_the_leader_fails_exits_1_naming_the_leaders_error():
     """Its watchdog ends it (after WATCHDOG_GRACE_S) with the leader's error and exit code, before
     the leader leaves, rather than jax's native abort when the coordinator goes."""
-    _, other = leave_after_the_leader_failed("stuck")
+    other = leave_after_the_leader_failed("stuck")
     assert other.returncode == 1, other.stderr[-3000:]
     last = other.stderr.strip().splitlines()[-1]
     assert last == ("error: host 1/2: stopped generating on the global mesh: host 0 failed: the leader's own error"), \
