@@ -501,27 +501,34 @@ class _PartWriter:
     """Buffers finished rows per shard and commits each buffer as one atomic part; rows of shards
     this host does not own are dropped (global_mesh: their owner writes the same rows)."""
 
-    def __init__(self, out: StepOutput, part_rows: int, owned: set[str], schema: pa.Schema):
+    def __init__(self, out: StepOutput, part_rows: int, owned: set[str], schema: pa.Schema,
+                 clock: Callable[[], float] = time.monotonic):
         self.out = out
         self.schema = schema
         self.part_rows = part_rows
         self.owned = owned
+        self.clock = clock
         self.rows: dict[str, list[dict]] = defaultdict(list)
         self.since: dict[str, float] = {}
         self.values: dict[str, int] = defaultdict(int)
         """List entries buffered per shard (BUFFER_MAX_VALUES)."""
 
     def add(self, shard: str, row: dict) -> bool:
-        """Buffer the row if this host writes `shard`; True if it does."""
+        """Buffer the row if this host writes `shard`; True if it does. Commits the shard's rows
+        once they are `part_rows`, and every shard's whose first buffered row is PART_MAX_AGE_S old:
+        a shard whose last rows are done gets no more rows to trigger its own commit."""
         if shard not in self.owned:
             return False
         self.rows[shard].append(row)
-        self.since.setdefault(shard, time.monotonic())
+        now = self.clock()
+        self.since.setdefault(shard, now)
         self.values[shard] += sum(len(v) * (len(v[0]) if v and isinstance(v[0], list) else 1)
                                   for v in row.values() if isinstance(v, list))
-        if len(self.rows[shard]) >= self.part_rows or time.monotonic() - self.since[shard] >= PART_MAX_AGE_S:
+        if len(self.rows[shard]) >= self.part_rows:
             self.flush(shard)
-        elif sum(self.values.values()) > BUFFER_MAX_VALUES:
+        for old in [s for s, since in self.since.items() if now - since >= PART_MAX_AGE_S]:
+            self.flush(old)
+        if sum(self.values.values()) > BUFFER_MAX_VALUES:
             self.flush(max(self.values, key=self.values.__getitem__))
         return True
 

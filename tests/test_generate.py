@@ -276,3 +276,39 @@ def test_rows_holding_many_values_are_committed_in_smaller_parts(make_config, tm
     assert sum(rows) == table.num_rows == 2 * len(set(table["prompt_index"].to_pylist()))
     for ids, top in zip(table["completion_token_ids"].to_pylist(), table["completion_top_token_ids"].to_pylist()):
         assert len(top) == len(ids) and all(len(alternatives) == 3 for alternatives in top)
+
+
+def test_a_shards_last_rows_are_committed_within_the_part_age_while_other_shards_generate(tmp_path):
+    """A shard whose last rows are done gets no more rows: its buffered rows are committed once
+    they are PART_MAX_AGE_S old, while the host generates another shard's rows, not at the end of
+    the host's work (a hard kill before it would lose them). Before, only a shard's own next row
+    could commit it."""
+    from pipeline import storage
+    from pipeline.run.step import StepOutput
+    from steps.generate import PART_MAX_AGE_S, SCHEMA, _PartWriter
+
+    now = [0.0]
+    out = StepOutput("generate", "0" * 64, storage.join(str(tmp_path), "generate-0"))
+    writer = _PartWriter(out, part_rows=100, owned={"shard-00000", "shard-00001"}, schema=SCHEMA,
+                         clock=lambda: now[0])
+
+    def row(prompt_index: int) -> dict:
+        return {"prompt_index": prompt_index, "prompt_id": str(prompt_index), "sample_index": 0, "prompt": "p",
+                "completion": "c", "completion_token_ids": [1, 2], "num_prompt_tokens": 3,
+                "num_completion_tokens": 2, "finish_reason": "length"}
+
+    def committed(shard: str) -> list[int]:
+        return sorted(i for part in glob.glob(str(tmp_path / "generate-0" / shard / "*.parquet"))
+                      for i in pq.read_table(part)["prompt_index"].to_pylist())
+
+    for i in range(3):  # shard 0's last rows
+        writer.add("shard-00000", row(i))
+    now[0] = PART_MAX_AGE_S / 2
+    writer.add("shard-00001", row(10))
+    assert committed("shard-00000") == [] and committed("shard-00001") == []
+    now[0] = PART_MAX_AGE_S + 1
+    writer.add("shard-00001", row(11))
+    assert committed("shard-00000") == [0, 1, 2]
+    assert committed("shard-00001") == []  # its first row is half the age: it waits for more rows
+    writer.flush_all()
+    assert committed("shard-00001") == [10, 11]
