@@ -202,3 +202,24 @@ def test_gcs_lease_record_that_cannot_be_read_says_so_and_is_taken_over_after_th
     lease.check()
     assert json.loads(storage.read_bytes(lease.url))["token"] == lease.token
     lease.release()
+
+
+@pytest.mark.parametrize("scheme", ["file://", "memory://"])
+def test_a_file_or_memory_root_runs_a_step_under_its_lease(make_config, tmp_path, monkeypatch, scheme):
+    """`run.root` may be a file:// or memory:// URL (docs/contract.md). A step's lease there is
+    the runner's until it finishes; before, each failed at its commit with "lost the lease ... its
+    record is gone" (memory:// kept no record; file:// wrote one under ./file:/... and read it at
+    the absolute path), and file:// left a stray `file:` folder in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    root = f"{scheme}{tmp_path}/runs" if scheme == "file://" else f"memory://lease-test-{tmp_path.name}/runs"
+    config = make_config(run={"root": root, "name": "t"})
+    result = pipeline("run", "tokenize", "--config", config)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "[tokenize] complete: 12 rows" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "file:").exists()
+    if scheme == "file://":
+        status = json.loads(pipeline("status", "--config", config, "--json").stdout)
+        (tokenize,) = [s for s in status["steps"] if s["name"] == "tokenize"]
+        assert tokenize["state"] == "complete" and tokenize["output"].startswith(f"{tmp_path}/runs/tokenize-")
+        assert not os.listdir(tmp_path / "runs" / ".leases") or all(
+            name.endswith(".lock") for name in os.listdir(tmp_path / "runs" / ".leases"))

@@ -44,7 +44,10 @@ HASH_CHARS = 12
 
 
 def normalize(url: str) -> str:
-    """A URL fsspec understands; plain paths become absolute local paths."""
+    """A URL fsspec understands; plain paths and `file://` URLs become absolute local paths (so
+    a local root is one kind of name everywhere: leases, markers, printed results)."""
+    if url.startswith("file://"):
+        url = url[len("file://"):] or "/"
     if "://" in url:
         return url.rstrip("/") if not url.endswith("://") else url
     return os.path.abspath(os.path.expanduser(url))

@@ -209,22 +209,28 @@ class Lease:
 
 
 class _NoLease:
-    """memory:// lives in one process: nobody else can run there."""
+    """memory:// lives in one process: nobody else can run there, so the lease is this runner's
+    from `try_acquire` to `release`, and nothing is written."""
 
     poll_s = 1.0
     takeover_rule = ""
     lost = False
 
+    def __init__(self) -> None:
+        self._holder: Holder | None = None
+
     def try_acquire(self, me: Holder) -> Holder | None:
+        self._holder = me
         return None
 
     def read(self) -> Holder | None:
-        return None
+        return self._holder
 
-    peek = read
+    def peek(self) -> Holder | None:
+        return None  # another runner's lease object: nobody else runs here
 
     def release(self, me: Holder) -> None:
-        pass
+        self._holder = None
 
 
 class _FileLease:
