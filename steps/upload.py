@@ -9,6 +9,10 @@ holding the merged Parquet files (every row) and a `wandb.Table` named `generati
 `wandb.table_max_rows` rows). Refuses to touch the merged files, and never writes the API key
 anywhere: wandb reads WANDB_API_KEY itself; error messages are scrubbed of it.
 
+Before a W&B run begins, every merged file is checked against the sha256 merge recorded (on any
+root), and read for the charts and the table: a file changed since merge fails the step naming it
+and `pipeline run merge --config FILE --force`, and W&B gets nothing.
+
 Run identity (docs/contract.md, "W&B"): one W&B run per result. The id is `{run.name as a
 slug}-{merge hash12}` and the group is `run.name`: a rerun, `--force`, a resume or a rerun after
 deleting the upload folder continues the same run (`resume="allow"`); a changed sampling, model or
@@ -28,7 +32,6 @@ W&B's own terminal output is silenced: the pipeline prints where the run is.
 from __future__ import annotations
 
 import glob
-import hashlib
 import itertools
 import json
 import os
@@ -104,7 +107,12 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
     started = time.monotonic()
     run_id = _run_id(cfg, out)
     local = _local_folder(out, run_id)
-    paths = _local_copies(merge_url, merged.files, local)  # checked before a W&B run begins
+    # Every read of the merged files comes before the W&B run begins, so a damaged one fails naming
+    # itself and merge's fix, and is never logged (nor blamed on W&B).
+    copies = _local_copies(merge_url, merged.files, local)
+    lengths = _completion_lengths(copies)
+    columns, data = _table_data(copies, min(cfg.wandb.table_max_rows, wandb.Table.MAX_ARTIFACT_ROWS))
+    paths = list(copies.values())
     wandb_dir = os.path.join(local, "wandb")
     if mode == "offline":
         for earlier in glob.glob(os.path.join(wandb_dir, f"offline-run-*-{run_id}")):
@@ -125,9 +133,8 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
                                             "entity": cfg.wandb.entity, "mode": mode, "run_dir": run_dir})
     try:
         _log_metrics(wandb, run, generate.summary if generate else {}, MergeSummary(**merged.summary).finish_reasons,
-                     paths)
+                     lengths)
         run.summary.update(_step_metrics({name: record for name, (_, record) in steps.items()}))
-        columns, data = _table_data(paths, min(cfg.wandb.table_max_rows, wandb.Table.MAX_ARTIFACT_ROWS))
         table_rows = len(data)
         truncated = table_rows < merged.rows
         # Two Table objects: an artifact given a Table already logged to the run stores a reference only.
@@ -192,30 +199,39 @@ def _local_folder(out: StepOutput, run_id: str) -> str:
     return os.path.join(cache, "upload", run_id)
 
 
-def _local_copies(merge_url: str, files: list[dict[str, Any]], local: str) -> list[str]:
-    """Local paths of the merged files: themselves when local (if their size and row count are
-    still merge's), else copies in the cache folder (if their checksum is still merge's)."""
-    if storage.is_local(merge_url):
-        paths = [storage.filesystem(storage.join(merge_url, f["path"]))[1] for f in files]
-        for f, path in zip(files, paths):
-            url = f"{merge_url}/{f['path']}"
-            with storage.unreadable("merged file", url, MERGED_FIX):
-                size, rows = os.path.getsize(path), pq.ParquetFile(path).metadata.num_rows
-            if (size, rows) != (f["bytes"], f["rows"]):
-                raise StepFailed(f"merged file {url} no longer matches merge's record ({size:,} bytes and {rows:,} "
-                                 f"rows, not {f['bytes']:,} and {f['rows']:,}): {MERGED_FIX}")
-        return paths
+def _local_copies(merge_url: str, files: list[dict[str, Any]], local: str) -> dict[str, str]:
+    """The local path of each merged file, by its URL: the file itself when local, else a copy in the
+    cache folder. Each is checked against merge's record by `_check_merged`, on every root."""
     folder = os.path.join(local, "merged-" + merge_url.rstrip("/").rsplit("-", 1)[-1])
-    paths = []
+    copies = {}
     for f in files:
-        path = os.path.join(folder, f["path"])
-        if not (os.path.exists(path) and storage.sha256(path) == f["sha256"]):
-            data = storage.read_bytes(storage.join(merge_url, f["path"]))
-            if hashlib.sha256(data).hexdigest() != f["sha256"]:
-                raise StepFailed(f"merged file {merge_url}/{f['path']} no longer matches merge's record: {MERGED_FIX}")
-            storage.write_bytes(path, data)
-        paths.append(path)
-    return paths
+        url = storage.join(merge_url, f["path"])
+        if storage.is_local(url):
+            path = storage.filesystem(url)[1]
+        else:
+            path = os.path.join(folder, f["path"])
+            if os.path.exists(path) and storage.sha256(path) == f["sha256"]:
+                copies[url] = path  # copied by an earlier attempt, and still merge's file
+                continue
+            storage.write_bytes(path, storage.read_bytes(url))
+        _check_merged(url, path, f)
+        copies[url] = path
+    return copies
+
+
+def _check_merged(url: str, path: str, record: dict[str, Any]) -> None:
+    """Fail naming `url` and merge's fix unless the file at local `path` has the sha256 merge recorded
+    (streamed). Size and row count alone missed bytes changed in place: one bit flipped still read
+    as other rows and was logged, exit 0."""
+    with storage.unreadable("merged file", url, MERGED_FIX):
+        if storage.sha256(path) == record["sha256"]:
+            return
+        size, rows = os.path.getsize(path), pq.ParquetFile(path).metadata.num_rows
+    if (size, rows) == (record["bytes"], record["rows"]):
+        change = "same size and rows, but other bytes: its sha256 is not the one merge recorded"
+    else:
+        change = f"{size:,} bytes and {rows:,} rows, not {record['bytes']:,} and {record['rows']:,}"
+    raise StepFailed(f"merged file {url} no longer matches merge's record ({change}): {MERGED_FIX}")
 
 
 def _upstream_steps(out: StepOutput) -> dict[str, tuple[str, status.StepRecord]]:
@@ -246,9 +262,22 @@ def _git_commit() -> dict[str, Any] | None:
 # --- what is logged ----------------------------------------------------------------------------
 
 
+def _completion_lengths(copies: dict[str, str]) -> np.ndarray:
+    """Rows per completion length (index: num_completion_tokens), counted file by file."""
+    per_length = np.zeros(1, np.int64)
+    for url, path in copies.items():
+        with storage.unreadable("merged file", url, MERGED_FIX):
+            lengths = pq.read_table(path, columns=["num_completion_tokens"])["num_completion_tokens"].to_numpy()
+        counts = np.bincount(lengths, minlength=len(per_length))
+        counts[:len(per_length)] += per_length
+        per_length = counts
+    return per_length
+
+
 def _log_metrics(wandb: Any, run: Any, generate: dict[str, Any], finish_reasons: dict[str, int],
-                 paths: list[str]) -> None:
-    """generate's per-host and total figures, and the three charts."""
+                 per_length: np.ndarray) -> None:
+    """generate's per-host and total figures, and the three charts (`per_length`: rows per completion
+    length, from `_completion_lengths`)."""
     hosts = sorted(generate.get("hosts", []), key=lambda h: h.get("host", 0))
     # Per-host figures on an explicit `host` axis rather than W&B's own step counter, so a resumed
     # run (whose step counter has moved on) logs them at the same x values again.
@@ -261,12 +290,6 @@ def _log_metrics(wandb: Any, run: Any, generate: dict[str, Any], finish_reasons:
     totals["samples"] = sum(h.get("samples", 0) for h in hosts)
     run.summary.update({f"generate/{k}": v for k, v in totals.items()})
 
-    per_length = np.zeros(1, np.int64)  # rows per completion length, counted file by file
-    for path in paths:
-        lengths = pq.read_table(path, columns=["num_completion_tokens"])["num_completion_tokens"].to_numpy()
-        counts = np.bincount(lengths, minlength=len(per_length))
-        counts[:len(per_length)] += per_length
-        per_length = counts
     width = -(-len(per_length) // 64)  # at most 64 bins, each a whole number of tokens wide
     binned = np.bincount(np.arange(len(per_length)) // width, weights=per_length).astype(np.int64)
     edges = np.arange(len(binned) + 1) * width
@@ -337,9 +360,9 @@ def _artifact(wandb: Any, cfg: Config, run_id: str, merged: status.StepRecord, m
     return artifact
 
 
-def _table_data(paths: list[str], max_rows: int) -> tuple[list[str], list[list[Any]]]:
-    """Columns and rows of a wandb.Table of the first `max_rows` merged rows, every column but
-    NOT_IN_TABLE.
+def _table_data(copies: dict[str, str], max_rows: int) -> tuple[list[str], list[list[Any]]]:
+    """Columns and rows of a wandb.Table of the first `max_rows` merged rows (`copies`: local path by
+    URL, from `_local_copies`), every column but NOT_IN_TABLE.
 
     List columns (completion_token_ids) go in as compact JSON text: W&B types and converts a list
     element by element, which took ~5 s for 10k rows of ~50 ids (~0.5 s as text) and grows with
@@ -349,18 +372,19 @@ def _table_data(paths: list[str], max_rows: int) -> tuple[list[str], list[list[A
     """
     columns: list[str] = []
     data: list[list[Any]] = []
-    for path in paths:
-        parquet = pq.ParquetFile(path)
-        columns = [name for name in parquet.schema_arrow.names if name not in NOT_IN_TABLE]
-        for batch in parquet.iter_batches(batch_size=min(max(max_rows, 1), 65536), columns=columns):
-            if len(data) >= max_rows:
-                break
-            batch = batch.slice(0, max_rows - len(data))
-            values = [_as_text(c) if pa.types.is_list(c.type) else c.to_pylist() for c in batch.columns]
-            for name in LOGPROB_SUMMARIES:
-                if name in columns:
-                    values += _logprob_sums_and_means(batch.column(name))
-            data.extend(list(row) for row in zip(*values))
+    for url, path in copies.items():
+        with storage.unreadable("merged file", url, MERGED_FIX):
+            parquet = pq.ParquetFile(path)
+            columns = [name for name in parquet.schema_arrow.names if name not in NOT_IN_TABLE]
+            for batch in parquet.iter_batches(batch_size=min(max(max_rows, 1), 65536), columns=columns):
+                if len(data) >= max_rows:
+                    break
+                batch = batch.slice(0, max_rows - len(data))
+                values = [_as_text(c) if pa.types.is_list(c.type) else c.to_pylist() for c in batch.columns]
+                for name in LOGPROB_SUMMARIES:
+                    if name in columns:
+                        values += _logprob_sums_and_means(batch.column(name))
+                data.extend(list(row) for row in zip(*values))
         if len(data) >= max_rows:
             break
     summaries = [summary for name, summary in LOGPROB_SUMMARIES.items() if name in columns]

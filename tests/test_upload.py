@@ -194,6 +194,75 @@ def test_a_merged_file_changed_since_merge_fails_before_any_w_and_b_run(merged_r
         storage.remove("memory://upload-test", recursive=True)
 
 
+def change_in_place(path: str, readable: bool) -> None:
+    """Change a merged file's bytes but not its size or footer (so not its row count either): the
+    first bit of its pages that, flipped, still reads as other rows (readable), or 40 bytes of its
+    pages XORed, which pyarrow cannot decode (not readable)."""
+    data = open(path, "rb").read()
+    rows = pq.read_table(path).to_pylist()
+    footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    tries = range(4, footer) if readable else [footer // 2]
+    for offset in tries:
+        changed = bytearray(data)
+        for i in range(offset, offset + (1 if readable else 40)):
+            changed[i] ^= 1 if readable else 0xFF
+        with open(path, "wb") as f:
+            f.write(changed)
+        try:
+            if pq.read_table(path).to_pylist() != rows:
+                assert readable, "40 bytes XORed still read"
+                return
+        except (pa.ArrowException, OSError):
+            if not readable:
+                return
+    raise AssertionError(f"no such change found in {path}")
+
+
+@pytest.mark.parametrize("readable", [True, False], ids=["one-bit-still-reads", "40-bytes-unreadable"])
+def test_a_merged_file_changed_in_place_fails_before_any_w_and_b_run(merged_run, readable):
+    """A local merged file changed in place, its size and row count still merge's. Upload compared
+    only those: one bit flipped was logged as a new artifact (exit 0), and 40 bytes XORed failed
+    inside W&B's logging telling to rerun upload, which fails forever. Now it checks the sha256 merge
+    recorded before any W&B run, and names the file and `pipeline run merge --force`."""
+    run = merged_run()
+    first = storage.list_files(run.url["merge"], suffix=".parquet")[0]
+    size = os.path.getsize(first)
+    change_in_place(first, readable)
+    assert os.path.getsize(first) == size and pq.ParquetFile(first).metadata.num_rows == 7
+    with pytest.raises(StepFailed) as err:
+        run.run("upload")
+    message = str(err.value)
+    assert message.startswith(f"merged file {first} no longer matches merge's record (same size and rows, ")
+    assert message.endswith("rerun `pipeline run merge --config FILE --force` to write the merged files again")
+    assert not os.path.exists(os.path.join(run.url["upload"], "wandb"))
+    assert not storage.exists(storage.join(run.url["upload"], "wandb_run.json"))
+
+
+def test_a_recorded_merged_file_that_does_not_decode_is_named_before_any_w_and_b_run(merged_run):
+    """A merged file whose pages do not decode, though merge's record holds its checksum (the
+    checksum check cannot catch it): reading it for the charts and the table failed as `could not
+    log the result` and told to rerun upload, which fails forever. It must name the file and
+    `pipeline run merge --force`, before any W&B run."""
+    import dataclasses
+
+    from pipeline.run import status
+
+    run = merged_run()
+    first = storage.list_files(run.url["merge"], suffix=".parquet")[0]
+    change_in_place(first, readable=False)
+    record = status.read_marker(run.url["merge"])
+    files = [{**f, "sha256": storage.sha256(first)} if f["path"] == os.path.basename(first) else f
+             for f in record.files]
+    status.write_marker(run.url["merge"], dataclasses.replace(record, files=files))
+    with pytest.raises(StepFailed) as err:
+        run.run("upload")
+    message = str(err.value)
+    assert message.startswith(f"merged file {first} cannot be read (")
+    assert message.endswith("rerun `pipeline run merge --config FILE --force` to write the merged files again")
+    assert not os.path.exists(os.path.join(run.url["upload"], "wandb"))
+    assert not storage.exists(storage.join(run.url["upload"], "wandb_run.json"))
+
+
 def test_remote_root_writes_the_offline_run_to_the_local_cache(merged_run, wandb_env, read_wandb_run):
     run = merged_run(root="memory://upload-test/runs")
     try:
