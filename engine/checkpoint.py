@@ -346,6 +346,16 @@ def check_checkpoint(url: str) -> dict[str, Any]:
             "attn_logit_softcapping": config.attn_logit_softcapping}
 
 
+def has_chat_template(url: str) -> bool:
+    """The tokenizer at `url` has a chat template where transformers looks for one (the files
+    `load_tokenizer` copies): chat_template.jinja, chat_template.json, or tokenizer_config.json's
+    `chat_template`. Reads at most that one small file."""
+    folder = _Folder.open(url)
+    if folder.names & {"chat_template.jinja", "chat_template.json"}:
+        return True
+    return "tokenizer_config.json" in folder.names and bool(folder.read_json("tokenizer_config.json").get("chat_template"))
+
+
 def _llama_config(folder: _Folder):
     # engine/llama.py reads its tensors through this module: it is imported here, not at the top
     # (which also keeps JAX out of the pipeline's config-time imports of the constants above).

@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.run.checks import prompt_files
-from pipeline.run.config import PromptsConfig
+from pipeline.run.config import PromptsConfig, is_text
 from pipeline.errors import ConfigError, StepFailed
 
 BATCH_ROWS = 8192
@@ -219,7 +219,10 @@ def _fields(number: int, text: Any, raw_id: Any, raw: str, options: PromptsConfi
         if raw_id is _MISSING or raw_id is None:
             id_problem = ("missing id", f"no {id_field!r} field" if raw_id is _MISSING else f"{id_field!r} is null")
         elif isinstance(raw_id, str) and raw_id:
-            prompt_id = raw_id
+            if is_text(raw_id):
+                prompt_id = raw_id
+            else:
+                id_problem = ("invalid UTF-8", f"{id_field!r} holds a lone surrogate")
         elif isinstance(raw_id, int) and not isinstance(raw_id, bool):
             prompt_id = str(raw_id)
         else:

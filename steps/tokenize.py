@@ -66,7 +66,7 @@ import pyarrow.parquet as pq
 from engine.checkpoint import load_tokenizer
 from pipeline import storage
 from pipeline.pod import hosts, preemption
-from pipeline.run.config import Config, PromptsConfig
+from pipeline.run.config import Config, PromptsConfig, is_text
 from pipeline.errors import ConfigError, StepFailed, checkpoint_errors
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
@@ -138,7 +138,6 @@ class TokenizeSummary:
 def tokenize(cfg: Config, out: StepOutput) -> StepResult:
     """Read, check and tokenize every prompt; write balanced shards (+ rejected rows)."""
     options = cfg.prompts
-    _check_options(options)
     urls = input_files(options.path)
     for url in urls:
         format_of(url, options)
@@ -177,12 +176,6 @@ def tokenize(cfg: Config, out: StepOutput) -> StepResult:
         rejected_reasons=dict(rejects.kinds), chat_template=options.chat_template, conversations=reader.conversations,
         add_special_tokens=encode.add_special_tokens, input_files=inputs,
     ))
-
-
-def _check_options(options: PromptsConfig) -> None:
-    if options.system_prompt is not None and not options.chat_template:
-        raise ConfigError("prompts.system_prompt is set but prompts.chat_template is false "
-                          "(a system prompt needs the chat template; set prompts.chat_template=true)")
 
 
 # --- tokenizer --------------------------------------------------------------------------
@@ -380,7 +373,7 @@ class _Reader:
             return self.encode(batch.texts)
         except TypeError:
             # Lone surrogates (e.g. "\ud800" escapes in JSON) are not encodable text: find them.
-            bad = [i for i, t in enumerate(batch.texts) if not _encodable(t)]
+            bad = [i for i, t in enumerate(batch.texts) if not is_text(t)]
             if not bad:
                 raise
             for i in reversed(bad):
@@ -399,14 +392,6 @@ def _int32_lists(values: list[list[int]], lengths: list[int]) -> pa.Array:
     np.cumsum(lengths, out=offsets[1:])
     flat = np.fromiter(itertools.chain.from_iterable(values), np.int32, int(offsets[-1]))
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class _Shards:

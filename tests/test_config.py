@@ -113,6 +113,18 @@ def test_defaults_fill_optional_sections():
     (with_section("engine", memory_fraction=0), "engine.memory_fraction must be a number in (0, 1], got 0.0"),
     (with_section("wandb", table_max_rows=-1), "wandb.table_max_rows must be an integer >= 0, got -1"),
     (with_section("wandb", project=""), "wandb.project must be a non-empty project name"),
+    # W&B refuses these when the run starts, i.e. at upload, after the other steps (exit 1 there):
+    (with_section("wandb", project="team/project"), "wandb.project must be a W&B project name: at most 128 "
+     "characters, none of / \\ # ? % :, got 'team/project'"),
+    (with_section("wandb", project="p" * 129), "wandb.project must be a W&B project name"),
+    # An unknown storage: a traceback (run.root) or exit 1 (the paths) once the plan read them.
+    (with_section("run", root="htps://bucket/runs"), "run.root must be a local path or a URL of a storage fsspec "
+     "can open (gs://, file://, memory://, ...): Protocol not known: htps, got 'htps://bucket/runs'"),
+    (with_section("model", path="s3://bucket/model"), "model.path must be a local path or a URL of a storage "
+     "fsspec can open (gs://, file://, memory://, ...): Install s3fs"),
+    (with_section("prompts", system_prompt="Be brief \ud800."), "prompts.system_prompt must be null while"),
+    (with_section("prompts", system_prompt="Be brief \ud800.", chat_template=True),
+     "prompts.system_prompt must be text without lone surrogates"),
     (with_section("wandb", api_key="sentinel"), "unknown key wandb.api_key"),
     ({**MINIMAL, 1: {}}, "unknown key 1 (valid keys in the top level"),
     (with_section("run", **{"na\nme": 1}), "unknown key run.'na\\nme' (valid keys in run"),
@@ -155,6 +167,8 @@ def test_set_overrides_are_yaml_typed_and_dotted():
     ("sampling.temperature", "expected KEY=VALUE"),
     ("run.root.deeper=1", "run.root is not a section"),
     ("sampling.n=[1", "value is not valid YAML"),
+    (".prompts=1", "the key '.prompts' has an empty part"),
+    ("sampling..n=1", "the key 'sampling..n' has an empty part"),
 ])
 def test_bad_set_syntax(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
@@ -171,6 +185,27 @@ def test_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
     path.write_text("run:\n\troot: /tmp\n")
     with pytest.raises(ConfigError, match=f"config file {path}:2:1 is not valid YAML: found character"):
         load_config(str(path))
+
+
+def test_a_config_file_that_is_not_utf8_is_named_in_one_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"run: {root: /tmp/x, name: a}\n# caf\xe9\n")
+    with pytest.raises(ConfigError) as err:  # a UnicodeDecodeError's traceback before
+        load_config(str(path))
+    assert str(err.value) == f"config file {path} is not UTF-8 text: byte 0xe9 at offset 34; save it as UTF-8"
+
+
+def test_yaml_merge_keys_fill_a_section_and_the_keys_beside_them_win(tmp_path):
+    """`<<: *defaults` is plain YAML; the duplicate-key check refused it as "not valid YAML"."""
+    inline = tmp_path / "inline.yaml"
+    inline.write_text("run: {root: /tmp/x, name: a}\nmodel: {path: /m}\nprompts: {path: /p}\n"
+                      "sampling:\n  <<: {max_new_tokens: 16, n: 2, temperature: 0.9}\n  temperature: 0.5\n")
+    cfg = load_config(str(inline))
+    assert (cfg.sampling.max_new_tokens, cfg.sampling.n, cfg.sampling.temperature) == (16, 2, 0.5)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(inline.read_text() + "  temperature: 0.7\n")
+    with pytest.raises(ConfigError, match="key 'temperature' appears twice"):
+        load_config(str(twice))
 
 
 def test_a_key_given_twice_is_refused_not_silently_overwritten(tmp_path):
@@ -198,6 +233,9 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path):
     ("engine.mesh={data: x}", "error: --set engine.mesh={data: x}: engine.mesh.data must be an integer or auto, "
      "got 'x' (str)"),
     ("sampling=3", "error: --set sampling=3: sampling must be a mapping, got 3 (int)"),
+    # An error about the section the --set set a key in: the file was named (it has no engine.mesh).
+    ("engine.mesh.data=2", "error: --set engine.mesh.data=2: engine.mesh applies only with engine.mode: "
+     "global_mesh (engine.mode is host_dp); remove it or set engine.mode=global_mesh"),
 ])
 def test_a_set_mistake_names_the_set_argument_not_the_file(override, line):
     """Issue 14: `--set sampling.temprature=0.2` was reported as `demo/config.yaml: unknown key ...`.

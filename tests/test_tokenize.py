@@ -387,6 +387,9 @@ BAD_ROWS = {
     "too long": (json.dumps({"id": "b", "prompt": "many words " * 100}).encode(), "too long"),
     "missing id": (b'{"prompt": "No id."}', "missing id"),
     "float id": (b'{"id": 1.5, "prompt": "A float id."}', "bad id"),
+    # An id no Parquet string holds: a traceback before, at the shards' or rejected.parquet's write.
+    "lone surrogate in the id": (b'{"id": "b\\ud800", "prompt": "A good prompt, a bad id."}', "invalid UTF-8"),
+    "lone surrogate in the id, empty prompt": (b'{"id": "b\\ud800", "prompt": " "}', "empty prompt"),
 }
 
 
@@ -484,7 +487,6 @@ WHOLE_INPUT = {
     "unsupported type": (lambda d: put(d / "p.csv", b"prompt\nhi\n"), "unsupported file type"),
     "every row bad": (lambda d: put(d / "p.jsonl", b"{x\n[1]\n"), "all 2 rows were rejected"),
     # found while hashing the inputs, before the step starts:
-    "unknown protocol": (lambda d: "nosuch://bucket/p.jsonl", "could not be read: ValueError: Protocol not known"),
     "unreachable host": (lambda d: "http://127.0.0.1:1/p.jsonl",
                          "could not be read: storage: could not list http://127.0.0.1:1/p.jsonl (ClientConnectorError"),
 }
@@ -510,16 +512,24 @@ def test_whole_input_problems_fail_in_both_modes_naming_the_url(tmp_path, demo_m
 @pytest.mark.parametrize("setting, expected", [
     ("prompts.on_invalid=maybe", "prompts.on_invalid must be fail or skip, got 'maybe'"),
     ("prompts.num_shards=0", "prompts.num_shards must be an integer > 0 or auto"),
-    ("prompts.system_prompt=Be brief.", "prompts.system_prompt is set but prompts.chat_template is false"),
+    ("prompts.system_prompt=Be brief.", "prompts.system_prompt must be null while prompts.chat_template is false"),
     ("prompts.path={txt}", "prompts.id_field is 'id' but"),
+    ("prompts.path=nosuch://bucket/p.jsonl", "prompts.path must be a local path or a URL of a storage fsspec can "
+                                             "open (gs://, file://, memory://, ...): Protocol not known: nosuch"),
 ])
-def test_config_errors_exit_2_naming_the_key(tmp_path, demo_model, setting, expected):
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_config_errors_exit_2_naming_the_key_before_any_step_folder(tmp_path, demo_model, setting, expected, dry_run):
+    """Found before the plan's steps begin, so `--dry-run` finds them too, and nothing is written
+    (before, the first two were found by the step: a tokenize folder and lease were left, which
+    `status` called partial, and `--dry-run` passed)."""
     (tmp_path / "p.jsonl").write_bytes(jsonl(GOOD_1))
     (tmp_path / "p.txt").write_text("hello\n")
     config = write_config(tmp_path, demo_model, path=str(tmp_path / "p.jsonl"), id_field="id")
-    result = cli("run", "tokenize", "--config", config, "--set", setting.format(txt=tmp_path / "p.txt"))
+    result = cli("run", "tokenize", "--config", config, "--set", setting.format(txt=tmp_path / "p.txt"),
+                 *["--dry-run"] * dry_run)
     assert result.exit_code == 2, result.stderr
     assert expected in error_line(result)
+    assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")
 
 
 def test_chat_template_without_a_template_is_a_config_error(tmp_path, demo_model):
@@ -527,10 +537,12 @@ def test_chat_template_without_a_template_is_a_config_error(tmp_path, demo_model
     shutil.copytree(demo_model, model)
     (model / "chat_template.jinja").unlink()
     (tmp_path / "p.jsonl").write_bytes(jsonl(GOOD_1))
-    result = cli("run", "tokenize", "--config",
-                 write_config(tmp_path, str(model), path=str(tmp_path / "p.jsonl"), chat_template=True))
-    assert result.exit_code == 2
-    assert f"prompts.chat_template is true but the tokenizer at model.path {model} has no chat template" in error_line(result)
+    config = write_config(tmp_path, str(model), path=str(tmp_path / "p.jsonl"), chat_template=True)
+    for dry_run in ([], ["--dry-run"]):  # found before any step folder, so by a dry run too
+        result = cli("run", "tokenize", "--config", config, *dry_run)
+        assert result.exit_code == 2
+        assert f"prompts.chat_template is true but the tokenizer at model.path {model} has no chat template" in error_line(result)
+        assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])

@@ -1,6 +1,7 @@
 """Every input a user names, checked before any step folder or lease exists.
 
-Owns the up-front checks of a run: the prompt files `prompts.path` names exist, `model.path` is a
+Owns the up-front checks of a run: the prompt files `prompts.path` names exist and are of a type
+tokenize reads (a chat template where prompts ask for one), `model.path` is a
 checkpoint we can run (engine/checkpoint.py, headers only), a prompt of `max_prompt_tokens` plus
 `max_new_tokens` fits the checkpoint's positions, `run.root` can be written, and an online W&B
 run has a key. Each failure is a ConfigError naming the key (exit 2), and nothing is written: a
@@ -43,7 +44,20 @@ def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: 
 
 
 def check_prompts(cfg: Config) -> None:
-    prompt_files(cfg.prompts.path)
+    """The prompt files exist and are of a type tokenize reads (by name, as tokenize tells: a .txt
+    file has no id field); with prompts.chat_template the tokenizer has a template."""
+    from steps.prompt_files import format_of
+
+    for url in prompt_files(cfg.prompts.path):
+        format_of(url, cfg.prompts)
+    if cfg.prompts.chat_template:
+        from engine.checkpoint import has_chat_template
+
+        with checkpoint_errors():
+            found = has_chat_template(cfg.model.path)
+        if not found:
+            raise ConfigError(f"prompts.chat_template is true but the tokenizer at model.path {cfg.model.path} has "
+                              f"no chat template (set prompts.chat_template=false, or add chat_template.jinja)")
 
 
 def prompt_files(pattern: str) -> list[str]:

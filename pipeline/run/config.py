@@ -37,6 +37,7 @@ class RunConfig:
     def __post_init__(self):
         require(bool(self.root.strip()), "run.root", self.root, "a non-empty URL")
         require(bool(self.name.strip()), "run.name", self.name, "a non-empty name")
+        _require_storage("run.root", self.root)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class ModelConfig:
 
     def __post_init__(self):
         require(bool(self.path.strip()), "model.path", self.path, "a checkpoint folder (path or URL)")
+        _require_storage("model.path", self.path)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,12 @@ class PromptsConfig:
         require(self.max_prompt_tokens > 0, "prompts.max_prompt_tokens", self.max_prompt_tokens, "an integer > 0")
         require(self.num_shards == "auto" or self.num_shards > 0, "prompts.num_shards", self.num_shards, "an integer > 0 or auto")
         require(bool(self.path.strip()), "prompts.path", self.path, "a file, folder or glob")
+        _require_storage("prompts.path", self.path)
+        require(self.system_prompt is None or self.chat_template, "prompts.system_prompt", self.system_prompt,
+                "null while prompts.chat_template is false (a system prompt is a turn of the chat template: "
+                "set prompts.chat_template=true)")
+        require(self.system_prompt is None or is_text(self.system_prompt), "prompts.system_prompt",
+                self.system_prompt, "text without lone surrogates")
         require(bool(self.text_field), "prompts.text_field", self.text_field, "a field name")
         require(self.id_field is None or bool(self.id_field), "prompts.id_field", self.id_field, "a field name or null")
         require(self.id_field is None or self.id_field != self.text_field, "prompts.id_field", self.id_field,
@@ -92,6 +100,10 @@ class EngineSection(EngineConfig):
         require(self.part_rows > 0, "engine.part_rows", self.part_rows, "an integer > 0")
 
 
+WANDB_PROJECT_FORBIDS = "/\\#?%:"
+"""Characters W&B refuses in a project name (when the run starts, i.e. at upload)."""
+
+
 @dataclass(frozen=True)
 class WandbConfig:
     project: str = "pipeline"
@@ -107,6 +119,8 @@ class WandbConfig:
 
     def __post_init__(self):
         require(bool(self.project.strip()), "wandb.project", self.project, "a non-empty project name")
+        require(len(self.project) <= 128 and not any(c in self.project for c in WANDB_PROJECT_FORBIDS), "wandb.project",
+                self.project, f"a W&B project name: at most 128 characters, none of {' '.join(WANDB_PROJECT_FORBIDS)}")
         require(self.table_max_rows >= 0, "wandb.table_max_rows", self.table_max_rows, "an integer >= 0")
 
 
@@ -131,12 +145,35 @@ class Config:
         return _plain(value)
 
 
+def _require_storage(key: str, url: str) -> None:
+    """A URL's scheme names a filesystem fsspec has (`htps://` is a typo, `s3://` needs s3fs)."""
+    if "://" not in url:
+        return
+    try:
+        fsspec.get_filesystem_class(url.split("://", 1)[0])
+    except (ValueError, ImportError) as err:
+        require(False, key, url, f"a local path or a URL of a storage fsspec can open (gs://, file://, memory://, "
+                                 f"...): {_one_line(err)}")
+
+
+def is_text(value: str) -> bool:
+    """Text UTF-8 can hold: no lone surrogates (a YAML or JSON "\\ud800" escape makes one), which
+    no Parquet string column, tokenizer or W&B table takes."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (it would keep the last)."""
 
     def construct_mapping(self, node, deep=False):
         seen: set = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults`: keys given next to it override its keys, as intended
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool)):
                 continue  # unhashable keys are refused later, as unknown keys
@@ -154,6 +191,9 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
             text = f.read()
     except FileNotFoundError as err:
         raise ConfigError(f"config file {path} not found") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text: byte {err.object[err.start]:#04x} at offset "
+                          f"{err.start}; save it as UTF-8") from err
     except OSError as err:
         raise ConfigError(f"config file {path} could not be read: {err}") from err
     try:
@@ -185,6 +225,9 @@ def apply_override(data: dict, override: str) -> dict:
     except yaml.YAMLError as err:
         raise ConfigError(f"--set {override!r}: value is not valid YAML: {_one_line(err)}") from err
     parts = key_path.strip().split(".")
+    if not all(part.strip() for part in parts):
+        raise ConfigError(f"--set {override!r}: the key {key_path.strip()!r} has an empty part; "
+                          f"expected dotted keys, e.g. --set sampling.temperature=0.7")
     result = dict(data)
     node = result
     for i, part in enumerate(parts[:-1]):
@@ -221,6 +264,10 @@ class _Blame:
         for set_key in sorted(self.overrides, key=len, reverse=True):  # the most specific first
             if key == set_key or key.startswith(set_key + ".") or key.startswith(set_key + "["):
                 return f"--set {set_key}=..." if unknown else f"--set {self.overrides[set_key]}"
+        if not unknown:  # an error about a section a --set set a key in (`--set engine.mesh.data=2`)
+            for set_key in sorted(self.overrides, key=len):
+                if key and set_key.startswith(key + "."):
+                    return f"--set {self.overrides[set_key]}"
         return self.source
 
 
