@@ -16,7 +16,8 @@ GENERATE = Step("generate", generate.generate, inputs=(TOKENIZE,), on="every hos
                 version="2", about="every host generates completions for its shards")
 MERGE = Step("merge", merge.merge, inputs=(GENERATE,),
              about="verify every (prompt, sample) once, order, write the result")
-UPLOAD = Step("upload", upload.upload, inputs=(MERGE,), about="log a W&B table artifact, resuming the same W&B run")
+UPLOAD = Step("upload", upload.upload, inputs=(MERGE,), redo=upload.redo,
+              about="log a W&B table artifact, resuming the same W&B run")
 
 PIPELINE: tuple[Step, ...] = (TOKENIZE, GENERATE, MERGE, UPLOAD)
 STEP_NAMES: tuple[str, ...] = tuple(s.name for s in PIPELINE)

@@ -90,6 +90,14 @@ class UploadSummary:
     note: str | None = None
 
 
+def redo(cfg: Config, record: status.StepRecord) -> str | None:
+    """A result uploaded with `wandb.mode: disabled` logged nothing: with W&B on, it is uploaded
+    (the mode is in no hash: online and offline make the same run)."""
+    if record.summary.get("mode") == "disabled" and cfg.wandb.mode != "disabled":
+        return f"complete, but with wandb.mode disabled (nothing was logged): log it, {cfg.wandb.mode}"
+    return None
+
+
 def upload(cfg: Config, out: StepOutput) -> StepResult:
     """Log the merged Parquet files, a browsable table, metrics and charts to one W&B run."""
     merge_url = out.upstream["merge"].url

@@ -29,6 +29,8 @@ FAIL_IN: set[str] = set()
 @dataclasses.dataclass(frozen=True)
 class StubSummary:
     rows: int = 3
+    mode: str | None = None
+    """upload's: the wandb.mode it ran with (`steps.upload.redo` reads it)."""
 
 
 def _stub(name: str):
@@ -37,7 +39,8 @@ def _stub(name: str):
         storage.write_text(out.path("data.txt"), f"{name} output")
         if name in FAIL_IN:
             raise RuntimeError(f"{name} broke after writing its data")
-        return StepResult(rows=3, files=[{"path": "data.txt"}], summary=StubSummary())
+        return StepResult(rows=3, files=[{"path": "data.txt"}],
+                          summary=StubSummary(mode=cfg.wandb.mode if name == "upload" else None))
     return step
 
 
@@ -140,6 +143,24 @@ def test_force_reruns_a_complete_step(make_config):
     CALLS.clear()
     runner.run_steps(cfg, GRAPH, ("upload",), force=True, echo=lambda _: None)
     assert CALLS == ["upload"]
+
+
+def test_an_upload_made_with_wandb_disabled_runs_again_once_wandb_is_on(make_config):
+    """wandb.mode is in no hash (online and offline make the same run), but a disabled upload logged
+    nothing: with W&B on, the plan runs it again, saying why (it was skipped as complete, and
+    nothing reached W&B without --force). A result logged once stays: turning W&B off skips it."""
+    config = make_config(wandb={"mode": "disabled"})
+    runner.run_steps(load_config(config), GRAPH, NAMES, echo=lambda _: None)
+    CALLS.clear()
+    offline = load_config(config, ["wandb.mode=offline"])
+    planned = {p.name: p for p in runner.make_plan(offline, GRAPH)}
+    assert planned["upload"].action == "run" and "wandb.mode disabled (nothing was logged)" in planned["upload"].reason
+    runner.run_steps(offline, GRAPH, NAMES, echo=lambda _: None)
+    assert CALLS == ["upload"]
+    CALLS.clear()
+    for mode in ("offline", "disabled"):
+        runner.run_steps(load_config(config, [f"wandb.mode={mode}"]), GRAPH, NAMES, echo=lambda _: None)
+    assert CALLS == []
 
 
 def test_changing_sampling_reruns_generate_and_after_only(make_config):

@@ -73,6 +73,9 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
         state, record, damaged = status.inspect(url)
         rows = record.rows if record else None
         action, reason = _decide(step, state, rows, step.name in targets, force, by_name)
+        redo = step.redo(cfg, record) if action == "skip" and state == "complete" and step.redo else None
+        if redo:
+            action, reason = "run", redo
         if damaged and action == "run":
             reason = f"its {status.MARKER} cannot be read ({damaged}): run it again"
         planned = PlannedStep(step, step_hash, url, state, rows, action, reason, damaged, record)

@@ -24,6 +24,7 @@ from pipeline.storage.lease import Lease, LeaseLost
 
 if TYPE_CHECKING:
     from pipeline.run.config import Config
+    from pipeline.run.status import StepRecord
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,6 +42,10 @@ class Step:
     """For `on="every host"`: run by the leader once every host's `run` is done; returns the StepResult."""
     version: str = "1"
     """Bump when the step's output for the same inputs changes: it changes the hash."""
+    redo: Callable[["Config", "StepRecord"], str | None] | None = None
+    """fn(cfg, record) of a complete output: why this config wants it made again though its hash
+    is the same (the plan's reason), or None to skip it. For a runtime knob that decided whether
+    the step did its work at all (upload with `wandb.mode: disabled`)."""
     about: str = ""
 
     def __post_init__(self):
