@@ -69,8 +69,9 @@ def input_files(pattern: str) -> list[str]:
         raise StepFailed(str(err)) from err
 
 
-def format_of(url: str, options: PromptsConfig) -> str:
-    """'jsonl', 'txt' or 'parquet' from the file name; unknown types fail the step."""
+def kind_of(url: str) -> str | None:
+    """'jsonl', 'txt' or 'parquet' from the file name (a text file's compression suffix aside), or
+    None for a type tokenize does not read."""
     name = url.rsplit("/", 1)[-1].lower()
     compression = fsspec.utils.infer_compression(name)
     if compression:
@@ -78,11 +79,17 @@ def format_of(url: str, options: PromptsConfig) -> str:
     suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
     if suffix == ".parquet" and not compression:
         return "parquet"
-    if suffix in TEXT_SUFFIXES:
-        if TEXT_SUFFIXES[suffix] == "txt" and options.id_field:
-            raise ConfigError(f"prompts.id_field is {options.id_field!r} but {url} is a .txt file (one prompt "
-                              f"per line, no fields): set prompts.id_field=null or use JSONL/Parquet")
-        return TEXT_SUFFIXES[suffix]
+    return TEXT_SUFFIXES.get(suffix)
+
+
+def format_of(url: str, options: PromptsConfig) -> str:
+    """`kind_of`, checked against the options; unknown types fail the step."""
+    kind = kind_of(url)
+    if kind == "txt" and options.id_field:
+        raise ConfigError(f"prompts.id_field is {options.id_field!r} but {url} is a .txt file (one prompt "
+                          f"per line, no fields): set prompts.id_field=null or use JSONL/Parquet")
+    if kind is not None:
+        return kind
     raise StepFailed(f"prompts file {url}: unsupported file type (expected .jsonl, .ndjson, .txt or .parquet; "
                      f"text files may be compressed: {', '.join(sorted(fsspec.utils.compressions))})")
 

@@ -656,7 +656,6 @@ def _hash(data: dict) -> str:
     (("prompts", "num_shards", 3), False),
     (("prompts", "max_prompt_tokens", 7), True),
     (("prompts", "chat_template", True), True),
-    (("prompts", "system_prompt", "x"), True),
     (("prompts", "text_field", "text"), True),
     (("prompts", "id_field", None), True),
     (("prompts", "on_invalid", "skip"), True),
@@ -665,6 +664,11 @@ def test_tokenize_hash_table(ident, edit, changes):
     section, key, value = edit
     edited = {**ident, section: {**ident[section], key: value}}
     assert (_hash(edited) != _hash(ident)) is changes
+
+
+def test_tokenize_hash_takes_the_system_prompt(ident):
+    chat = {**ident, "prompts": {**ident["prompts"], "chat_template": True}}
+    assert _hash({**chat, "prompts": {**chat["prompts"], "system_prompt": "x"}}) != _hash(chat)
 
 
 def test_tokenize_hash_follows_content_not_location(ident, tmp_path):
@@ -682,6 +686,27 @@ def test_tokenize_hash_follows_content_not_location(ident, tmp_path):
     spec["added_tokens"][0]["content"] = "<unknown>"
     (model / "tokenizer.json").write_text(json.dumps(spec))
     assert _hash({**ident, "model": {"path": str(model)}}) != before
+
+
+def test_the_same_bytes_as_txt_and_as_jsonl_hash_apart(ident, tmp_path):
+    """A .txt file's lines are its prompts; the same bytes named .jsonl are parsed. Before, both
+    had one tokenize hash: renamed, the file's run skipped tokenize and kept the raw JSON lines as
+    prompts. A JSONL file's hash is the one it had before (a result made then is kept)."""
+    jsonl_hash = _hash(ident)
+    assert jsonl_hash == _hash({**ident, "prompts": {**ident["prompts"], "path": str(tmp_path / "p.jsonl")}})
+    as_text = tmp_path / "as-text" / "p.txt"
+    as_text.parent.mkdir()
+    shutil.copy(ident["prompts"]["path"], as_text)
+    txt_hash = _hash({**ident, "prompts": {**ident["prompts"], "path": str(as_text), "id_field": None}})
+    no_id = _hash({**ident, "prompts": {**ident["prompts"], "id_field": None}})
+    assert txt_hash != no_id
+    gzipped = tmp_path / "gz"
+    gzipped.mkdir()
+    data = gzip.compress((tmp_path / "p.jsonl").read_bytes(), mtime=0)
+    for name in ("p.txt.gz", "p.jsonl.gz"):
+        (gzipped / name).write_bytes(data)
+    assert (_hash({**ident, "prompts": {**ident["prompts"], "path": str(gzipped / "p.txt.gz"), "id_field": None}})
+            != _hash({**ident, "prompts": {**ident["prompts"], "path": str(gzipped / "p.jsonl.gz"), "id_field": None}}))
 
 
 def test_rerun_skips_and_another_root_gives_the_same_hash_and_bytes(tmp_path, demo_model):

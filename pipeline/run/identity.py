@@ -99,8 +99,13 @@ def content_fingerprints(step: str, cfg: Config) -> dict[str, Any]:
 
 def _prompt_files(cfg: Config) -> list[str]:
     # Order matters (prompt_index follows the sorted file order), names do not: the same
-    # files in another bucket give the same list.
-    return [storage.fingerprint(url) for url in storage.expand(cfg.prompts.path)]
+    # files in another bucket give the same list. A .txt file's kind does: its lines are the
+    # prompts, where the same bytes named .jsonl are parsed (JSONL and Parquet files keep the
+    # fingerprints they had before this, so their results keep their hashes).
+    from steps.prompt_files import kind_of
+
+    return [storage.fingerprint(url) + (":txt" if kind_of(url) == "txt" else "")
+            for url in storage.expand(cfg.prompts.path)]
 
 
 def _checkpoint_files(cfg: Config, weights: bool) -> dict[str, str]:
