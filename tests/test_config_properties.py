@@ -23,12 +23,13 @@ FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 words = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=20).filter(lambda s: s.strip())
 big = st.integers(min_value=1, max_value=2**63 - 1)
+paths = words.filter(lambda s: "://" not in s)  # a scheme must name a storage fsspec has
 VALID: dict[str, st.SearchStrategy] = {
-    "run.root": words,
+    "run.root": paths,
     "run.name": words,
-    "model.path": words,
+    "model.path": paths,
     "model.dtype": st.sampled_from(["float32", "bfloat16"]),
-    "prompts.path": words,
+    "prompts.path": paths,
     "prompts.text_field": words,
     "prompts.id_field": st.none() | words,
     "prompts.max_prompt_tokens": big,
@@ -46,7 +47,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "engine.batch_size": st.just("auto") | big,
     "engine.memory_fraction": st.floats(min_value=0, max_value=1, exclude_min=True),
     "engine.part_rows": big,
-    "wandb.project": words,
+    "wandb.project": words.filter(lambda s: len(s) <= 128 and not set(s) & set("/\\#?%:")),  # W&B's rule
     "wandb.entity": st.none() | words,
     "wandb.mode": st.sampled_from(["offline", "online", "disabled"]),
     "wandb.table_max_rows": st.integers(0, 2**63 - 1),
@@ -74,6 +75,7 @@ def valid_flat(draw) -> dict[str, object]:
     keys = draw(st.sets(st.sampled_from(sorted(set(VALID) - set(REQUIRED)))))
     flat = {k: draw(VALID[k]) for k in sorted(set(REQUIRED) | keys)}
     assume(flat.get("prompts.id_field") is None or flat["prompts.id_field"] != flat.get("prompts.text_field", "prompt"))
+    assume(flat.get("prompts.system_prompt") is None or flat.get("prompts.chat_template"))  # a turn of the template
     return flat
 
 
@@ -102,6 +104,8 @@ def test_valid_values_round_trip_through_set(flat, data):
     value = data.draw(VALID[path])
     assume(not (path == "prompts.text_field" and value == flat.get("prompts.id_field")))
     assume(not (path == "prompts.id_field" and value == flat.get("prompts.text_field", "prompt")))
+    assume(not (path == "prompts.system_prompt" and value is not None and not flat.get("prompts.chat_template")))
+    assume(not (path == "prompts.chat_template" and not value and flat.get("prompts.system_prompt") is not None))
     text = yaml.safe_dump(value, default_flow_style=True, width=10**6).removesuffix("\n...\n").rstrip("\n")
     cfg = build_config(apply_override(nest(flat), f"{path}={text}"))
     assert same(cfg.get(path), value)
