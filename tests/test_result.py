@@ -33,3 +33,16 @@ def test_first_rows_read_across_files_in_order(fake_run):
     text = _table(rows[:2], merged.rows)
     assert "prompt 00000" in text and "completion 00000.001" in text and "2 of 20 rows" in text
     assert merged_result(run.url["upload"]) is None  # no marker: no result
+
+
+def test_show_prints_ids_and_texts_that_look_like_markup_as_they_are(fake_run):
+    """rich reads `[...]` in a cell as markup: the id `wiki[en]` was shown as `wiki`, and `run[/1]`
+    ended `pipeline show` with a MarkupError."""
+    run = fake_run(prompts=2, n=1)
+    run.run("merge")
+    rows = first_rows(merged_result(run.url["merge"]), 2)
+    rows[0].update(prompt_id="wiki[en]", prompt="say [bold]hi[/bold]", completion="[/1] done")
+    rows[1].update(prompt_id="run[/1]")
+    text = _table(rows, 2)
+    assert "(wiki[en], 0)" in text and "(run[/1], 0)" in text
+    assert "say [bold]hi[/bold]" in text and "[/1] done" in text

@@ -108,7 +108,7 @@ def _table(rows: list[dict[str, Any]], total: int) -> str:
     for name in means:
         table.add_column(MEAN_COLUMNS[name], no_wrap=True, justify="right")
     for r in rows:
-        cells = [f"{_cut(r['prompt'])}\n[dim]({r['prompt_id']}, {r['sample_index']})[/dim]", _cut(r["completion"]),
+        cells = [f"{_cut(r['prompt'])}\n[dim]({_cut(r['prompt_id'])}, {r['sample_index']})[/dim]", _cut(r["completion"]),
                  r["finish_reason"]]
         for name in means:
             _, mean = logprob_sum_and_mean(r[name])
@@ -122,6 +122,8 @@ def _table(rows: list[dict[str, Any]], total: int) -> str:
 
 
 def _cut(text: str) -> str:
+    """The user's text as a cell shows it: at most TEXT_CHARS, with rich's markup escaped (an id or
+    prompt holding `[bold]` or `[/1]` is data: read as markup it was dropped, or ended `show`)."""
     from rich.markup import escape
 
     text = text if len(text) <= TEXT_CHARS else text[:TEXT_CHARS] + "..."
