@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import sys
 import traceback
 from typing import Annotated, Callable, Optional
@@ -98,6 +99,12 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+def _config_args(config: str, overrides: list[str] | None) -> str:
+    """`--config FILE --set K=V ...` as typed (shell-quoted): the same config again, for the commands
+    an error names (without the --set, such a command would make another config's result)."""
+    return shlex.join(["--config", config, *(arg for override in overrides or [] for arg in ("--set", override))])
+
+
 def _run(targets: tuple[str, ...], config: str, overrides: list[str] | None, force: bool, dry_run: bool,
          no_wait: bool, verbose: bool) -> None:
     def body() -> None:
@@ -106,7 +113,8 @@ def _run(targets: tuple[str, ...], config: str, overrides: list[str] | None, for
         from steps import PIPELINE
 
         cfg = load_config(config, overrides or [])
-        run_steps(cfg, PIPELINE, targets, force=force, dry_run=dry_run, wait=not no_wait, verbose=verbose)
+        run_steps(cfg, PIPELINE, targets, force=force, dry_run=dry_run, wait=not no_wait, verbose=verbose,
+                  again=_config_args(config, overrides))
 
     _guard(body)
 
@@ -204,7 +212,7 @@ def show_command(
         from pipeline.run.result import show_text
         from steps import PIPELINE
 
-        typer.echo(show_text(load_config(config, set_ or []), PIPELINE, config, rows))
+        typer.echo(show_text(load_config(config, set_ or []), PIPELINE, _config_args(config, set_), rows))
 
     _guard(body)
 

@@ -13,12 +13,18 @@ from pipeline.run.result import _table, first_rows, merged_result
 
 
 def test_show_before_any_run_exits_1_naming_the_command(make_config):
+    """The command named is this config's, its --set arguments included (without them it made
+    another result, or the file's run root's)."""
     config = make_config()
     result = CliRunner().invoke(app, ["show", "--config", config])
     assert result.exit_code == 1
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("error: no result for this config yet: ") and "/merge-" in last
     assert last.endswith(f"is missing; run `pipeline run all --config {config}` first")
+    result = CliRunner().invoke(app, ["show", "--config", config, "--set", "sampling.temperature=0.5",
+                                      "--set", "run.name=my run"])
+    assert result.output.strip().splitlines()[-1].endswith(
+        f"run `pipeline run all --config {config} --set sampling.temperature=0.5 --set 'run.name=my run'` first")
 
 
 def test_first_rows_read_across_files_in_order(fake_run):

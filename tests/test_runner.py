@@ -171,11 +171,12 @@ def test_changing_sampling_reruns_generate_and_after_only(make_config):
 
 
 def test_single_step_with_missing_upstream_exits_1_naming_the_command(make_config):
-    result = CliRunner().invoke(app, ["run", "merge", "--config", make_config()])
+    config = make_config()
+    result = CliRunner().invoke(app, ["run", "merge", "--config", config, "--set", "sampling.seed=3"])
     assert result.exit_code == 1
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("error: cannot run merge: needs generate, which is missing")
-    assert "pipeline run generate" in last
+    assert f"run `pipeline run generate --config {config} --set sampling.seed=3` (or `pipeline run all " in last
     assert CALLS == []
 
 

@@ -8,7 +8,7 @@ Reads only, and refuses to look into a merge output without its marker: a reader
 marker, not the files.
 
     merged = merged_result(merge_url)         # None until merge is complete
-    print(show_text(cfg, steps.PIPELINE, "demo/config.yaml", rows=5))
+    print(show_text(cfg, steps.PIPELINE, "--config demo/config.yaml", rows=5))
 """
 
 from __future__ import annotations
@@ -84,15 +84,16 @@ def first_rows(result: MergedResult, count: int) -> list[dict[str, Any]]:
     return rows
 
 
-def show_text(cfg: Config, graph: tuple[Step, ...], config_path: str, rows: int) -> str:
-    """`pipeline show`: where the result is, and its first rows as a table."""
+def show_text(cfg: Config, graph: tuple[Step, ...], again: str, rows: int) -> str:
+    """`pipeline show`: where the result is, and its first rows as a table. `again`: the command's
+    config arguments (`--config` and every `--set`), for the command that makes a missing result."""
     from pipeline.run.runner import make_plan
 
     (merge,) = [p for p in make_plan(cfg, graph) if p.name == "merge"]
     result = merged_result(merge.url)
     if result is None:
         raise StepFailed(f"no result for this config yet: {merge.url} is {merge.state}; "
-                         f"run `pipeline run all --config {config_path}` first")
+                         f"run `pipeline run all {again}` first")
     return f"{result.describe()}\n{_table(first_rows(result, rows), result.rows)}"
 
 

@@ -56,9 +56,10 @@ class PlannedStep:
 
 
 def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | None = None,
-              force: bool = False) -> list[PlannedStep]:
+              force: bool = False, again: str = "--config FILE") -> list[PlannedStep]:
     """Hashes, URLs and states of every step of `graph`, and what a run of `targets` (default:
-    every step) would do."""
+    every step) would do. `again`: the command's config arguments (`--config` and every `--set`),
+    for the commands a reason names."""
     targets = tuple(s.name for s in graph) if targets is None else targets
     plan: list[PlannedStep] = []
     by_name: dict[str, PlannedStep] = {}
@@ -72,7 +73,7 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
         url = storage.step_url(cfg.run.root, step.name, step_hash)
         state, record, damaged = status.inspect(url)
         rows = record.rows if record else None
-        action, reason = _decide(step, state, rows, step.name in targets, force, by_name)
+        action, reason = _decide(step, state, rows, step.name in targets, force, by_name, again)
         redo = step.redo(cfg, record) if action == "skip" and state == "complete" and step.redo else None
         if redo:
             action, reason = "run", redo
@@ -85,14 +86,14 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
 
 
 def _decide(step: Step, state: str, rows: int | None, targeted: bool, force: bool,
-            earlier: dict[str, PlannedStep]) -> tuple[str, str]:
+            earlier: dict[str, PlannedStep], again: str) -> tuple[str, str]:
     if not targeted:
         return "skip", f"{state}; not selected"
     upstream = [s.name for s in step.inputs]
     missing = [n for n in upstream if earlier[n].state != "complete" and earlier[n].action != "run"]
     if missing:
         return "blocked", (f"needs {missing[0]}, which is {earlier[missing[0]].state}: "
-                           f"run `pipeline run {missing[0]}` (or `pipeline run all`) first")
+                           f"run `pipeline run {missing[0]} {again}` (or `pipeline run all {again}`) first")
     if state == "complete" and not force:
         return "skip", f"complete ({rows} rows); --force reruns it"
     if state == "complete":
@@ -145,7 +146,7 @@ def code_digest() -> str:
 
 def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], force: bool = False,
               dry_run: bool = False, echo: Callable[[str], None] | None = None,
-              wait: bool = True, verbose: bool = False) -> list[PlannedStep]:
+              wait: bool = True, verbose: bool = False, again: str = "--config FILE") -> list[PlannedStep]:
     """Run `targets` of `graph` in order on this host (every host calls this); return the plan used.
 
     Each step runs under a lease on its output (pipeline/storage/lease.py): while another runner
@@ -156,7 +157,7 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
     """
     say = echo or _say
     hosts.initialize()
-    plan = make_plan(cfg, graph, targets, force)
+    plan = make_plan(cfg, graph, targets, force, again)
     hosts.agree("plan", [[p.name, p.hash] for p in plan], "the plan (step hashes)")
     if hosts.is_leader():
         everything = set(targets) == {p.name for p in plan}
