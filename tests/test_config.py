@@ -236,6 +236,8 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path):
     # An error about the section the --set set a key in: the file was named (it has no engine.mesh).
     ("engine.mesh.data=2", "error: --set engine.mesh.data=2: engine.mesh applies only with engine.mode: "
      "global_mesh (engine.mode is host_dp); remove it or set engine.mode=global_mesh"),
+    ("foo.bar=3", "error: --set foo.bar=...: unknown key foo (valid keys in the top level: run, model, prompts, "
+     "sampling, engine, wandb)"),
 ])
 def test_a_set_mistake_names_the_set_argument_not_the_file(override, line):
     """Issue 14: `--set sampling.temprature=0.2` was reported as `demo/config.yaml: unknown key ...`.

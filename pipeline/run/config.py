@@ -264,10 +264,9 @@ class _Blame:
         for set_key in sorted(self.overrides, key=len, reverse=True):  # the most specific first
             if key == set_key or key.startswith(set_key + ".") or key.startswith(set_key + "["):
                 return f"--set {set_key}=..." if unknown else f"--set {self.overrides[set_key]}"
-        if not unknown:  # an error about a section a --set set a key in (`--set engine.mesh.data=2`)
-            for set_key in sorted(self.overrides, key=len):
-                if key and set_key.startswith(key + "."):
-                    return f"--set {self.overrides[set_key]}"
+        for set_key in sorted(self.overrides, key=len):  # about a section a --set set a key in
+            if key and set_key.startswith(key + "."):  # (`--set engine.mesh.data=2`, `--set foo.bar=3`)
+                return f"--set {set_key}=..." if unknown else f"--set {self.overrides[set_key]}"
         return self.source
 
 
