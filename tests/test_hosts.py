@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 from pipeline.pod.launch import free_port
 from tests.conftest import pipeline
@@ -47,11 +50,38 @@ def test_a_missing_host_fails_in_bounded_time_with_a_clear_message(make_config):
     assert "as process 0 of 2" in last and "is every host started?" in last
 
 
-def test_bad_pod_variables_are_a_usage_error(make_config):
-    env = {"PIPELINE_COORDINATOR_ADDRESS": "127.0.0.1:1", "PIPELINE_NUM_PROCESSES": "2", "PIPELINE_PROCESS_ID": "5"}
-    result = pipeline("preflight", "--config", make_config(), env=env)
-    assert result.returncode == 2
-    assert "PIPELINE_PROCESS_ID=5 must be in [0, PIPELINE_NUM_PROCESSES=2)" in result.stderr
+@pytest.mark.parametrize("env, message", [
+    ({"PIPELINE_PROCESS_ID": "5"}, "PIPELINE_PROCESS_ID=5 must be in [0, PIPELINE_NUM_PROCESSES=2)"),
+    # Before, a traceback and exit 1 (int() of the value), or "could not join ...: list index out of range":
+    ({"PIPELINE_INIT_TIMEOUT_S": "abc"}, "PIPELINE_INIT_TIMEOUT_S must be a whole number of seconds > 0, got 'abc'"),
+    ({"PIPELINE_HEARTBEAT_TIMEOUT_S": "0"}, "PIPELINE_HEARTBEAT_TIMEOUT_S must be a whole number of seconds > 0"),
+    ({"PIPELINE_COORDINATOR_ADDRESS": "nohostport"}, "PIPELINE_COORDINATOR_ADDRESS must be HOST:PORT"),
+])
+def test_bad_pod_variables_are_a_usage_error(make_config, env, message):
+    env = {"PIPELINE_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "PIPELINE_NUM_PROCESSES": "2",
+           "PIPELINE_PROCESS_ID": "1", **env}
+    result = pipeline("preflight", "--config", make_config(), env=env, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_stop_signal_while_joining_the_pod_exits_75_at_once(make_config, start_pipeline):
+    """The main thread waits in jax's native join, where our signal handler cannot run: a
+    preemption notice or Ctrl-C went unheard until the join timed out, then exit 1 (two minutes
+    by default). Now it ends the host at once, with exit 75."""
+    env = {"PIPELINE_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "PIPELINE_NUM_PROCESSES": "2",
+           "PIPELINE_PROCESS_ID": "0", "PIPELINE_INIT_TIMEOUT_S": "120"}
+    host = start_pipeline("run", "all", "--config", make_config(), "--dry-run", env=env)
+    # The leader's coordination service logs as it starts, inside the join; a jax that does not
+    # gets the signal just before the join or inside it, and each must end the host the same way.
+    try:
+        host.wait_for("coordination_service", timeout_s=30)
+    except AssertionError:
+        pass
+    host.send_signal(signal.SIGTERM)
+    assert host.finish(timeout_s=20) == 75, host.output[-2000:]
+    last = host.output.strip().splitlines()[-1]
+    assert last.startswith("error: stopped by SIGTERM while joining the pod at 127.0.0.1:"), host.output[-2000:]
 
 
 def test_a_host_that_fails_makes_the_others_exit_1_naming_it_and_its_error(make_config, tmp_path):

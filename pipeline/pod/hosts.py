@@ -19,6 +19,8 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -393,7 +395,19 @@ def _pod_from_env(env: os._Environ) -> tuple[str, int, int]:
                           f"{env[ENV_COUNT]!r} and {env[ENV_INDEX]!r}") from err
     if count < 1 or not 0 <= index < count:
         raise ConfigError(f"multi-host: {ENV_INDEX}={index} must be in [0, {ENV_COUNT}={count})")
+    host, _, port = env[ENV_ADDRESS].rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"multi-host: {ENV_ADDRESS} must be HOST:PORT (the leader's address and a free port), "
+                          f"got {env[ENV_ADDRESS]!r}")
     return env[ENV_ADDRESS], count, index
+
+
+def _seconds(env: os._Environ, name: str, default: int) -> int:
+    """A whole number of seconds > 0 from the variable `name`, else a ConfigError naming it."""
+    value = env.get(name, "").strip() or str(default)
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"multi-host: {name} must be a whole number of seconds > 0, got {env[name]!r}")
+    return int(value)
 
 
 def _on_multihost_tpu(env: os._Environ) -> bool:
@@ -414,7 +428,8 @@ def _join(**kwargs: Any) -> None:
     # jax's preemption service catches SIGTERM natively, so our handler (preemption.py) never
     # ran on a pod and a preempted host went on to the end instead of committing and exiting 75.
     jax.config.update("jax_enable_preemption_service", False)
-    init_timeout_s = int(os.environ.get(ENV_INIT_TIMEOUT, "120"))
+    init_timeout_s = _seconds(os.environ, ENV_INIT_TIMEOUT, 120)
+    heartbeat_timeout_s = _seconds(os.environ, ENV_HEARTBEAT_TIMEOUT, 30)
     where = (f"the pod at {kwargs.get('coordinator_address', 'TPU auto-detect')} as process "
              f"{kwargs.get('process_id', '?')} of {kwargs.get('num_processes', '?')}")
 
@@ -424,22 +439,65 @@ def _join(**kwargs: Any) -> None:
         exit_now(1, f"multi-host: could not join {where} within {init_timeout_s}s (is every host started? "
                     f"{ENV_INIT_TIMEOUT} sets the wait)")
 
-    watchdog = threading.Timer(init_timeout_s, give_up)
-    watchdog.daemon = True
-    watchdog.start()
-    try:
-        jax.distributed.initialize(
-            **kwargs,
-            initialization_timeout=init_timeout_s + 30,
-            heartbeat_timeout_seconds=int(os.environ.get(ENV_HEARTBEAT_TIMEOUT, "30")),
-            shutdown_timeout_seconds=30,
-        )
-    except Exception as err:  # noqa: BLE001 - jaxlib's error type is private
-        raise StepFailed(f"multi-host: could not join {where}: {str(err).splitlines()[0]}") from err
-    finally:
-        watchdog.cancel()
+    with _stop_signals_end(f"joining {where}"):
+        watchdog = threading.Timer(init_timeout_s, give_up)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            jax.distributed.initialize(
+                **kwargs,
+                initialization_timeout=init_timeout_s + 30,
+                heartbeat_timeout_seconds=heartbeat_timeout_s,
+                shutdown_timeout_seconds=30,
+            )
+        except Exception as err:  # noqa: BLE001 - jaxlib's error type is private
+            raise StepFailed(f"multi-host: could not join {where}: {str(err).splitlines()[0]}") from err
+        finally:
+            watchdog.cancel()
     _state.update(index=jax.process_index(), count=jax.process_count(),
                   client=distributed.global_state.client)
+
+
+@contextlib.contextmanager
+def _stop_signals_end(doing: str) -> Iterator[None]:
+    """While the main thread waits inside native code (jax.distributed.initialize), our signal
+    handler cannot run: a Ctrl-C or a preemption notice went unheard until the join timed out
+    (exit 1, minutes later). Python's own low-level handler still writes each signal's number to
+    the wakeup fd, whichever thread the signal lands on: a thread of ours reads it, and a stop
+    signal (or one that came just before) ends the process with exit 75 at once (nothing was done
+    yet)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    heard, wakeup = socket.socketpair()
+    wakeup.setblocking(False)
+    heard.settimeout(0.2)
+    before = signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
+    done = threading.Event()
+
+    def wait_for_a_signal() -> None:
+        while not done.is_set():
+            try:
+                signals = heard.recv(64)
+            except (TimeoutError, OSError):
+                signals = b""
+            for number in signals:
+                if number in (signal.SIGINT, signal.SIGTERM):
+                    preemption.request_stop(signal.Signals(number).name)
+            if preemption.stop_requested():  # now, or just before (the handler ran)
+                exit_now(preemption.EXIT_INTERRUPTED, f"stopped by {preemption.stop_reason()} while {doing}: "
+                                                      f"nothing was done; rerun the same command")
+
+    waiter = threading.Thread(target=wait_for_a_signal, name="join-signals", daemon=True)
+    waiter.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(before)
+        done.set()
+        waiter.join()
+        heard.close()
+        wakeup.close()
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str:

@@ -41,6 +41,11 @@ def stop_requested() -> bool:
     return _stop.is_set()
 
 
+def stop_reason() -> str | None:
+    """What asked to stop first (e.g. SIGTERM), or None."""
+    return _reason[0] if _reason else None
+
+
 def check() -> None:
     """Raise Interrupted if a stop was requested."""
     if _stop.is_set():
