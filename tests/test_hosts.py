@@ -24,20 +24,29 @@ def test_launch_two_hosts_meet_at_a_barrier_and_agree_on_the_plan(make_config):
         assert any(line.startswith(f"[host {host}] host {host}/2: joined, same code and plan") for line in lines)
 
 
-def test_hosts_with_different_configs_fail_fast_naming_the_difference(make_config):
+@pytest.mark.parametrize("command", [("preflight",), ("run", "all")])
+def test_hosts_with_different_configs_fail_fast_naming_the_difference(make_config, tmp_path, command):
+    """Both hosts exit 2 naming the step whose hash differs, before any step folder: the leader
+    went on before (it made tokenize's and generate's folders and read the weights, then exited 1)."""
     port = str(free_port())
     env = {"PIPELINE_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "PIPELINE_NUM_PROCESSES": "2"}
     config = make_config()
 
     def host(i: int):
-        return pipeline("preflight", "--config", config, *(["--set", "sampling.temperature=0.9"] if i else []),
+        return pipeline(*command, "--config", config, *(["--set", "sampling.temperature=0.9"] if i else []),
                         env={**env, "PIPELINE_PROCESS_ID": str(i)}, timeout=120)
 
     with ThreadPoolExecutor(2) as pool:  # both hosts at once: they meet in jax.distributed
         procs = list(pool.map(host, range(2)))
-    assert procs[1].returncode == 2
-    assert "host 1/2: code version and plan differs from the leader's" in procs[1].stderr
-    assert "plan" in procs[1].stderr.strip().splitlines()[-1]
+    what = "code version and plan" if command == ("preflight",) else "the plan (step hashes)"
+    step = "plan.generate" if command == ("preflight",) else "generate"
+    assert [p.returncode for p in procs] == [2, 2], [p.stderr[-2000:] for p in procs]
+    last = [p.stderr.strip().splitlines()[-1] for p in procs]
+    assert last[1].startswith(f"error: host 1/2: {what} differs from the leader's"), last[1]
+    assert last[0].startswith(f"error: host 0/2: {what} differs between host 1 and the leader"), last[0]
+    for line in last:
+        assert f": {step}: the leader has '" in line and "', host 1 has '" in line
+    assert not glob.glob(str(tmp_path / "runs" / "*"))
 
 
 def test_a_missing_host_fails_in_bounded_time_with_a_clear_message(make_config):

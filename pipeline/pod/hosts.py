@@ -365,7 +365,9 @@ def on_leader(tag: str, fn: Callable[[], T], what: str) -> T | None:
 
 
 def agree(tag: str, value: Any, what: str) -> Any:
-    """The leader's `value` on every host; a host whose own value differs raises.
+    """The leader's `value` on every host; a host whose own value differs raises, and so does the
+    leader, naming that host, once every host has compared (before, the leader went on: it
+    made step folders and read weights for a run the other host had already refused).
 
     Used at start so that every host runs the same plan (same code version, same hashes):
     the classic pod mistake is hosts with different configs or code.
@@ -374,13 +376,18 @@ def agree(tag: str, value: Any, what: str) -> Any:
         return value
     if is_leader():
         publish(f"{tag}/value", value)
+        for host in range(1, process_count()):
+            difference = wait_for(f"{tag}/verdict/{host}", f"host {host} to compare {what}")
+            if difference is not None:
+                raise ConfigError(f"{describe()}: {what} differs between host {host} and the leader (same code "
+                                  f"and config on every host?): {difference}")
         return value
     leader_value = wait_for(f"{tag}/value", what)
-    if leader_value != value:
-        raise ConfigError(
-            f"{describe()}: {what} differs from the leader's (same code and config on every host?): "
-            f"{_first_difference(leader_value, value)}"
-        )
+    difference = None if leader_value == value else _first_difference(leader_value, value, f"host {process_index()}")
+    publish(f"{tag}/verdict/{process_index()}", difference)
+    if difference is not None:
+        raise ConfigError(f"{describe()}: {what} differs from the leader's (same code and config on every host?): "
+                          f"{difference}")
     return leader_value
 
 
@@ -500,9 +507,10 @@ def _stop_signals_end(doing: str) -> Iterator[None]:
         wakeup.close()
 
 
-def _first_difference(a: Any, b: Any, path: str = "") -> str:
+def _first_difference(a: Any, b: Any, host: str, path: str = "") -> str:
+    """Where the leader's value `a` and `host`'s `b` first differ, and what each has there."""
     if isinstance(a, dict) and isinstance(b, dict):
         for key in sorted(set(a) | set(b)):
             if a.get(key) != b.get(key):
-                return _first_difference(a.get(key), b.get(key), f"{path}.{key}" if path else key)
-    return f"{path or 'value'}: leader has {a!r}, this host has {b!r}"
+                return _first_difference(a.get(key), b.get(key), host, f"{path}.{key}" if path else key)
+    return f"{path or 'value'}: the leader has {a!r}, {host} has {b!r}"

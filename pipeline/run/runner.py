@@ -129,7 +129,7 @@ def preflight(cfg: Config, graph: tuple[Step, ...], expect_hosts: int | None = N
     plan = make_plan(cfg, graph)
     check_inputs(cfg, {p.name for p in plan}, is_leader=hosts.is_leader())  # what `run all` will need
     hosts.agree("preflight", {"versions": status.package_versions(), "code": code_digest(),
-                              "plan": [[p.name, p.hash] for p in plan]}, "code version and plan")
+                              "plan": {p.name: p.hash for p in plan}}, "code version and plan")
     hosts.barrier("preflight")
     return f"{hosts.describe()}: joined, same code and plan as the leader ({', '.join(p.hash[:12] for p in plan)})"
 
@@ -158,7 +158,7 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
     say = echo or _say
     hosts.initialize()
     plan = make_plan(cfg, graph, targets, force, again)
-    hosts.agree("plan", [[p.name, p.hash] for p in plan], "the plan (step hashes)")
+    hosts.agree("plan", {p.name: p.hash for p in plan}, "the plan (step hashes)")
     if hosts.is_leader():
         everything = set(targets) == {p.name for p in plan}
         command = f"pipeline run {'all' if everything else ' '.join(targets)}"
