@@ -42,7 +42,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from pipeline import storage
-from pipeline.run.checks import prompt_files
+from pipeline.run.checks import prompt_file_format, prompt_files
 from pipeline.run.config import PromptsConfig, is_text
 from pipeline.errors import ConfigError, StepFailed
 
@@ -50,7 +50,6 @@ BATCH_ROWS = 8192
 """Rows per batch a reader yields (and so per tokenizer call): enough for the Rust tokenizer's threads."""
 READ_BYTES = 4 << 20
 """Block size for reading JSONL and .txt files."""
-TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt"}
 
 BLANK = ("blank", "")
 """The `problem` of a blank text line: not a row, counted apart."""
@@ -69,38 +68,13 @@ def input_files(pattern: str) -> list[str]:
         raise StepFailed(str(err)) from err
 
 
-def kind_of(url: str) -> str | None:
-    """'jsonl', 'txt' or 'parquet' from the file name (a text file's compression suffix aside), or
-    None for a type tokenize does not read."""
-    name = url.rsplit("/", 1)[-1].lower()
-    compression = fsspec.utils.infer_compression(name)
-    if compression:
-        name = name.rsplit(".", 1)[0]
-    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
-    if suffix == ".parquet" and not compression:
-        return "parquet"
-    return TEXT_SUFFIXES.get(suffix)
-
-
-def format_of(url: str, options: PromptsConfig) -> str:
-    """`kind_of`, checked against the options; unknown types fail the step."""
-    kind = kind_of(url)
-    if kind == "txt" and options.id_field:
-        raise ConfigError(f"prompts.id_field is {options.id_field!r} but {url} is a .txt file (one prompt "
-                          f"per line, no fields): set prompts.id_field=null or use JSONL/Parquet")
-    if kind is not None:
-        return kind
-    raise StepFailed(f"prompts file {url}: unsupported file type (expected .jsonl, .ndjson, .txt or .parquet; "
-                     f"text files may be compressed: {', '.join(sorted(fsspec.utils.compressions))})")
-
-
 Row = tuple[int, Any, Any, str, "tuple[str, str] | None"]
 """(line, text, prompt_id, raw, problem): what readers yield; problem is (kind, detail) or None."""
 
 
 def read_rows(url: str, options: PromptsConfig) -> Iterator[list[Row]]:
     """The file's rows in batches of at most BATCH_ROWS; read errors fail the step."""
-    kind = format_of(url, options)
+    kind = prompt_file_format(url, options)
     try:
         if kind == "parquet":
             fs, path = storage.filesystem(url)

@@ -66,11 +66,12 @@ import pyarrow.parquet as pq
 from engine.checkpoint import load_tokenizer
 from pipeline import storage
 from pipeline.pod import hosts, preemption
+from pipeline.run.checks import prompt_file_format
 from pipeline.run.config import Config, PromptsConfig, is_text
 from pipeline.errors import ConfigError, StepFailed, checkpoint_errors
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
-from steps.prompt_files import BATCH_ROWS, BLANK, Conversation, Row, format_of, input_files, read_rows
+from steps.prompt_files import BATCH_ROWS, BLANK, Conversation, Row, input_files, read_rows
 
 SHARD_FIX = ("rerun `pipeline run tokenize --config FILE --force` to write the shards again (the same rows: "
              "the steps after it keep their work)")
@@ -140,7 +141,7 @@ def tokenize(cfg: Config, out: StepOutput) -> StepResult:
     options = cfg.prompts
     urls = input_files(options.path)
     for url in urls:
-        format_of(url, options)
+        prompt_file_format(url, options)
     encode = _Encoder(cfg)
     num_shards = options.num_shards if options.num_shards != "auto" else SHARDS_PER_HOST * hosts.process_count()
     with tempfile.TemporaryDirectory(prefix="pipeline-tokenize-") as tmp:

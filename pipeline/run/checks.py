@@ -20,9 +20,11 @@ import os
 import secrets
 from urllib.parse import urlparse
 
+import fsspec.utils
+
 from pipeline import storage
 from pipeline.errors import ConfigError, checkpoint_errors
-from pipeline.run.config import Config
+from pipeline.run.config import Config, PromptsConfig
 
 
 def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: bool = False) -> None:
@@ -44,12 +46,10 @@ def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: 
 
 
 def check_prompts(cfg: Config) -> None:
-    """The prompt files exist and are of a type tokenize reads (by name, as tokenize tells: a .txt
-    file has no id field); with prompts.chat_template the tokenizer has a template."""
-    from steps.prompt_files import format_of
-
+    """The prompt files exist and are of a type tokenize reads; with prompts.chat_template the
+    tokenizer has a template."""
     for url in prompt_files(cfg.prompts.path):
-        format_of(url, cfg.prompts)
+        prompt_file_format(url, cfg.prompts)
     if cfg.prompts.chat_template:
         from engine.checkpoint import has_chat_template
 
@@ -73,6 +73,35 @@ def prompt_files(pattern: str) -> list[str]:
             "no such file, or an empty folder"
         raise ConfigError(f"prompts.path {pattern} matched no files ({hint})")
     return urls
+
+
+TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt"}
+
+
+def kind_of(url: str) -> str | None:
+    """'jsonl', 'txt' or 'parquet' from a prompt file's name (a text file's compression suffix
+    aside), or None for a type tokenize does not read. tokenize reads each file as its name says,
+    and a .txt file's kind enters the step's hash (pipeline/run/identity.py)."""
+    name = url.rsplit("/", 1)[-1].lower()
+    compression = fsspec.utils.infer_compression(name)
+    if compression:
+        name = name.rsplit(".", 1)[0]
+    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
+    if suffix == ".parquet" and not compression:
+        return "parquet"
+    return TEXT_SUFFIXES.get(suffix)
+
+
+def prompt_file_format(url: str, options: PromptsConfig) -> str:
+    """`kind_of`, or a ConfigError for a type tokenize does not read or a .txt file with an id field."""
+    kind = kind_of(url)
+    if kind is None:
+        raise ConfigError(f"prompts.path: prompts file {url}: unsupported file type (expected .jsonl, .ndjson, .txt "
+                          f"or .parquet; text files may be compressed: {', '.join(sorted(fsspec.utils.compressions))})")
+    if kind == "txt" and options.id_field:
+        raise ConfigError(f"prompts.id_field is {options.id_field!r} but {url} is a .txt file (one prompt "
+                          f"per line, no fields): set prompts.id_field=null or use JSONL/Parquet")
+    return kind
 
 
 def check_model(cfg: Config, positions: bool) -> None:

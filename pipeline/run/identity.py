@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.checkpoint import WEIGHT_SUFFIXES
 from pipeline import storage
+from pipeline.run import checks
 from pipeline.run.config import Config
 from pipeline.errors import StepFailed
 from pipeline.storage.retrying import StorageError
@@ -102,9 +103,7 @@ def _prompt_files(cfg: Config) -> list[str]:
     # files in another bucket give the same list. A .txt file's kind does: its lines are the
     # prompts, where the same bytes named .jsonl are parsed (JSONL and Parquet files keep the
     # fingerprints they had before this, so their results keep their hashes).
-    from steps.prompt_files import kind_of
-
-    return [storage.fingerprint(url) + (":txt" if kind_of(url) == "txt" else "")
+    return [storage.fingerprint(url) + (":txt" if checks.kind_of(url) == "txt" else "")
             for url in storage.expand(cfg.prompts.path)]
 
 
