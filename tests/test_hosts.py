@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +48,20 @@ def test_hosts_with_different_configs_fail_fast_naming_the_difference(make_confi
     for line in last:
         assert f": {step}: the leader has '" in line and "', host 1 has '" in line
     assert not glob.glob(str(tmp_path / "runs" / "*"))
+
+
+def test_launch_on_a_port_in_use_is_a_usage_error_before_any_host_starts(make_config):
+    """Host 0 failed at once on a busy --port, and host 1 waited to join it until the launcher killed
+    it 90 s later (exit 1)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = pipeline("launch", "--hosts", "2", "--port", str(port), "--", "preflight", "--config", make_config(),
+                          timeout=60)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: launch: --port {port} is not free on 127.0.0.1")
+    assert "[host " not in result.stdout
 
 
 def test_a_missing_host_fails_in_bounded_time_with_a_clear_message(make_config):

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from pipeline.errors import ConfigError
 from pipeline.pod import hosts as hosts_mod
 
 GRACE_S = 90.0
@@ -30,8 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_port(port: int) -> None:
+    """A ConfigError unless `port` is free on 127.0.0.1: host 0 failed at once on a busy one, while
+    the others waited to join it until the launcher killed them (GRACE_S)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise ConfigError(f"launch: --port {port} is not free on 127.0.0.1 ({err.strerror}): choose another, "
+                              f"or leave --port out to pick a free one") from err
+
+
 def launch(args: list[str], hosts: int, port: int = 0, env: dict[str, str] | None = None) -> int:
     """Run `pipeline ARGS` as `hosts` processes; return the pod's exit code."""
+    if port:
+        check_port(port)
     port = port or free_port()
     base_env = dict(os.environ if env is None else env)
     procs: list[subprocess.Popen] = []
