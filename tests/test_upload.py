@@ -218,6 +218,18 @@ def change_in_place(path: str, readable: bool) -> None:
     raise AssertionError(f"no such change found in {path}")
 
 
+def upload_fails_before_any_w_and_b_run(run, start: str) -> None:
+    """upload raises an error that starts with `start` and tells to write the merged files again,
+    and no W&B run was begun (no wandb folder, no run id kept)."""
+    with pytest.raises(StepFailed) as err:
+        run.run("upload")
+    message = str(err.value)
+    assert message.startswith(start)
+    assert message.endswith("rerun `pipeline run merge --config FILE --force` to write the merged files again")
+    assert not os.path.exists(os.path.join(run.url["upload"], "wandb"))
+    assert not storage.exists(storage.join(run.url["upload"], "wandb_run.json"))
+
+
 @pytest.mark.parametrize("readable", [True, False], ids=["one-bit-still-reads", "40-bytes-unreadable"])
 def test_a_merged_file_changed_in_place_fails_before_any_w_and_b_run(merged_run, readable):
     """A local merged file changed in place, its size and row count still merge's. Upload compared
@@ -229,13 +241,7 @@ def test_a_merged_file_changed_in_place_fails_before_any_w_and_b_run(merged_run,
     size = os.path.getsize(first)
     change_in_place(first, readable)
     assert os.path.getsize(first) == size and pq.ParquetFile(first).metadata.num_rows == 7
-    with pytest.raises(StepFailed) as err:
-        run.run("upload")
-    message = str(err.value)
-    assert message.startswith(f"merged file {first} no longer matches merge's record (same size and rows, ")
-    assert message.endswith("rerun `pipeline run merge --config FILE --force` to write the merged files again")
-    assert not os.path.exists(os.path.join(run.url["upload"], "wandb"))
-    assert not storage.exists(storage.join(run.url["upload"], "wandb_run.json"))
+    upload_fails_before_any_w_and_b_run(run, f"merged file {first} no longer matches merge's record (same size and rows, ")
 
 
 def test_a_recorded_merged_file_that_does_not_decode_is_named_before_any_w_and_b_run(merged_run):
@@ -254,13 +260,7 @@ def test_a_recorded_merged_file_that_does_not_decode_is_named_before_any_w_and_b
     files = [{**f, "sha256": storage.sha256(first)} if f["path"] == os.path.basename(first) else f
              for f in record.files]
     status.write_marker(run.url["merge"], dataclasses.replace(record, files=files))
-    with pytest.raises(StepFailed) as err:
-        run.run("upload")
-    message = str(err.value)
-    assert message.startswith(f"merged file {first} cannot be read (")
-    assert message.endswith("rerun `pipeline run merge --config FILE --force` to write the merged files again")
-    assert not os.path.exists(os.path.join(run.url["upload"], "wandb"))
-    assert not storage.exists(storage.join(run.url["upload"], "wandb_run.json"))
+    upload_fails_before_any_w_and_b_run(run, f"merged file {first} cannot be read (")
 
 
 def test_remote_root_writes_the_offline_run_to_the_local_cache(merged_run, wandb_env, read_wandb_run):
