@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from pipeline import storage
 import steps
-from pipeline.run import runner, status
+from pipeline.run import runner, status, status_report
 from pipeline.run.step import Step, StepResult, in_order
 from steps import PIPELINE
 from pipeline.cli import app
@@ -155,6 +155,9 @@ def test_an_upload_made_with_wandb_disabled_runs_again_once_wandb_is_on(make_con
     offline = load_config(config, ["wandb.mode=offline"])
     planned = {p.name: p for p in runner.make_plan(offline, GRAPH)}
     assert planned["upload"].action == "run" and "wandb.mode disabled (nothing was logged)" in planned["upload"].reason
+    (upload,) = [r for r in status_report.report(offline, GRAPH) if r["name"] == "upload"]  # `status` says so too
+    assert upload["state"] == "complete" and upload["why"] == (
+        "complete, but with wandb.mode disabled (nothing was logged): log it, offline: the next `run all` runs it")
     runner.run_steps(offline, GRAPH, NAMES, echo=lambda _: None)
     assert CALLS == ["upload"]
     CALLS.clear()

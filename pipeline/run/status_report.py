@@ -38,6 +38,8 @@ def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
 
 
 def _why(p: Any) -> str:
+    if p.state == "complete" and p.action == "run":  # the step asks for it again (`Step.redo`)
+        return f"{p.reason}: the next `run all` runs it"
     if p.state == "complete":
         return "complete: `run all` skips it (--force reruns it)"
     if p.action == "blocked":
