@@ -29,6 +29,7 @@ import resource
 import jax
 import jax.numpy as jnp
 
+from engine.config import InvalidConfig
 from engine.decode import PROMPT_LOGPROB_BLOCK
 from engine.llama import LlamaConfig, parameter_bytes
 
@@ -216,7 +217,7 @@ def plan_batch(
     plan = BatchPlan(0, "", weights, row, limit, working, prefill_tokens)
     where = f"{memory_fraction:.0%} of {devices[0].platform} device memory ({device_bytes / GiB:.1f} GiB) is {limit / GiB:.2f} GiB"
     if weights + working + row > limit:
-        raise ValueError(
+        raise InvalidConfig(
             f"the weights alone need {weights / GiB:.2f} GiB per device and one row {row / GiB:.3f} GiB, but {where} "
             + ("(use more devices, bfloat16, or shorter prompts)" if weight_shards > 1 else
                "(shard the model over the pod with engine.mode: global_mesh, or use bfloat16 or shorter prompts)")
@@ -227,7 +228,7 @@ def plan_batch(
         fit = (limit - weights - sized_for * working) // row * n
         chosen = min(fit, cap) // (sized_for * n) * (sized_for * n)
         if chosen < 1:
-            raise ValueError(f"engine.lanes={lanes} needs {sized_for * n} rows, but {where} fits {fit}: lower engine.lanes or use auto")
+            raise InvalidConfig(f"engine.lanes={lanes} needs {sized_for * n} rows, but {where} fits {fit}: lower engine.lanes or use auto")
         reason = f"auto: memory fits {fit} rows, capped at {cap}" if fit > cap else f"auto: largest that fits {where}"
         plan = dataclasses.replace(plan, batch_size=chosen, reason=reason,
                                    lanes=auto_lanes(devices[0].platform, chosen, n, dtype) if lanes == "auto" else lanes)
@@ -235,21 +236,21 @@ def plan_batch(
             plan = dataclasses.replace(plan, lanes=1)
         return plan
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"engine.batch_size must be a positive integer or 'auto', got {batch_size!r}")
+        raise InvalidConfig(f"engine.batch_size must be a positive integer or 'auto', got {batch_size!r}")
     if batch_size % n:
-        raise ValueError(f"engine.batch_size={batch_size} must be a multiple of the {n} data-parallel devices"
+        raise InvalidConfig(f"engine.batch_size={batch_size} must be a multiple of the {n} data-parallel devices"
                          f" ({'engine.mesh.data' if batch_shards else 'local devices'})")
     if lanes == "auto":
         lanes = auto_lanes(devices[0].platform, batch_size, n, dtype)
     elif batch_size % (lanes * n):
-        raise ValueError(f"engine.batch_size={batch_size} must be a multiple of engine.lanes={lanes} times the {n}"
+        raise InvalidConfig(f"engine.batch_size={batch_size} must be a multiple of engine.lanes={lanes} times the {n}"
                          f" data-parallel devices ({lanes * n}): each lane takes an equal share of the rows")
     plan = dataclasses.replace(plan, lanes=lanes)
     rows_per_device = (limit - weights - lanes * working) // row
     need = plan.need_bytes(batch_size, n)
     if need > limit:
         kv = kv_row_bytes(config, seq_len, cache_dtype) * -(-batch_size // n)
-        raise ValueError(
+        raise InvalidConfig(
             f"engine.batch_size={batch_size} needs ~{need / GiB:.2f} GiB per device (weights {weights / GiB:.2f} GiB"
             f" + KV cache {kv / GiB:.2f} GiB + prefill and decode working memory, for prompts up to {max_prompt_tokens} and"
             f" {max_new_tokens} new tokens) but {where}; at most {rows_per_device * n} rows fit:"
@@ -279,7 +280,7 @@ def plan_staging(plan: BatchPlan, overlap_prefill: bool | str, *, platform: str,
     if staged.need_bytes(plan.batch_size, n) <= plan.limit_bytes:
         return staged
     if explicit:
-        raise ValueError(f"engine.overlap_prefill needs {staged.staged} more rows of KV cache per lane than"
+        raise InvalidConfig(f"engine.overlap_prefill needs {staged.staged} more rows of KV cache per lane than"
                          f" engine.batch_size={plan.batch_size} leaves room for: lower engine.batch_size or set it to auto")
     return plan  # auto: the batch filled the memory, no room to stage
 

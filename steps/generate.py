@@ -390,6 +390,7 @@ def _agree_on_todo(out: StepOutput, todo: list[_ShardTodo]) -> None:
 
 def _load_engine(cfg: Config, todo: list[_ShardTodo]):
     from engine import Engine, LoadStopped
+    from engine.config import InvalidConfig
 
     with checkpoint_errors():
         tokenizer = load_tokenizer(cfg.model.path)
@@ -412,6 +413,9 @@ def _load_engine(cfg: Config, todo: list[_ShardTodo]):
         preemption.check()
         hosts.raise_if_aborted(READING)
         raise
+    except InvalidConfig as err:  # a setting that does not fit these devices (lanes, mesh, memory): one line
+        raise StepFailed(f"generate: {err} (found when the engine planned for this host's devices; change the "
+                         f"setting and rerun the same command)") from err
     if prints:
         print(f"generate: {engine.describe()}", flush=True)
     return engine

@@ -225,3 +225,19 @@ def test_missing_prompt_file_exits_2_and_a_bad_prompt_line_exits_1(config_for, t
     assert result.exit_code == 1
     assert error_line(result).startswith(f"error: prompts file {tmp_path / 'prompts.jsonl'} line 2: invalid JSON")
     assert markers(tmp_path) == []
+
+
+@pytest.mark.parametrize("engine, message", [
+    ({"batch_size": 3, "lanes": 2}, "error: generate: engine.batch_size=3 must be a multiple of engine.lanes=2 times the 1 "
+                                    "data-parallel devices (2)"),
+    ({"batch_size": 100_000_000}, "error: generate: engine.batch_size=100000000 needs ~"),
+])
+def test_an_engine_setting_that_does_not_fit_the_devices_fails_in_one_line(config_for, tmp_path, engine, message):
+    """Checked only when the engine plans for this host's devices (in generate): a traceback and
+    `ValueError: ...` before; one line naming the setting, exit 1, generate not complete."""
+    result = run_all(config_for(engine=engine))
+    assert result.exit_code == 1
+    line = error_line(result)
+    assert line.startswith(message) and line.endswith("change the setting and rerun the same command)"), line
+    assert "Traceback" not in result.stderr
+    assert [os.path.basename(os.path.dirname(m)).split("-")[0] for m in markers(tmp_path)] == ["tokenize"]
