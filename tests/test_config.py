@@ -122,6 +122,8 @@ def test_defaults_fill_optional_sections():
      "can open (gs://, file://, memory://, ...): Protocol not known: htps, got 'htps://bucket/runs'"),
     (with_section("model", path="s3://bucket/model"), "model.path must be a local path or a URL of a storage "
      "fsspec can open (gs://, file://, memory://, ...): Install s3fs"),
+    (with_section("run", root="gs://"), "run.root must be gs://BUCKET or gs://BUCKET/PREFIX, got 'gs://'"),
+    (with_section("prompts", path="gs:///p.jsonl"), "prompts.path must be gs://BUCKET or gs://BUCKET/PREFIX"),
     (with_section("prompts", system_prompt="Be brief \ud800."), "prompts.system_prompt must be null while"),
     (with_section("prompts", system_prompt="Be brief \ud800.", chat_template=True),
      "prompts.system_prompt must be text without lone surrogates"),

@@ -149,11 +149,14 @@ def _require_storage(key: str, url: str) -> None:
     """A URL's scheme names a filesystem fsspec has (`htps://` is a typo, `s3://` needs s3fs)."""
     if "://" not in url:
         return
+    scheme, rest = url.split("://", 1)
     try:
-        fsspec.get_filesystem_class(url.split("://", 1)[0])
+        fsspec.get_filesystem_class(scheme)
     except (ValueError, ImportError) as err:
         require(False, key, url, f"a local path or a URL of a storage fsspec can open (gs://, file://, memory://, "
                                  f"...): {_one_line(err)}")
+    # `gs://` alone was joined into `gs:/name`: a local folder named `gs:`.
+    require(scheme not in ("gs", "gcs") or bool(rest.split("/", 1)[0]), key, url, "gs://BUCKET or gs://BUCKET/PREFIX")
 
 
 def is_text(value: str) -> bool:
