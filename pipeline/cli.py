@@ -339,6 +339,10 @@ def tpu_run_command(
 
 
 def main() -> None:
+    # fsspec's prefetcher (Parquet read from gs://) leaves tasks pending in gcsfs's event loop, and
+    # asyncio logs each one as it is collected ("Task was destroyed but it is pending!"), dozens in
+    # a run's output; `_fail` also relies on this logger being quiet.
+    logging.getLogger("asyncio").disabled = True
     app()
 
 
