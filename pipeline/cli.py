@@ -339,10 +339,12 @@ def tpu_run_command(
 
 
 def main() -> None:
-    # fsspec's prefetcher (Parquet read from gs://) leaves tasks pending in gcsfs's event loop, and
-    # asyncio logs each one as it is collected ("Task was destroyed but it is pending!"), dozens in
-    # a run's output; `_fail` also relies on this logger being quiet.
-    logging.getLogger("asyncio").disabled = True
+    # Storage libraries' own logs, quiet: fsspec's prefetcher (Parquet read from gs://) leaves tasks
+    # pending in gcsfs's event loop, which asyncio logs as they are collected ("Task was destroyed but
+    # it is pending!", dozens in a run's output); gcsfs and fsspec's prefetcher log each request they
+    # give up on with a traceback. The pipeline's own line says what failed and where (`_fail`).
+    for name in ("asyncio", "gcsfs", "fsspec"):
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)  # and their children (fsspec.prefetcher)
     app()
 
 

@@ -74,9 +74,13 @@ def exit_now(code: int, message: str | None = None) -> NoReturn:
 
 
 @contextlib.contextmanager
-def checkpoint_errors() -> Iterator[None]:
-    """engine/checkpoint.py's errors as ours: NotACheckpoint -> ConfigError, BrokenCheckpoint -> StepFailed."""
+def checkpoint_errors(url: str | None = None) -> Iterator[None]:
+    """engine/checkpoint.py's errors as ours: NotACheckpoint -> ConfigError, BrokenCheckpoint -> StepFailed;
+    with the checkpoint's `url`, a storage fault that outlasted the client's own retries (a 5xx, a
+    refused connection) -> one StorageError line naming model.path (a traceback and `HttpError: {}, 503`
+    before: engine/checkpoint.py reads through fsspec, not pipeline/storage)."""
     from engine.checkpoint import BrokenCheckpoint, NotACheckpoint
+    from pipeline.storage.retrying import StorageError, is_transient, short_error
 
     try:
         yield
@@ -84,3 +88,8 @@ def checkpoint_errors() -> Iterator[None]:
         raise ConfigError(str(err)) from err
     except BrokenCheckpoint as err:
         raise StepFailed(str(err)) from err
+    except Exception as err:
+        if url is None or not is_transient(err):
+            raise
+        raise StorageError(f"storage: could not read the checkpoint at model.path {url} ({short_error(err)}); "
+                           f"nothing is marked complete: rerun the same command once the storage answers") from err

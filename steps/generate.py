@@ -392,7 +392,7 @@ def _load_engine(cfg: Config, todo: list[_ShardTodo]):
     from engine import Engine, LoadStopped
     from engine.config import InvalidConfig
 
-    with checkpoint_errors():
+    with checkpoint_errors(cfg.model.path):
         tokenizer = load_tokenizer(cfg.model.path)
         config = read_config(cfg.model.path)
         vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")  # or Gemma 3's text model's
@@ -406,9 +406,10 @@ def _load_engine(cfg: Config, todo: list[_ShardTodo]):
     longest = max(max(t.longest_prompt() for t in todo), 1)
     prints = hosts.is_leader() or hosts.process_count() == 1
     try:
-        engine = Engine.load(cfg.model.path, dtype=cfg.model.dtype, sampling=cfg.sampling, engine=cfg.engine,
-                             max_prompt_tokens=longest, tokenizer=tokenizer,
-                             on_compile=_announcer() if prints else None, stop=_stop_reading)
+        with checkpoint_errors(cfg.model.path):
+            engine = Engine.load(cfg.model.path, dtype=cfg.model.dtype, sampling=cfg.sampling, engine=cfg.engine,
+                                 max_prompt_tokens=longest, tokenizer=tokenizer,
+                                 on_compile=_announcer() if prints else None, stop=_stop_reading)
     except LoadStopped:  # minutes for an 8B model from a bucket, and a preemption notice gives about 30 s
         preemption.check()
         hosts.raise_if_aborted(READING)

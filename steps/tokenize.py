@@ -186,7 +186,7 @@ class _Encoder:
     """Chat formatting + batched fast tokenization, with the model's BOS rule."""
 
     def __init__(self, cfg: Config):
-        with checkpoint_errors():
+        with checkpoint_errors(cfg.model.path):
             self.tokenizer = load_tokenizer(cfg.model.path)
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:

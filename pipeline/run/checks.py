@@ -53,7 +53,7 @@ def check_prompts(cfg: Config) -> None:
     if cfg.prompts.chat_template:
         from engine.checkpoint import has_chat_template
 
-        with checkpoint_errors():
+        with checkpoint_errors(cfg.model.path):
             found = has_chat_template(cfg.model.path)
         if not found:
             raise ConfigError(f"prompts.chat_template is true but the tokenizer at model.path {cfg.model.path} has "
@@ -108,7 +108,7 @@ def check_model(cfg: Config, positions: bool) -> None:
     """model.path is a checkpoint we run; a prompt plus its completion fits its positions."""
     from engine.checkpoint import check_checkpoint
 
-    with checkpoint_errors():
+    with checkpoint_errors(cfg.model.path):
         found = check_checkpoint(cfg.model.path)
     if not positions:
         return

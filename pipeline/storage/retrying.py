@@ -72,10 +72,10 @@ def storage_call(op: str, url_arg: int = 0) -> Callable[[F], F]:
                     spent = time.monotonic() - started
                     if spent + delay > retry_budget_s():
                         raise StorageError(
-                            f"storage: could not {op} {url} ({_short(err)}) after {tries} tries over "
+                            f"storage: could not {op} {url} ({short_error(err)}) after {tries} tries over "
                             f"{spent:.0f}s ({ENV_RETRY_S}); nothing is marked complete: rerun the same "
                             f"command once the storage answers") from err
-                    print(f"storage: {op} {url} failed ({_short(err)}); retry {tries} in {delay:.0f}s",
+                    print(f"storage: {op} {url} failed ({short_error(err)}); retry {tries} in {delay:.0f}s",
                           file=sys.stderr, flush=True)
                     preemption.check()
                     time.sleep(delay)
@@ -111,6 +111,7 @@ def explain(err: Exception, op: str, url: str) -> Exception:
     return err
 
 
-def _short(err: BaseException) -> str:
+def short_error(err: BaseException) -> str:
+    """`Type: the first line of its message` (at most 200 characters), for one-line errors."""
     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
