@@ -9,9 +9,9 @@ process that must end where no exception can reach):
     Interrupted  -> 75  SIGTERM/SIGINT or a preemption notice: rerun the same command
 
 The engine imports nothing from the pipeline, so its checkpoint errors are plain ValueErrors;
-`checkpoint_errors()` gives them their kind here:
+`checkpoint_errors(model_path)` gives them their kind here:
 
-    with checkpoint_errors():
+    with checkpoint_errors(cfg.model.path):
         check_checkpoint(cfg.model.path)
 """
 
@@ -74,9 +74,9 @@ def exit_now(code: int, message: str | None = None) -> NoReturn:
 
 
 @contextlib.contextmanager
-def checkpoint_errors(url: str | None = None) -> Iterator[None]:
-    """engine/checkpoint.py's errors as ours: NotACheckpoint -> ConfigError, BrokenCheckpoint -> StepFailed;
-    with the checkpoint's `url`, a storage fault that outlasted the client's own retries (a 5xx, a
+def checkpoint_errors(url: str) -> Iterator[None]:
+    """engine/checkpoint.py's errors as ours: NotACheckpoint -> ConfigError, BrokenCheckpoint -> StepFailed,
+    and a storage fault that outlasted the client's own retries (a 5xx, a
     refused connection) -> one StorageError line naming model.path (a traceback and `HttpError: {}, 503`
     before: engine/checkpoint.py reads through fsspec, not pipeline/storage)."""
     from engine.checkpoint import BrokenCheckpoint, NotACheckpoint
@@ -89,7 +89,7 @@ def checkpoint_errors(url: str | None = None) -> Iterator[None]:
     except BrokenCheckpoint as err:
         raise StepFailed(str(err)) from err
     except Exception as err:
-        if url is None or not is_transient(err):
+        if not is_transient(err):
             raise
         raise StorageError(f"storage: could not read the checkpoint at model.path {url} ({short_error(err)}); "
                            f"nothing is marked complete: rerun the same command once the storage answers") from err
