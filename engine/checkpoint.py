@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
 import struct
 import tempfile
@@ -93,6 +94,14 @@ class Tensor:
 # ------------------------------------------------------------------------------ the folder
 
 
+def relative_hint(path: str) -> str:
+    """`; a relative path is read from the current directory, CWD` for a relative local path (a
+    config run from another folder than its paths assume), else nothing: for "does not exist"."""
+    if "://" in path or os.path.isabs(os.path.expanduser(path)):
+        return ""
+    return f"; a relative path is read from the current directory, {os.getcwd()}"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Folder:
     url: str
@@ -111,8 +120,8 @@ class _Folder:
                 raise NotACheckpoint(
                     f"model.path {url} does not exist; it reads like a Hugging Face Hub id, and the pipeline downloads "
                     f"nothing: fetch it first (`hf download {url} --local-dir models/{url.split('/')[1]}`) and set "
-                    f"model.path to that folder (or to a gs:// copy of it)")
-            raise NotACheckpoint(f"model.path {url} does not exist ({HINT})")
+                    f"model.path to that folder (or to a gs:// copy of it){relative_hint(url)}")
+            raise NotACheckpoint(f"model.path {url} does not exist ({HINT}{relative_hint(url)})")
         names = frozenset(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
         return _Folder(url.rstrip("/"), fs, root, names)
 

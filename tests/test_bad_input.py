@@ -15,6 +15,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from pipeline.pod import preemption
@@ -189,8 +190,47 @@ def test_a_hub_id_as_model_path_says_to_download_it_first(config_for, tmp_path, 
     assert error_line(result) == (
         "error: model.path some-org/Some-Model-1B does not exist; it reads like a Hugging Face Hub id, and the pipeline "
         "downloads nothing: fetch it first (`hf download some-org/Some-Model-1B --local-dir models/Some-Model-1B`) and "
-        "set model.path to that folder (or to a gs:// copy of it)")
+        f"set model.path to that folder (or to a gs:// copy of it); a relative path is read from the current "
+        f"directory, {tmp_path}")
     assert not (tmp_path / "runs").exists()
+
+
+def test_relative_paths_run_from_another_folder_name_it_in_run_and_status(demo_model, tmp_path, monkeypatch):
+    """The demo's config run from outside the repository: its relative paths name nothing there.
+    run says which folder they were read from; status names the input on the step it stops."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    shutil.copytree(demo_model, project / "model")
+    (project / "data" / "prompts.jsonl").write_text('{"id": "a", "prompt": "Say a."}\n')
+    config = project / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"root": "runs", "name": "test"}, "model": {"path": "model"},
+        "prompts": {"path": "data/prompts.jsonl", "max_prompt_tokens": 16},
+        "sampling": {"max_new_tokens": 2}, "wandb": {"mode": "disabled"}}))
+    monkeypatch.chdir(elsewhere)
+    hint = f"a relative path is read from the current directory, {elsewhere}"
+    result = run_all(str(config))
+    assert result.exit_code == 2
+    assert error_line(result) == f"error: prompts.path data/prompts.jsonl matched no files (no such file, or an empty folder; {hint})"
+    assert error_line(run_all(str(config), "--set", f"prompts.path={project / 'data/prompts.jsonl'}")) == (
+        f"error: model.path model does not exist (expected a Hugging Face checkpoint folder: config.json, "
+        f"*.safetensors, tokenizer files; {hint})")
+    assert os.listdir(elsewhere) == []
+
+    status = CliRunner().invoke(app, ["status", "--config", str(config)])
+    assert status.exit_code == 0, status.output
+    lines = status.output.splitlines()
+    assert lines[2].strip() == ("missing, but the next run stops before it: prompts.path data/prompts.jsonl matched "
+                                f"no files (no such file, or an empty folder; {hint})")
+    assert lines[4].strip() == "missing: the next `run all` runs it"  # generate: the run stops before it
+    steps = json.loads(CliRunner().invoke(app, ["status", "--config", str(config), "--json"]).output)["steps"]
+    assert [s.get("problem") for s in steps] == [error_line(result)[len("error: "):], None, None, None]
+
+    monkeypatch.chdir(project)  # where the config's paths are: nothing stops a run
+    steps = json.loads(CliRunner().invoke(app, ["status", "--config", str(config), "--json"]).output)["steps"]
+    assert [s.get("problem") for s in steps] == [None] * 4
+    assert [s["why"] for s in steps] == ["missing: the next `run all` runs it"] * 4
 
 
 def test_the_demo_checkpoint_passes_and_a_sharded_one_too(demo_model, tmp_path):

@@ -69,9 +69,11 @@ def prompt_files(pattern: str) -> list[str]:
     except Exception as err:  # noqa: BLE001 - any filesystem's error: add which setting it was
         raise ConfigError(f"prompts.path {pattern} could not be listed: {type(err).__name__}: {err}") from err
     if not urls:
+        from engine.checkpoint import relative_hint
+
         hint = "check the bucket and glob" if any(ch in pattern for ch in "*?[") else \
             "no such file, or an empty folder"
-        raise ConfigError(f"prompts.path {pattern} matched no files ({hint})")
+        raise ConfigError(f"prompts.path {pattern} matched no files ({hint}{relative_hint(pattern)})")
     return urls
 
 

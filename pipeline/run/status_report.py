@@ -1,8 +1,9 @@
 """What `pipeline status` shows: one row per step, as data and as text.
 
 Owns the report's fields (the contract's name/hash/output/state/rows, plus why a run would
-or would not run the step, rejected prompt rows, and who is running it now) and the line
-saying where the merged result is. Changes nothing.
+or would not run the step, rejected prompt rows, who is running it now, and the input the next
+run would stop on before its first step) and the line saying where the merged result is.
+Changes nothing.
 
     rows = report(cfg, steps.PIPELINE)
     print(report_text(rows, result_of(rows)))
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.errors import PipelineError
 from pipeline.run import status
+from pipeline.run.checks import check_inputs
 from pipeline.run.config import Config
 from pipeline.run.result import MergedResult, merged_result
 from pipeline.run.runner import make_plan
@@ -21,8 +24,10 @@ from pipeline.storage.lease import Lease
 
 
 def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
+    plan = make_plan(cfg, graph)
+    problem = input_problem(cfg, {p.name for p in plan if p.action == "run"})
     rows = []
-    for p in make_plan(cfg, graph):
+    for p in plan:
         row: dict[str, Any] = {"name": p.name, "hash": p.hash, "output": p.url, "state": p.state,
                                "rows": p.rows}
         if p.record is not None and "rejected" in p.record.summary:
@@ -33,8 +38,21 @@ def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
             if holder is not None:
                 row["running"] = holder.describe()
                 row["why"] = f"being run by {holder.describe()}"
+        if problem is not None and p.action == "run":  # the first step the next run would start
+            row["problem"], problem = problem, None
+            row["why"] = f"{p.state}, but the next run stops before it: {row['problem']}"
         rows.append(row)
     return rows
+
+
+def input_problem(cfg: Config, steps: set[str]) -> str | None:
+    """What `run all` would stop on before any step (a missing prompt file, a model folder that is
+    not there, no W&B key: `check_inputs`, without probing run.root), or None."""
+    try:
+        check_inputs(cfg, steps, is_leader=True, dry_run=True)
+    except PipelineError as err:
+        return str(err)
+    return None
 
 
 def _why(p: Any) -> str:
