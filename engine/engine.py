@@ -488,6 +488,17 @@ class _Stager:
         self._thread.join()
 
 
+class _Setup(NamedTuple):
+    """What `Engine.load` decides before reading a weight (`Engine._setup`)."""
+
+    config: LlamaConfig
+    eos_token_ids: tuple[int, ...]
+    layout: Layout
+    attention: str
+    cache_dtype: Any
+    plan: BatchPlan
+
+
 class Engine:
     def __init__(self, model, config: LlamaConfig, *, dtype: str, engine_config: EngineConfig, sampling: SamplingParams,
                  max_prompt_tokens: int, plan: BatchPlan, eos_token_ids: tuple[int, ...], tokenizer, layout: Layout,
@@ -577,10 +588,49 @@ class Engine:
         already chose a folder for it. on_compile: `Engine.on_compile`, from the first program on.
         stop: asked before each tensor is read; once it returns True, raises `LoadStopped` (this
         host's answer alone: no host waits for another while loading)."""
+        if sampling.stop and tokenizer is None:
+            raise ValueError("sampling.stop needs a tokenizer: pass Engine.load(..., tokenizer=...)")
+        compile_cache.enable()
+        setup = Engine._setup(model_path, dtype=dtype, sampling=sampling, engine=engine, max_prompt_tokens=max_prompt_tokens)
+        config, layout, attention, cache_dtype, plan = setup.config, setup.layout, setup.attention, setup.cache_dtype, setup.plan
+        devices = layout.local_devices
+        if dtype == "float32":
+            # GPUs run float32 matmuls as TF32 by default (logits off by ~3e-2): float32 means float32.
+            jax.config.update("jax_default_matmul_precision", "highest")
+        tensors = check_tensors(model_path, config)  # a checkpoint that does not fit fails before any program
+        loaded = Engine(abstract_model(config, dtype=DTYPES[dtype], sharding=layout.param_sharding), config, dtype=dtype,
+                        engine_config=engine, sampling=sampling, max_prompt_tokens=max_prompt_tokens, plan=plan,
+                        eos_token_ids=setup.eos_token_ids, tokenizer=tokenizer, layout=layout, source=model_path,
+                        attention=attention, cache_dtype=cache_dtype)
+        loaded.on_compile = on_compile
+        during_load = engine.compile_during_load
+        if during_load is True or during_load == "auto" and (devices[0].platform != "cpu" or not checkpoint.is_local(model_path)):
+            loaded._get_programs_early()
+        try:
+            loaded.model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding,
+                                           tensors=tensors, stop=stop)
+        except BaseException:
+            loaded.close()  # a read that fails or is stopped: the programs not begun are not needed
+            raise
+        return loaded
+
+    @staticmethod
+    def check(model_path: str, *, dtype: str = "bfloat16", sampling: SamplingParams = SamplingParams(),
+              engine: EngineConfig = EngineConfig()) -> None:
+        """What `load` checks before it reads a weight, for prompts of one token: the model's
+        config.json, and the settings on this host's devices (engine.mode and mesh, lanes,
+        decode_attention, batch_size against their memory). Raises what `load` would: InvalidConfig
+        for a setting, UnsupportedModelError for a model. Reads config.json only; compiles nothing.
+        A setting that passes can still fail `load` for longer prompts (more KV cache a row)."""
+        Engine._setup(model_path, dtype=dtype, sampling=sampling, engine=engine, max_prompt_tokens=1)
+
+    @staticmethod
+    def _setup(model_path: str, *, dtype: str, sampling: SamplingParams, engine: EngineConfig,
+               max_prompt_tokens: int) -> "_Setup":
+        """The model's config and the batch plan on this host's devices (`load`, `check`)."""
         if dtype not in DTYPES:
             raise InvalidConfig(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         require(max_prompt_tokens > 0, "prompts.max_prompt_tokens", max_prompt_tokens, "an integer > 0")
-        compile_cache.enable()
         config_path = f"{model_path.rstrip('/')}/config.json"
         hf_config = checkpoint.read_config(model_path)
         config = LlamaConfig.from_hf(hf_config, source=config_path)
@@ -602,12 +652,7 @@ class Engine:
         capped = None  # why the scores are capped, which neither kernel does
         if config.attn_logit_softcapping is not None:
             capped = f"{config_path} caps them (attn_logit_softcapping {config.attn_logit_softcapping})"
-        if sampling.stop and tokenizer is None:
-            raise ValueError("sampling.stop needs a tokenizer: pass Engine.load(..., tokenizer=...)")
 
-        if dtype == "float32":
-            # GPUs run float32 matmuls as TF32 by default (logits off by ~3e-2): float32 means float32.
-            jax.config.update("jax_default_matmul_precision", "highest")
         if engine.mode == "global_mesh":
             layout = Layout.pod(mesh_shape(engine.mesh, num_devices=jax.device_count(), kv_heads=config.num_key_value_heads))
         else:
@@ -639,22 +684,7 @@ class Engine:
         )
         plan = plan_staging(plan, engine.overlap_prefill if engine.mode == "host_dp" else False, platform=devices[0].platform,
                             prefill_chunk_tokens=engine.prefill_chunk_tokens, samples=sampling.n, batch_shards=layout.data_size)
-        tensors = check_tensors(model_path, config)  # a checkpoint that does not fit fails before any program
-        loaded = Engine(abstract_model(config, dtype=DTYPES[dtype], sharding=layout.param_sharding), config, dtype=dtype,
-                        engine_config=engine, sampling=sampling, max_prompt_tokens=max_prompt_tokens, plan=plan,
-                        eos_token_ids=tuple(eos), tokenizer=tokenizer, layout=layout, source=model_path,
-                        attention=attention, cache_dtype=cache_dtype)
-        loaded.on_compile = on_compile
-        during_load = engine.compile_during_load
-        if during_load is True or during_load == "auto" and (devices[0].platform != "cpu" or not checkpoint.is_local(model_path)):
-            loaded._get_programs_early()
-        try:
-            loaded.model = load_checkpoint(model_path, config, dtype=DTYPES[dtype], sharding=layout.param_sharding,
-                                           tensors=tensors, stop=stop)
-        except BaseException:
-            loaded.close()  # a read that fails or is stopped: the programs not begun are not needed
-            raise
-        return loaded
+        return _Setup(config, tuple(eos), layout, attention, cache_dtype, plan)
 
     def close(self) -> None:
         """Stops getting programs ahead of their calls, for a run being abandoned (an error, a stop

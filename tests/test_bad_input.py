@@ -268,16 +268,41 @@ def test_missing_prompt_file_exits_2_and_a_bad_prompt_line_exits_1(config_for, t
 
 
 @pytest.mark.parametrize("engine, message", [
-    ({"batch_size": 3, "lanes": 2}, "error: generate: engine.batch_size=3 must be a multiple of engine.lanes=2 times the 1 "
-                                    "data-parallel devices (2)"),
-    ({"batch_size": 100_000_000}, "error: generate: engine.batch_size=100000000 needs ~"),
+    ({"batch_size": 3, "lanes": 2}, "error: engine.batch_size=3 must be a multiple of engine.lanes=2 times the 1 "
+                                    "data-parallel devices (2): each lane takes an equal share of the rows"),
+    ({"batch_size": 100_000_000}, "error: engine.batch_size=100000000 needs ~"),
+    ({"mode": "global_mesh", "mesh": {"data": 2, "model": 1}}, "error: engine.mesh {data: 2, model: 1} needs 2 devices, but the pod has 1"),
 ])
-def test_an_engine_setting_that_does_not_fit_the_devices_fails_in_one_line(config_for, tmp_path, engine, message):
-    """Checked only when the engine plans for this host's devices (in generate): a traceback and
-    `ValueError: ...` before; one line naming the setting, exit 1, generate not complete."""
+def test_an_engine_setting_that_does_not_fit_the_devices_stops_the_run_before_any_step(config_for, tmp_path, engine,
+                                                                                       message):
+    """The engine plans for this host's devices before tokenize (`Engine.check`): one line naming
+    the setting, exit 2, nothing written; a dry run says the same (it found nothing before)."""
+    for extra in ((), ("--dry-run",)):
+        result = run_all(config_for(engine=engine), *extra)
+        assert result.exit_code == 2, result.output
+        assert error_line(result).startswith(message), error_line(result)
+        assert "Traceback" not in result.stderr
+        assert not (tmp_path / "runs").exists()
+
+
+def test_a_batch_that_fits_short_prompts_but_not_the_runs_fails_in_generate_in_one_line(config_for, demo_model, tmp_path):
+    """The check before any step plans for one-token prompts; generate plans for its longest and
+    may still not fit: one line naming the setting, exit 1, tokenize kept complete."""
+    from engine import Engine, EngineConfig, SamplingParams
+    from engine.config import InvalidConfig
+
+    tiny = {"memory_fraction": 0.0002, "lanes": 1}  # a few dozen rows of the demo model's KV cache
+    fits_one_token = Engine._setup(demo_model, dtype="float32", sampling=SamplingParams(max_new_tokens=4),
+                                   engine=EngineConfig(batch_size="auto", **tiny), max_prompt_tokens=1).plan
+    assert fits_one_token.reason.startswith("auto: largest that fits"), fits_one_token.reason
+    engine = {"batch_size": fits_one_token.batch_size, **tiny}
+    with pytest.raises(InvalidConfig):  # the test's prompts ("Say 0.") are longer than one token
+        Engine._setup(demo_model, dtype="float32", sampling=SamplingParams(max_new_tokens=4),
+                      engine=EngineConfig(**engine), max_prompt_tokens=2)
     result = run_all(config_for(engine=engine))
-    assert result.exit_code == 1
+    assert result.exit_code == 1, result.output
     line = error_line(result)
-    assert line.startswith(message) and line.endswith("change the setting and rerun the same command)"), line
+    assert line.startswith(f"error: generate: engine.batch_size={engine['batch_size']} needs ~"), line
+    assert line.endswith("change the setting and rerun the same command)"), line
     assert "Traceback" not in result.stderr
     assert [os.path.basename(os.path.dirname(m)).split("-")[0] for m in markers(tmp_path)] == ["tokenize"]

@@ -3,7 +3,8 @@
 Owns the up-front checks of a run: the prompt files `prompts.path` names exist and are of a type
 tokenize reads (a chat template where prompts ask for one), `model.path` is a
 checkpoint we can run (engine/checkpoint.py, headers only), a prompt of `max_prompt_tokens` plus
-`max_new_tokens` fits the checkpoint's positions, `run.root` can be written, and an online W&B
+`max_new_tokens` fits the checkpoint's positions, the engine settings fit this host's devices,
+`run.root` can be written, and an online W&B
 run has a key. Each failure is a ConfigError naming the key (exit 2), and nothing is written: a
 check of `run.root` on remote storage writes a probe object and removes it, a local one only asks
 the operating system. It refuses to check what only the step can see (the rows of a prompt file).
@@ -39,6 +40,8 @@ def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: 
         check_prompts(cfg)
     if steps & {"tokenize", "generate"}:
         check_model(cfg, positions="generate" in steps)
+    if "generate" in steps:
+        check_engine(cfg)
     if "upload" in steps and is_leader:
         check_wandb(cfg)
     if not dry_run:
@@ -133,6 +136,21 @@ def check_model(cfg: Config, positions: bool) -> None:
             f"engine.decode_attention {attention} has plain attention scores, but the checkpoint caps them "
             f"(attn_logit_softcapping {found['attn_logit_softcapping']}, {url}): use auto or xla (the engine's own "
             f"attention caps them)")
+
+
+def check_engine(cfg: Config) -> None:
+    """The engine settings fit this host's devices (engine.mode and mesh, lanes, decode_attention,
+    batch_size against their memory) for the shortest prompts: what `Engine.load` checks before it
+    reads a weight (`Engine.check`; this imports JAX and sees the devices). generate plans again for
+    its longest prompt, and says so where only that does not fit."""
+    from engine import Engine
+    from engine.config import InvalidConfig
+
+    try:
+        with checkpoint_errors(cfg.model.path):
+            Engine.check(cfg.model.path, dtype=cfg.model.dtype, sampling=cfg.sampling, engine=cfg.engine)
+    except InvalidConfig as err:
+        raise ConfigError(str(err)) from err
 
 
 def check_root(cfg: Config) -> None:
