@@ -15,6 +15,7 @@ value and what would be valid: `sampling.top_p must be a number in (0, 1], got 1
 
 from __future__ import annotations
 
+import collections.abc
 import math
 import numbers
 from dataclasses import dataclass
@@ -39,6 +40,11 @@ def _is_int(value: Any) -> bool:
     """An integer (numpy's too), not a bool: the checks below compare values, and a tuple or a
     string given from Python would otherwise raise TypeError instead of naming the key."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_sequence(value: Any) -> bool:
+    """A list, a tuple, a numpy array...: not a string or a mapping, which iterate as something else."""
+    return isinstance(value, collections.abc.Iterable) and not isinstance(value, (str, bytes, collections.abc.Mapping))
 
 
 def _is_number(value: Any) -> bool:
@@ -104,6 +110,11 @@ class SamplingParams:
 
     def __post_init__(self):
         # Tuples keep the dataclass hashable (it is baked into compiled programs) when a caller passes lists.
+        # A bare string is refused, not split into one-character stops ("\n\n" would stop at each "\n").
+        require(_is_sequence(self.stop) and all(isinstance(s, str) for s in self.stop), "sampling.stop", self.stop,
+                "a list of strings (one stop string: ['\\n\\n'])")
+        require(_is_sequence(self.stop_token_ids) and all(_is_int(t) for t in self.stop_token_ids),
+                "sampling.stop_token_ids", self.stop_token_ids, "a list of integer token ids")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         require(_is_int(self.max_new_tokens) and self.max_new_tokens > 0, "sampling.max_new_tokens",

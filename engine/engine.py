@@ -56,6 +56,8 @@ import dataclasses
 import functools
 import gc
 import itertools
+import numbers
+import os
 import queue
 import threading
 import time
@@ -488,6 +490,18 @@ class _Stager:
         self._thread.join()
 
 
+def _checked_arguments(model_path: Any, sampling: Any, engine: Any) -> str:
+    """`Engine.load`'s and `check`'s arguments of the wrong kind, named (an AttributeError deep in
+    the load before); the model path as a string (a pathlib.Path is welcome)."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"Engine.load: sampling must be a SamplingParams, got {type(sampling).__name__} "
+                        f"(SamplingParams(**values) from a dict)")
+    if not isinstance(engine, EngineConfig):
+        raise TypeError(f"Engine.load: engine must be an EngineConfig, got {type(engine).__name__} "
+                        f"(EngineConfig(**values) from a dict)")
+    return os.fspath(model_path) if isinstance(model_path, os.PathLike) else model_path
+
+
 class _Setup(NamedTuple):
     """What `Engine.load` decides before reading a weight (`Engine._setup`)."""
 
@@ -500,6 +514,11 @@ class _Setup(NamedTuple):
 
 
 class Engine:
+    """A checkpoint loaded for generation with one set of sampling settings: `Engine.load`, then
+    `generate` as often as needed. Another temperature or n is another `Engine.load` (the settings
+    are compiled into the programs; the persistent compilation cache makes the second load's
+    programs cheap, not its weights). `describe()` says what was planned; `stats` counts the work."""
+
     def __init__(self, model, config: LlamaConfig, *, dtype: str, engine_config: EngineConfig, sampling: SamplingParams,
                  max_prompt_tokens: int, plan: BatchPlan, eos_token_ids: tuple[int, ...], tokenizer, layout: Layout,
                  source: str, cache_dtype, attention: str = "xla"):
@@ -584,12 +603,23 @@ class Engine:
         (engine/mesh.py); every host must make the same calls, and batch_size counts rows of the
         whole pod.
 
-        Turns JAX's persistent compilation cache on (engine/compile_cache.py) unless the caller
-        already chose a folder for it. on_compile: `Engine.on_compile`, from the first program on.
+        tokenizer: anything with `decode(ids, skip_special_tokens=True)` (the checkpoint's:
+        `engine.checkpoint.load_tokenizer(model_path)`); it makes Completion.text and stop strings
+        work, and without it text is ''. Prompts go in as token ids with the BOS and chat template
+        already applied (the tokenizer's own `encode` / `apply_chat_template` do).
+
+        Changes two process-wide JAX settings: JAX's persistent compilation cache is turned on
+        (engine/compile_cache.py) unless the caller already chose a folder for it, and with
+        float32 `jax_default_matmul_precision` becomes "highest" (GPUs would otherwise run float32
+        products as TF32), for the caller's other JAX code too. on_compile: `Engine.on_compile`, from the first program on.
         stop: asked before each tensor is read; once it returns True, raises `LoadStopped` (this
         host's answer alone: no host waits for another while loading)."""
+        model_path = _checked_arguments(model_path, sampling, engine)
         if sampling.stop and tokenizer is None:
             raise ValueError("sampling.stop needs a tokenizer: pass Engine.load(..., tokenizer=...)")
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"Engine.load: tokenizer must have decode(ids, skip_special_tokens=True) (a transformers "
+                            f"tokenizer: engine.checkpoint.load_tokenizer(model_path)), got {type(tokenizer).__name__}")
         compile_cache.enable()
         setup = Engine._setup(model_path, dtype=dtype, sampling=sampling, engine=engine, max_prompt_tokens=max_prompt_tokens)
         config, layout, attention, cache_dtype, plan = setup.config, setup.layout, setup.attention, setup.cache_dtype, setup.plan
@@ -622,7 +652,8 @@ class Engine:
         decode_attention, batch_size against their memory). Raises what `load` would: InvalidConfig
         for a setting, UnsupportedModelError for a model. Reads config.json only; compiles nothing.
         A setting that passes can still fail `load` for longer prompts (more KV cache a row)."""
-        Engine._setup(model_path, dtype=dtype, sampling=sampling, engine=engine, max_prompt_tokens=1)
+        Engine._setup(_checked_arguments(model_path, sampling, engine), dtype=dtype, sampling=sampling, engine=engine,
+                      max_prompt_tokens=1)
 
     @staticmethod
     def _setup(model_path: str, *, dtype: str, sampling: SamplingParams, engine: EngineConfig,
@@ -630,7 +661,8 @@ class Engine:
         """The model's config and the batch plan on this host's devices (`load`, `check`)."""
         if dtype not in DTYPES:
             raise InvalidConfig(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        require(max_prompt_tokens > 0, "prompts.max_prompt_tokens", max_prompt_tokens, "an integer > 0")
+        require(isinstance(max_prompt_tokens, numbers.Integral) and not isinstance(max_prompt_tokens, bool)
+                and max_prompt_tokens > 0, "prompts.max_prompt_tokens", max_prompt_tokens, "an integer > 0")
         config_path = f"{model_path.rstrip('/')}/config.json"
         hf_config = checkpoint.read_config(model_path)
         config = LlamaConfig.from_hf(hf_config, source=config_path)
@@ -710,6 +742,8 @@ class Engine:
         return 3 + (not self._spec.prefill_in_place) + bool(self._staged)
 
     def describe(self) -> str:
+        """One line: the model, dtype and devices, the batch and its memory plan, the prompt and
+        completion lengths it was sized for, the prefill and decode attention, the programs at most."""
         c, p, layout = self.config, self.plan, self.layout
         need = p.need_bytes(p.batch_size, layout.data_size)
         platform = self.devices[0].platform
@@ -952,16 +986,30 @@ class Engine:
     # ---------------------------------------------------------------------------- generate
 
     def _rows(self, request: GenerationRequest) -> list[_Row]:
-        """One row per requested sample of a checked prompt."""
-        ids = np.asarray(request.input_ids, dtype=np.int32)
-        if not 1 <= len(ids) <= self.max_prompt_tokens:
+        """One row per requested sample of a checked prompt (a ValueError naming the request's
+        prompt_index and what is wrong: the engine's own state stays as it was)."""
+        index = request.prompt_index
+        if not (isinstance(index, numbers.Integral) and 0 <= index < 2**31):
+            raise ValueError(f"GenerationRequest.prompt_index must be an integer in [0, 2**31), got {index!r}")
+        given = np.asarray(request.input_ids)
+        if given.ndim != 1 or given.size and given.dtype.kind not in "iu":
+            raise ValueError(f"prompt {index}: input_ids must be one list of integer token ids, got an array of shape "
+                             f"{given.shape} and dtype {given.dtype} (a tokenizer's batch of one: take its row 0)")
+        if not 1 <= len(given) <= self.max_prompt_tokens:
             raise ValueError(
-                f"prompt {request.prompt_index} has {len(ids)} tokens; the engine accepts 1 to"
+                f"prompt {index} has {len(given)} tokens; the engine accepts 1 to"
                 f" prompts.max_prompt_tokens={self.max_prompt_tokens}"
             )
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"prompt {request.prompt_index} has token ids outside [0, {self.vocab_size})")
-        return [_Row(request.prompt_index, int(s), ids) for s in request.sample_indices]
+        outside = np.flatnonzero((given < 0) | (given >= self.vocab_size))
+        if outside.size:
+            raise ValueError(f"prompt {index} has token ids outside [0, {self.vocab_size}): {int(given[outside[0]])} at "
+                             f"position {int(outside[0])}" + (f" and {outside.size - 1} more" if outside.size > 1 else ""))
+        samples = [int(s) for s in request.sample_indices]
+        if len(set(samples)) != len(samples) or not all(0 <= s < self.sampling.n for s in samples):
+            raise ValueError(f"prompt {index}: sample_indices must be distinct samples in [0, sampling.n = "
+                             f"{self.sampling.n}), got {samples}")
+        ids = given.astype(np.int32)
+        return [_Row(index, s, ids) for s in samples]
 
     def generate(self, requests: Iterable[GenerationRequest], stop: Callable[[], bool] | None = None) -> Iterator[Completion]:
         """Yields one Completion per (prompt, sample) requested, in the order rows finish.
@@ -973,7 +1021,11 @@ class Engine:
 
         With several lanes (`engine.lanes`, host_dp only) each lane runs in a thread of its own,
         taking rows from the same queue, and their completions come back here in the order they
-        finish; a row's tokens do not depend on its lane."""
+        finish; a row's tokens do not depend on its lane.
+
+        Requests are read as rows are needed (a generator of a million is never held whole), so
+        a bad one (`GenerationRequest`'s checks: a ValueError naming its prompt_index) is raised
+        when it is reached, after the completions before it were yielded."""
         self.stopped = False
         if not self._getting_ahead:  # engine.compile_during_load off: from the first generate
             self._get_programs_early()

@@ -144,6 +144,11 @@ def test_bad_values_name_the_key_path(data, message):
     (lambda: MeshConfig(model="2"), "engine.mesh.model must be an integer > 0 or auto, got '2'"),
     (lambda: SamplingParams(max_new_tokens=True), "sampling.max_new_tokens must be an integer > 0, got True"),
     (lambda: SamplingParams(top_p="0.9"), "sampling.top_p must be a number in (0, 1], got '0.9'"),
+    # A bare string iterated as one-character stops: "\n\n" stopped at every "\n".
+    (lambda: SamplingParams(stop="\n\n"), "sampling.stop must be a list of strings (one stop string: ['\\n\\n']), got '\\n\\n'"),
+    (lambda: SamplingParams(stop=None), "sampling.stop must be a list of strings"),
+    (lambda: SamplingParams(stop_token_ids=5), "sampling.stop_token_ids must be a list of integer token ids, got 5"),
+    (lambda: SamplingParams(stop_token_ids=[1.5]), "sampling.stop_token_ids must be a list of integer token ids, got [1.5]"),
 ])
 def test_the_engine_api_names_the_key_of_a_wrong_type(make, message):
     """Engine.load takes these classes from Python too, where no YAML reader checked the types:
@@ -156,6 +161,7 @@ def test_the_engine_api_names_the_key_of_a_wrong_type(make, message):
 def test_the_engine_api_takes_numpy_integers():
     assert EngineConfig(batch_size=np.int64(16)).batch_size == 16
     assert SamplingParams(max_new_tokens=np.int32(8), top_p=np.float32(0.5)).max_new_tokens == 8
+    assert SamplingParams(stop_token_ids=np.array([7, 9]), stop=["a", "b"]).stop_token_ids == (7, 9)
 
 
 def test_set_overrides_are_yaml_typed_and_dotted():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
+import sys
 import types
 import typing
 from pathlib import Path
@@ -194,3 +195,15 @@ def test_no_tracked_file_points_outside_the_repository():
     offenders = [name for name in tracked if (REPO / name).is_file()
                  and outside in (REPO / name).read_text(errors="replace")]
     assert offenders == []
+
+
+def test_the_readmes_python_example_runs(demo_model, tmp_path):
+    """The README's engine example, as a user pastes it (demo/model: the test's demo checkpoint)."""
+    (example,) = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    script = tmp_path / "example.py"
+    script.write_text(example.replace('"demo/model"', repr(demo_model)))
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split(" ", 3)[:3] for line in done.stdout.splitlines()]
+    assert sorted((p, s) for p, s, _ in rows) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], done.stdout
+    assert {reason for _, _, reason in rows} <= {"length", "stop", "eos"}, done.stdout

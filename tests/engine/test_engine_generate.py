@@ -379,6 +379,28 @@ def test_explicit_batch_that_cannot_fit_fails_before_compiling(llama):
         Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=100_000, memory_fraction=0.01), max_prompt_tokens=256)
 
 
+@pytest.mark.parametrize("arguments, error, message", [
+    ({"max_prompt_tokens": 16.5}, ValueError, "prompts.max_prompt_tokens must be an integer > 0, got 16.5"),
+    ({"sampling": {"max_new_tokens": 8}}, TypeError, "Engine.load: sampling must be a SamplingParams, got dict"),
+    ({"engine": {"batch_size": 2}}, TypeError, "Engine.load: engine must be an EngineConfig, got dict"),
+    ({"tokenizer": "/path/to/tokenizer"}, TypeError, "Engine.load: tokenizer must have decode(ids, skip_special_tokens=True)"),
+])
+def test_load_names_an_argument_of_the_wrong_kind(llama, arguments, error, message):
+    """From Python, where no YAML reader checked them: 16.5 failed inside JAX at the first generate,
+    a dict or a path string as an AttributeError deep in the load or at the first finished row."""
+    path, _ = llama
+    with pytest.raises(error) as err:
+        Engine.load(path, **{"dtype": "float32", "engine": EngineConfig(batch_size=2), **arguments})
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_load_takes_a_pathlib_path(llama):
+    import pathlib
+
+    engine = Engine.load(pathlib.Path(llama[0]), dtype="float32", engine=EngineConfig(batch_size=2), max_prompt_tokens=8)
+    assert engine.source == llama[0]
+
+
 def test_auto_batch_size_says_what_it_chose(llama):
     path, _ = llama
     engine = Engine.load(path, dtype="bfloat16", engine=EngineConfig(batch_size="auto", memory_fraction=0.5), max_prompt_tokens=64)
@@ -391,6 +413,32 @@ def test_overlong_prompt_is_refused_not_truncated(llama):
     engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12), engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
     with pytest.raises(ValueError, match="prompt 4 has 17 tokens"):
         list(engine.generate([GenerationRequest(4, [1] * 17, [0])]))
+
+
+@pytest.mark.parametrize("request_, message", [
+    (GenerationRequest(0, np.array([[1, 2, 3]]), [0]), "prompt 0: input_ids must be one list of integer token ids, got an "
+                                                       "array of shape (1, 3) and dtype int64 (a tokenizer's batch of one"),
+    (GenerationRequest(1, [1.7, 5.2], [0]), "prompt 1: input_ids must be one list of integer token ids, got an array of "
+                                            "shape (2,) and dtype float64"),
+    (GenerationRequest(2, [1, VOCAB, 3, VOCAB + 5], [0]), f"prompt 2 has token ids outside [0, {VOCAB}): {VOCAB} at "
+                                                          "position 1 and 1 more"),
+    (GenerationRequest(3, [1, 2], [0, 0]), "prompt 3: sample_indices must be distinct samples in [0, sampling.n = 2), "
+                                           "got [0, 0]"),
+    (GenerationRequest(3, [1, 2], [2]), "prompt 3: sample_indices must be distinct samples in [0, sampling.n = 2), got [2]"),
+    (GenerationRequest(-1, [1, 2], [0]), "GenerationRequest.prompt_index must be an integer in [0, 2**31), got -1"),
+    (GenerationRequest(2**31, [1, 2], [0]), "GenerationRequest.prompt_index must be an integer in [0, 2**31), got 2147483648"),
+])
+def test_a_bad_request_is_refused_naming_it_before_any_work(llama, request_, message):
+    """A library user's mistakes (a tokenizer's [1, L] batch, float ids, an id past the vocabulary,
+    a sample outside sampling.n or twice): one ValueError naming the prompt, before any work; were
+    silently truncated, prefilled again per sample, or a broadcast error deep in the scheduler."""
+    path, _ = llama
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=2, n=2),
+                         engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
+    with pytest.raises(ValueError) as err:
+        list(engine.generate([request_]))
+    assert str(err.value).startswith(message), str(err.value)
+    assert engine.stats.compilations == 0 and engine.stats.prompt_tokens == 0
 
 
 def test_generator_can_be_abandoned(llama, greedy_ref):
