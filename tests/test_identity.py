@@ -118,6 +118,29 @@ def test_tokenizer_change_changes_every_hash(base):
     assert all(before[n] != after[n] for n in STEP_NAMES)
 
 
+def test_what_changed_since_the_plan_is_named(base, tmp_path):
+    """Before tokenize is marked complete its inputs are read again (`changed_input`): the file,
+    the file count or the tokenizer file that no longer holds what the plan hashed."""
+    from pipeline.run.identity import changed_input
+
+    cfg = build_config(base)
+    planned = make_plan(cfg, PIPELINE)[0].content
+    assert changed_input("tokenize", cfg, planned) is None
+    assert changed_input("generate", cfg, make_plan(cfg, PIPELINE)[1].content) is None  # weights: not read again
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hello"}\n')
+    assert changed_input("tokenize", cfg, planned) == f"prompts file {tmp_path / 'prompts.jsonl'} changed"
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hello"}\n{"prompt": "world"}\n')
+    globbed = build_config({**base, "prompts": {"path": str(tmp_path / "*.jsonl")}})
+    planned = make_plan(globbed, PIPELINE)[0].content
+    (tmp_path / "more.jsonl").write_text('{"prompt": "again"}\n')
+    assert changed_input("tokenize", globbed, planned) == (f"prompts.path {tmp_path / '*.jsonl'} matched 1 file(s) when "
+                                                           f"the run began and 2 now")
+    (tmp_path / "more.jsonl").unlink()
+    (tmp_path / "model" / "tokenizer_config.json").write_text("{}")
+    assert changed_input("tokenize", globbed, planned) == (f"the tokenizer file {tmp_path / 'model'}/tokenizer_config.json "
+                                                           f"changed")
+
+
 def test_hashes_are_stable_across_processes(base):
     code = ("import json,sys; from pipeline.run.config import build_config; from pipeline.run.runner import make_plan; from steps import PIPELINE;"
             "print(json.dumps([p.hash for p in make_plan(build_config(json.loads(sys.argv[1])), PIPELINE)]))")

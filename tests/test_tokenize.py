@@ -824,3 +824,34 @@ def test_gcs_round_trip_prompts_model_and_output_on_gs(tmp_path, demo_model, gcs
     assert result.exit_code == 2  # checked before tokenize starts (issue 14)
     assert error_line(result) == (f"error: prompts.path {gcs_bucket}/nowhere/*.jsonl matched no files "
                                   "(check the bucket and glob)")
+
+
+def test_a_prompt_file_edited_while_tokenize_runs_is_not_marked_complete(tmp_path, demo_model, monkeypatch):
+    """The plan hashes the files; tokenize reads them later (on a big input, minutes later). A
+    file edited in between made a folder named for the old content holding the new rows, complete:
+    every later run used those rows for a file that no longer held them."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about topic {i}."}) + "\n" for i in range(6)))
+    config = write_config(tmp_path, demo_model, path=str(prompts))
+    read_rows = tk.read_rows
+
+    def edited_before_the_read(url, options):
+        prompts.write_text(prompts.read_text().replace("topic", "EDITED topic"))  # the user's edit lands now
+        yield from read_rows(url, options)
+
+    monkeypatch.setattr(tk, "read_rows", edited_before_the_read)
+    first = tokenize_step(config)
+    result = cli("run", "tokenize", "--config", config)
+    assert result.exit_code == 1
+    assert error_line(result) == (f"error: prompts file {prompts} changed while tokenize ran: its output is not what "
+                                  f"its hash says, so it is not marked complete; rerun the same command to tokenize "
+                                  f"the files as they are now")
+    assert status.output_state(first.url) == "partial"
+
+    monkeypatch.undo()  # the rerun reads the file as it is now, under that content's hash
+    run_tokenize(config)
+    again = tokenize_step(config)
+    assert again.hash != first.hash and again.state == "complete"
+    texts = [text for shard in sorted(Path(again.url).glob("shard-*.parquet"))
+             for text in pq.read_table(shard, columns=["prompt"]).column("prompt").to_pylist()]
+    assert sorted(texts) == [f"Tell me about EDITED topic {i}." for i in range(6)]

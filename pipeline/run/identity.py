@@ -66,6 +66,31 @@ CONTENT_INPUTS: dict[str, tuple[str, ...]] = {
 }
 """Input files whose content (not location) changes each step's output."""
 
+RECHECKED = ("prompts", "tokenizer")
+"""Inputs read again before a step is marked complete (`changed_input`): prompt files are edited
+and appended to while runs go on; a model's weights are gigabytes to read again, and are not."""
+
+
+def changed_input(step: str, cfg: Config, planned: dict[str, Any]) -> str | None:
+    """What of the step's RECHECKED inputs no longer holds what the plan hashed (`planned`), as
+    'prompts file URL changed', or None."""
+    kinds = [kind for kind in CONTENT_INPUTS[step] if kind in RECHECKED and kind in planned]
+    if not kinds:
+        return None
+    now = {kind: _FINGERPRINTERS[kind](cfg) for kind in kinds}
+    if "prompts" in now and now["prompts"] != planned["prompts"]:
+        urls = storage.expand(cfg.prompts.path)
+        if len(now["prompts"]) != len(planned["prompts"]):
+            return (f"prompts.path {cfg.prompts.path} matched {len(planned['prompts'])} file(s) when the run began "
+                    f"and {len(now['prompts'])} now")
+        first = next(i for i, (a, b) in enumerate(zip(now["prompts"], planned["prompts"])) if a != b)
+        return f"prompts file {urls[first]} changed"
+    if "tokenizer" in now and now["tokenizer"] != planned["tokenizer"]:
+        name = sorted(set(now["tokenizer"].items()) ^ set(planned["tokenizer"].items()))[0][0]
+        return f"the tokenizer file {storage.join(cfg.model.path, name)} changed"
+    return None
+
+
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 

@@ -46,6 +46,8 @@ class PlannedStep:
     """Why the output's marker cannot be read, where one is there and does not parse (`partial`)."""
     record: status.StepRecord | None = None
     """The output's record, as the plan found it (complete)."""
+    content: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The input files' fingerprints the hash covers, as the plan read them."""
 
     @property
     def name(self) -> str:
@@ -64,10 +66,11 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
     plan: list[PlannedStep] = []
     by_name: dict[str, PlannedStep] = {}
     for step in in_order(graph):
+        content = identity.content_fingerprints(step.name, cfg)
         step_hash = identity.step_hash(
             step.name, step.version,
             semantic=identity.semantic_values(step.name, cfg),
-            content=identity.content_fingerprints(step.name, cfg),
+            content=content,
             upstream={s.name: by_name[s.name].hash for s in step.inputs},
         )
         url = storage.step_url(cfg.run.root, step.name, step_hash)
@@ -79,7 +82,7 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
             action, reason = "run", redo
         if damaged and action == "run":
             reason = f"its {status.MARKER} cannot be read ({damaged}): run it again"
-        planned = PlannedStep(step, step_hash, url, state, rows, action, reason, damaged, record)
+        planned = PlannedStep(step, step_hash, url, state, rows, action, reason, damaged, record, content)
         plan.append(planned)
         by_name[step.name] = planned
     return plan
@@ -266,6 +269,10 @@ def _finish(cfg: Config, step: Step, out: StepOutput, tag: str) -> StepResult:
 def _mark(cfg: Config, planned: PlannedStep, out: StepOutput, started: str, result: Any) -> StepResult:
     """Leader: check the step's result and write its success marker (last)."""
     _check_result(planned.step, result)
+    changed = identity.changed_input(planned.name, cfg, planned.content)
+    if changed:
+        raise StepFailed(f"{changed} while {planned.name} ran: its output is not what its hash says, so it is not "
+                         f"marked complete; rerun the same command to {planned.name} the files as they are now")
     out.check_lease()
     status.write_marker(out.url, status.StepRecord(
         step=planned.name, hash=planned.hash, version=planned.step.version, files=result.files,
