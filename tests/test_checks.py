@@ -37,6 +37,26 @@ def test_prompts_path_matching_no_files(config_for, tmp_path):
     assert line == f"error: prompts.path {tmp_path / 'nope-*.jsonl'} matched no files (check the bucket and glob)"
 
 
+def test_a_folder_with_only_subfolders_says_how_to_read_them(config_for, tmp_path):
+    (tmp_path / "prompts" / "part-a").mkdir(parents=True)
+    (tmp_path / "prompts" / "part-a" / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    config = config_for(prompts={"path": str(tmp_path / "prompts")})
+    line = refused(run("run", "all", "--config", config), tmp_path / "runs")
+    assert line == (f"error: prompts.path {tmp_path / 'prompts'} matched no files (a folder without files of its own: "
+                    f"{tmp_path / 'prompts'}/** reads its subfolders)")
+
+
+@pytest.mark.parametrize("name", ["_prompts.jsonl", ".prompts.jsonl", "prompts[v2].jsonl"])
+def test_a_prompt_file_named_exactly_is_read_whatever_its_name(config_for, tmp_path, name):
+    """Folders and globs leave out `_` and `.` names, and `[` reads as a glob: a file named exactly
+    was 'matched no files' (exit 2) although it was there."""
+    (tmp_path / name).write_text('{"id": "a", "prompt": "Say a."}\n{"id": "b", "prompt": "Say b."}\n')
+    config = config_for(prompts={"path": str(tmp_path / name)})
+    result = run("run", "tokenize", "--config", config)
+    assert result.exit_code == 0, result.output
+    assert "[tokenize] complete: 2 rows" in result.output
+
+
 def test_model_path_that_is_not_a_checkpoint(config_for, tmp_path):
     (tmp_path / "empty-model").mkdir()
     config = config_for(model=str(tmp_path / "empty-model"))

@@ -476,6 +476,17 @@ def put(path: Path, data: bytes) -> str:
     return str(path)
 
 
+def _zipped(files: dict[str, dict]) -> bytes:
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, row in files.items():
+            archive.writestr(name, jsonl(row))
+    return buffer.getvalue()
+
+
 WHOLE_INPUT = {
     "empty file": (lambda d: put(d / "p.jsonl", b""), "no prompts in 1 file(s)"),
     "blank lines only": (lambda d: put(d / "p.txt", b"\n \n\t\n"), "no prompts in 1 file(s) (3 blank lines"),
@@ -485,6 +496,10 @@ WHOLE_INPUT = {
     "corrupt gzip": (lambda d: put(d / "p.jsonl.gz", gzip.compress(jsonl(GOOD_1))[:-12] + b"garbage!"),
                      "could not be read: "),
     "unsupported type": (lambda d: put(d / "p.csv", b"prompt\nhi\n"), "unsupported file type"),
+    # fsspec opens a zip's first file as if it were the whole zip: the others were left out, silently
+    "zip of files": (lambda d: put(d / "p.jsonl.zip", _zipped({"a.jsonl": GOOD_1, "b.jsonl": GOOD_1})),
+                     "unsupported file type (expected .jsonl, .ndjson, .txt or .parquet; text files may be compressed: "
+                     "bz2, gz, lzma, xz; a .zip holds files: unpack it)"),
     "every row bad": (lambda d: put(d / "p.jsonl", b"{x\n[1]\n"), "all 2 rows were rejected"),
     # found while hashing the inputs, before the step starts:
     "unreachable host": (lambda d: "http://127.0.0.1:1/p.jsonl",
@@ -501,7 +516,7 @@ def test_whole_input_problems_fail_in_both_modes_naming_the_url(tmp_path, demo_m
     result = cli("run", "tokenize", "--config", config)
     # A path matching no files, or a file of a type tokenize does not read, is a config error found
     # before tokenize starts (issue 14): exit 2.
-    assert result.exit_code == (2 if "matched no files" in expected or case == "unsupported type" else 1), result.stderr
+    assert result.exit_code == (2 if "matched no files" in expected or "unsupported" in expected else 1), result.stderr
     if case == "every row bad" and on_invalid == "fail":
         expected = "line 1: invalid JSON"  # fail mode names the first bad row
     message = error_line(result)

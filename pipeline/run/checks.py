@@ -74,13 +74,19 @@ def prompt_files(pattern: str) -> list[str]:
     if not urls:
         from engine.checkpoint import relative_hint
 
-        hint = "check the bucket and glob" if any(ch in pattern for ch in "*?[") else \
-            "no such file, or an empty folder"
+        if any(ch in pattern for ch in "*?["):
+            hint = "check the bucket and glob"
+        elif storage.is_dir(pattern):
+            hint = f"a folder without files of its own: {pattern.rstrip('/')}/** reads its subfolders"
+        else:
+            hint = "no such file, or an empty folder"
         raise ConfigError(f"prompts.path {pattern} matched no files ({hint}{relative_hint(pattern)})")
     return urls
 
 
 TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt"}
+ARCHIVES = {"zip"}
+"""fsspec reads a zip as a compressed file, but a zip holds files: it read the first one alone."""
 
 
 def kind_of(url: str) -> str | None:
@@ -89,6 +95,8 @@ def kind_of(url: str) -> str | None:
     and a .txt file's kind enters the step's hash (pipeline/run/identity.py)."""
     name = url.rsplit("/", 1)[-1].lower()
     compression = fsspec.utils.infer_compression(name)
+    if compression in ARCHIVES:
+        return None
     if compression:
         name = name.rsplit(".", 1)[0]
     suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
@@ -102,7 +110,8 @@ def prompt_file_format(url: str, options: PromptsConfig) -> str:
     kind = kind_of(url)
     if kind is None:
         raise ConfigError(f"prompts.path: prompts file {url}: unsupported file type (expected .jsonl, .ndjson, .txt "
-                          f"or .parquet; text files may be compressed: {', '.join(sorted(fsspec.utils.compressions))})")
+                          f"or .parquet; text files may be compressed: "
+                          f"{', '.join(sorted(set(fsspec.utils.compressions) - ARCHIVES))}; a .zip holds files: unpack it)")
     if kind == "txt" and options.id_field:
         raise ConfigError(f"prompts.id_field is {options.id_field!r} but {url} is a .txt file (one prompt "
                           f"per line, no fields): set prompts.id_field=null or use JSONL/Parquet")

@@ -86,6 +86,12 @@ def exists(url: str) -> bool:
     return fs.exists(path)
 
 
+@storage_call("check")
+def is_dir(url: str) -> bool:
+    fs, path = filesystem(url)
+    return fs.isdir(path)
+
+
 @storage_call("stat")
 def size(url: str) -> int:
     fs, path = filesystem(url)
@@ -281,8 +287,13 @@ def _url_of(like: str, fs: fsspec.AbstractFileSystem, name: str) -> str:
 
 @storage_call("list")
 def expand(pattern: str) -> list[str]:
-    """The files a path, folder or glob names (sorted); empty if it matches nothing."""
+    """The files a path, folder or glob names (sorted); empty if it matches nothing. A folder is
+    its own files (not its subfolders': `DIR/**` for those); a folder or glob leaves out names
+    starting with `.` or `_` (`_SUCCESS.json`, `.cache`), a file named exactly is itself (a `[`
+    in its name is no glob)."""
     fs, path = filesystem(pattern)
+    if fs.isfile(path):
+        return [_url_of(normalize(pattern), fs, path)]
     if any(ch in path for ch in "*?["):
         names = fs.glob(path)
     elif fs.isdir(path):
