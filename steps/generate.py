@@ -29,6 +29,7 @@ import hashlib
 import itertools
 import secrets
 import threading
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -148,6 +149,8 @@ def generate(cfg: Config, out: StepOutput) -> None:
     lockstep = cfg.engine.mode == "global_mesh"
     mine = _my_shards(out)
     shards = _shard_names(out) if lockstep else mine
+    if not lockstep and hosts.is_leader():
+        _say_idle_hosts(len(_shard_names(out)), hosts.process_count())
     todo = [_ShardTodo.read(out, name, cfg.sampling.n) for name in shards]
     if lockstep:
         _agree_on_todo(out, todo)
@@ -260,6 +263,16 @@ def _shard_names(out: StepOutput) -> list[str]:
     if record is None:
         raise StepFailed(f"tokenize output {out.upstream['tokenize'].url} is not complete: run `pipeline run tokenize`")
     return sorted(f["path"].removesuffix(".parquet") for f in record.files if f["path"].startswith("shard-"))
+
+
+def _say_idle_hosts(shards: int, count: int) -> None:
+    """A pod of more hosts than tokenize cut shards leaves the rest without work: say so (a tokenize
+    made on one machine, then a generate on a pod, gave no sign of it)."""
+    if shards < count:
+        idle = f"host {shards} has" if shards == count - 1 else f"hosts {shards}-{count - 1} have"
+        print(f"generate: warning: {count} hosts but {shards} tokenize shard(s): {idle} "
+              f"nothing to generate (tokenize cut the shards for the host count it ran with; set prompts.num_shards "
+              f"to at least {count} for the next prompts you tokenize)", file=sys.stderr, flush=True)
 
 
 def _my_shards(out: StepOutput) -> list[str]:
