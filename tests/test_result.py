@@ -27,6 +27,18 @@ def test_show_before_any_run_exits_1_naming_the_command(make_config):
         f"run `pipeline run all --config {config} --set sampling.temperature=0.5 --set 'run.name=my run'` first")
 
 
+def test_show_with_prompt_files_moved_names_them_not_a_run_that_would_fail(make_config, tmp_path):
+    """A result's hash needs its prompt files' content: moved away, `show` finds no result, and it
+    named `pipeline run all`, which then stopped with exit 2 on the missing files."""
+    config = make_config()
+    (tmp_path / "prompts.jsonl").rename(tmp_path / "prompts.moved")
+    result = CliRunner().invoke(app, ["show", "--config", config])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == (
+        f"error: no result for this config: prompts.path {tmp_path / 'prompts.jsonl'} matched no files (no such file, "
+        f"or an empty folder)")
+
+
 def test_first_rows_read_across_files_in_order(fake_run):
     run = fake_run(prompts=10, n=2)
     run.run("merge", file_rows=7)  # 20 rows in 3 files

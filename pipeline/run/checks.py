@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import fsspec.utils
 
 from pipeline import storage
-from pipeline.errors import ConfigError, checkpoint_errors
+from pipeline.errors import ConfigError, PipelineError, checkpoint_errors
 from pipeline.run.config import Config, PromptsConfig
 
 
@@ -46,6 +46,16 @@ def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: 
         check_wandb(cfg)
     if not dry_run:
         check_root(cfg)
+
+
+def input_problem(cfg: Config, steps: set[str]) -> str | None:
+    """What `run all` would stop on before any step (a missing prompt file, a model folder that is
+    not there, no W&B key: `check_inputs`, without probing run.root), or None."""
+    try:
+        check_inputs(cfg, steps, is_leader=True, dry_run=True)
+    except PipelineError as err:
+        return str(err)
+    return None
 
 
 def check_prompts(cfg: Config) -> None:

@@ -87,11 +87,16 @@ def first_rows(result: MergedResult, count: int) -> list[dict[str, Any]]:
 def show_text(cfg: Config, graph: tuple[Step, ...], again: str, rows: int) -> str:
     """`pipeline show`: where the result is, and its first rows as a table. `again`: the command's
     config arguments (`--config` and every `--set`), for the command that makes a missing result."""
+    from pipeline.run.checks import input_problem
     from pipeline.run.runner import make_plan
 
-    (merge,) = [p for p in make_plan(cfg, graph) if p.name == "merge"]
+    plan = make_plan(cfg, graph)
+    (merge,) = [p for p in plan if p.name == "merge"]
     result = merged_result(merge.url)
     if result is None:
+        problem = input_problem(cfg, {p.name for p in plan if p.state != "complete"})
+        if problem:  # the result's hash needs its inputs: moved prompt files name no result
+            raise StepFailed(f"no result for this config: {problem}")
         raise StepFailed(f"no result for this config yet: {merge.url} is {merge.state}; "
                          f"run `pipeline run all {again}` first")
     return f"{result.describe()}\n{_table(first_rows(result, rows), result.rows)}"

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.errors import PipelineError
 from pipeline.run import status
-from pipeline.run.checks import check_inputs
+from pipeline.run.checks import input_problem
 from pipeline.run.config import Config
 from pipeline.run.result import MergedResult, merged_result
 from pipeline.run.runner import make_plan
@@ -43,16 +42,6 @@ def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
             row["why"] = f"{p.state}, but the next run stops before it: {row['problem']}"
         rows.append(row)
     return rows
-
-
-def input_problem(cfg: Config, steps: set[str]) -> str | None:
-    """What `run all` would stop on before any step (a missing prompt file, a model folder that is
-    not there, no W&B key: `check_inputs`, without probing run.root), or None."""
-    try:
-        check_inputs(cfg, steps, is_leader=True, dry_run=True)
-    except PipelineError as err:
-        return str(err)
-    return None
 
 
 def _why(p: Any) -> str:
