@@ -57,6 +57,23 @@ def test_a_step_log_keeps_clean_whole_lines_of_this_host(tmp_path, capsys):
     assert not (tmp_path / "merge-abc").exists()
 
 
+def test_a_failed_steps_log_ends_with_its_error_line(make_config, tmp_path):
+    """On a pod the step logs are where a host's reason is read: a tokenize refused for a bad row
+    left a log ending at its progress line, and the `error:` line only on the terminal."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    (tmp_path / "prompts.jsonl").write_text('{"id": "a", "prompt": "one"}\n{"id": "a", "prompt": "two"}\n')
+    config = make_config()
+    result = CliRunner().invoke(app, ["run", "tokenize", "--config", config])
+    assert result.exit_code == 1
+    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    (log,) = (tmp_path / "runs").glob("tokenize-*/logs/host-00000.log")
+    assert log.read_text().splitlines()[-1] == error[-1], log.read_text()
+    assert "duplicate" in error[-1]
+
+
 def test_a_step_log_on_remote_storage_is_uploaded_when_the_step_ends():
     from pipeline import storage
     from pipeline.run import steplog

@@ -5,8 +5,8 @@ process prints (stdout and stderr: the runner's lines, progress, warnings)
 also goes to the step's log of this host, with progress bars' carriage-return redraws reduced
 to their last state and colour codes removed. On local storage the file is appended line by
 line as the step runs; on remote storage (gs://) it is uploaded when the step ends, also when
-it fails (unless storage itself failed); a log that cannot be written or saved is a warning, never
-a step failure. It refuses to capture what bypasses Python's streams (C libraries writing to fd 2).
+it fails (unless storage itself failed). A failed step's log ends with its `error:` line. A log
+that cannot be written or saved is a warning, never a step failure. It refuses to capture what bypasses Python's streams (C libraries writing to fd 2).
 
     with step_log(out.url, host=hosts.process_index()):
         run(cfg, out)
@@ -24,6 +24,7 @@ import tempfile
 from typing import Iterator, TextIO
 
 from pipeline import storage
+from pipeline.errors import message_of
 from pipeline.storage.retrying import StorageError
 
 LOG_FOLDER = "logs"
@@ -124,8 +125,14 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
     storage_failed = False
     try:
         yield
-    except StorageError:
-        storage_failed = True  # no point retrying the log's upload against the storage that just failed
+    except BaseException as err:
+        # The command's last line (`cli.py` prints it after the step): on a pod the logs are where
+        # a host's reason is read, and a log ending at a progress bar said nothing of why.
+        sys.stdout, sys.stderr = saved
+        for tee in tees:
+            tee.close_line()
+        log.write_lines([f"error: {message_of(err)}"])
+        storage_failed = isinstance(err, StorageError)  # no retrying the log's upload against that storage
         raise
     finally:
         sys.stdout, sys.stderr = saved
