@@ -170,6 +170,9 @@ def tokenize(cfg: Config, out: StepOutput) -> StepResult:
             raise StepFailed(f"tokenize lost rows: {reader.rows_in} in, {shards.rows} accepted + "
                              f"{rejects.count} rejected (a bug)")
         files = shards.commit(out) + rejects.commit(out)
+    if rejects.count:  # skipped rows are the user's data: say where they are, not only how many
+        print(f"tokenize: {rejects.count} row(s) rejected ({rejects.first_and_counts()}); each with its file, line "
+              f"and reason in {out.path(REJECTED_FILE)}", flush=True)
     _remove_stale(out, keep={f["path"] for f in files})
     return StepResult(rows=shards.rows, files=files, summary=TokenizeSummary(
         rows_in=reader.rows_in, rows=shards.rows, rejected=rejects.count, tokens=shards.tokens,

@@ -414,7 +414,11 @@ def test_a_bad_row_is_recorded_and_skipped(tmp_path, demo_model, case):
     line, kind = BAD_ROWS[case]
     path = tmp_path / "p.jsonl"
     path.write_bytes(jsonl(GOOD_1, line, GOOD_3))
-    url, record = run_tokenize(write_config(tmp_path, demo_model, path=str(path), id_field="id", on_invalid="skip"))
+    config = write_config(tmp_path, demo_model, path=str(path), id_field="id", on_invalid="skip")
+    printed = cli("run", "tokenize", "--config", config).output
+    url, record = run_tokenize(config)  # complete: skipped
+    assert f"tokenize: 1 row(s) rejected (first: {path} line 2: {kind}" in printed  # where they are, not only how many
+    assert f"each with its file, line and reason in {url}/rejected.parquet\n" in printed
     assert [(r["prompt_index"], r["prompt_id"]) for r in all_rows(url, record)] == [(0, "a"), (2, "c")]
     (rejected,) = storage.read_parquet(storage.join(url, "rejected.parquet")).to_pylist()
     assert (rejected["file"], rejected["line"], rejected["prompt_index"]) == (str(path), 2, 1)
