@@ -16,12 +16,21 @@ file lock in the folder; we set a size bound (`jax_compilation_cache_max_size`, 
 that lock, so no process reads an entry half written. A corrupt or unreadable entry makes JAX
 warn and compile instead (`jax_raise_persistent_cache_errors` is off by default).
 Turn the cache off with JAX's own switch: `JAX_ENABLE_COMPILATION_CACHE=false`.
+
+Every host writes: JAX writes entries from process 0 only (against contention on a shared
+bucket), and a program's key holds its devices, so on a pod the other hosts' programs (their own
+devices, `host_dp`) were never written by anyone, and every resume compiled them again on every
+host but the first (seen on a 2- and 3-host `pipeline launch`). `enable` lets every process write
+its entries where the folder is local (each host's disk, or one machine's processes under the
+file lock above); a folder on remote storage keeps JAX's rule. The one reach into JAX's
+private compiler (`_cache_write`), checked against its signature: another JAX keeps its own rule.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import jax
 
@@ -49,6 +58,7 @@ def enable(path: str | None = None) -> str | None:
     (`JAX_COMPILATION_CACHE_DIR` or `jax.config`) is kept. Returns None when the cache is off
     (`JAX_ENABLE_COMPILATION_CACHE=false`)."""
     _listen()
+    _write_on_every_host()
     if not jax.config.jax_enable_compilation_cache:
         return None
     current = jax.config.jax_compilation_cache_dir
@@ -68,6 +78,37 @@ def enable(path: str | None = None) -> str | None:
 
         compilation_cache.reset_cache()
     return path
+
+
+_WRITE_PARAMETERS = ("cache_key", "compile_time_secs", "module_name", "backend", "executable", "host_callbacks")
+
+
+def _write_on_every_host() -> None:
+    """Wrap JAX's cache write so a process other than 0 writes its own entries to a local folder."""
+    import inspect
+
+    from jax._src import compilation_cache, compiler, distributed
+
+    original = compiler._cache_write
+    if getattr(original, "writes_on_every_host", False):
+        return
+    if tuple(inspect.signature(original).parameters) != _WRITE_PARAMETERS:
+        return  # another JAX: its own rule stands (process 0 writes)
+
+    def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        folder = jax.config.jax_compilation_cache_dir or ""
+        if (distributed.global_state.process_id == 0 or "://" in folder or host_callbacks
+                or compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs):
+            return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        try:
+            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                      int(compile_time_secs))
+        except Exception as err:  # noqa: BLE001 - as JAX's own write: a cache that fails is a warning
+            warnings.warn(f"the compile cache could not keep {module_name} ({type(err).__name__}: {err}); "
+                          f"it compiles again next time")
+
+    write.writes_on_every_host = True
+    compiler._cache_write = write
 
 
 def hits() -> int:

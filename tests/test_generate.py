@@ -91,6 +91,23 @@ def test_any_host_count_gives_the_same_rows(make_config, tmp_path, many_prompts,
 PARTS = "generate-*/shard-*/part-*.parquet"
 
 
+def test_a_pods_second_run_loads_every_hosts_programs_from_the_compile_cache(make_config, tmp_path, many_prompts):
+    """JAX writes cache entries from process 0 only, and a program's key holds its devices: the
+    other hosts' programs were never written, so every resume compiled them again on every host
+    but the first. Now each host writes its own (engine/compile_cache.py)."""
+    cache = {"PIPELINE_CACHE_DIR": str(tmp_path / "cache")}  # empty: what this test's runs write
+    for root in ("first", "second"):  # same model and shapes, another result folder
+        config = make_config(f"{root}.yaml", run={"root": str(tmp_path / root)}, prompts={"path": many_prompts}, **GREEDY)
+        assert pipeline("run", "tokenize", "--config", config, env=cache).returncode == 0
+        result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, env=cache)
+        assert result.returncode == 0, result.stdout[-3000:]
+    metrics = {path.name.split("-")[1]: json.loads(path.read_text())
+               for path in (tmp_path / "second").glob("generate-*/metrics/host-*.json")}
+    assert sorted(metrics) == ["00000", "00001"]
+    for host, m in metrics.items():
+        assert m["compilations"] == 0 and m["cache_loads"] == m["programs_used"] >= 3, (host, m)
+
+
 def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp_path, many_prompts, reference,
                                                                 start_pipeline):
     """A hard kill loses only uncommitted rows; the rerun (now 1 host instead of 2) fills exactly the gaps."""
