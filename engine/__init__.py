@@ -5,7 +5,8 @@ sampler.py (per-row randomness and token choice), decode.py (compiled prefill an
 memory.py (batch planning), mesh.py (device layouts: host data parallel or one global mesh),
 engine.py (scheduler), compile_cache.py (JAX's persistent compilation cache), checkpoint.py
 (a Hugging Face checkpoint folder: config, tokenizer, safetensors reads, the pre-flight check;
-no JAX), jax_compat.py (the one place that reaches into private JAX).
+no JAX), jax_compat.py (haliax's patch for newer JAX). Private JAX is reached in two places only:
+jax_compat.py, and compile_cache.py for the cache's reset and its writes on every host.
 
 The names below are imported on first use, so `import engine.config` (the pipeline's config
 loader does) does not import JAX.

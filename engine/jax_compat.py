@@ -1,5 +1,5 @@
-"""haliax, with the one patch it needs on newer JAX: the only place the engine reaches into
-JAX's private modules.
+"""haliax, with the one patch it needs on newer JAX (with compile_cache.py, the only places the
+engine reaches into JAX's private modules).
 
 haliax 1.4.dev453 (the newest release) calls `jax.core.is_constant_dim`, which jax 0.11 moved to
 `jax._src.core`; the GPU machines ship jax 0.11. This module restores the public name before
