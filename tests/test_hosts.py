@@ -26,28 +26,46 @@ def test_launch_two_hosts_meet_at_a_barrier_and_agree_on_the_plan(make_config):
 
 
 @pytest.mark.parametrize("command", [("preflight",), ("run", "all")])
-def test_hosts_with_different_configs_fail_fast_naming_the_difference(make_config, tmp_path, command):
-    """Both hosts exit 2 naming the step whose hash differs, before any step folder: the leader
-    went on before (it made tokenize's and generate's folders and read the weights, then exited 1)."""
+@pytest.mark.parametrize("override, key", [("sampling.temperature=0.9", "generate"), ("run.root=ROOT2", "run.root")])
+def test_hosts_with_different_configs_fail_fast_naming_the_difference(make_config, tmp_path, command, override, key):
+    """Both hosts exit 2 naming the step whose hash differs, or the run root (in no hash: each host
+    made its own folders, and the run failed at generate naming a tokenize that fixed nothing),
+    before any step folder: the leader went on before (it made tokenize's and generate's folders
+    and read the weights, then exited 1)."""
     port = str(free_port())
     env = {"PIPELINE_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "PIPELINE_NUM_PROCESSES": "2"}
     config = make_config()
+    override = override.replace("ROOT2", str(tmp_path / "runs-of-host-1"))
 
     def host(i: int):
-        return pipeline(*command, "--config", config, *(["--set", "sampling.temperature=0.9"] if i else []),
+        return pipeline(*command, "--config", config, *(["--set", override] if i else []),
                         env={**env, "PIPELINE_PROCESS_ID": str(i)}, timeout=120)
 
     with ThreadPoolExecutor(2) as pool:  # both hosts at once: they meet in jax.distributed
         procs = list(pool.map(host, range(2)))
-    what = "code version and plan" if command == ("preflight",) else "the plan (step hashes)"
-    step = "plan.generate" if command == ("preflight",) else "generate"
+    what = "code version and plan" if command == ("preflight",) else "the plan (run root and step hashes)"
+    where = f"plan.{key}" if command == ("preflight",) and key != "run.root" else key
     assert [p.returncode for p in procs] == [2, 2], [p.stderr[-2000:] for p in procs]
     last = [p.stderr.strip().splitlines()[-1] for p in procs]
     assert last[1].startswith(f"error: host 1/2: {what} differs from the leader's"), last[1]
     assert last[0].startswith(f"error: host 0/2: {what} differs between host 1 and the leader"), last[0]
     for line in last:
-        assert f": {step}: the leader has '" in line and "', host 1 has '" in line
-    assert not glob.glob(str(tmp_path / "runs" / "*"))
+        assert f": {where}: the leader has '" in line and "', host 1 has '" in line, line
+    assert not glob.glob(str(tmp_path / "runs" / "*")) and not glob.glob(str(tmp_path / "runs-of-host-1" / "*"))
+
+
+def test_a_run_root_the_hosts_do_not_share_stops_the_pod_before_any_step(make_config, tmp_path):
+    """memory:// is each process's own (as a local folder is each VM's own on a real pod): the
+    leader's probe file is not there for host 1, and both hosts exit 2 saying what run.root needs."""
+    config = make_config(run={"root": "memory://pod-root"})
+    result = pipeline("launch", "--hosts", "2", "--", "run", "all", "--config", config, timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:]
+    errors = sorted(line for line in result.stdout.splitlines() if " error: " in line)
+    fix = "run.root memory://pod-root must be storage every host of the pod shares (gs://BUCKET/PREFIX, or a shared file system)"
+    assert errors[0] == f"[host 0] error: host 0/2: host(s) 1 do not see the leader's files under run.root: {fix}"
+    assert errors[1].startswith("[host 1] error: host 1/2: this host does not see the leader's files under run.root "
+                                "(memory://pod-root/.leases/shared-by-the-pod-") and errors[1].endswith(fix)
+    assert "[tokenize]" not in result.stdout  # no step began
 
 
 def test_launch_on_a_port_in_use_is_a_usage_error_before_any_host_starts(make_config):

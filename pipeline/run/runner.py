@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -132,9 +133,42 @@ def preflight(cfg: Config, graph: tuple[Step, ...], expect_hosts: int | None = N
     plan = make_plan(cfg, graph)
     check_inputs(cfg, {p.name for p in plan}, is_leader=hosts.is_leader())  # what `run all` will need
     hosts.agree("preflight", {"versions": status.package_versions(), "code": code_digest(),
-                              "plan": {p.name: p.hash for p in plan}}, "code version and plan")
+                              "run.root": storage.normalize(cfg.run.root), "plan": {p.name: p.hash for p in plan}},
+                "code version and plan")
+    check_shared_root(cfg)
     hosts.barrier("preflight")
     return f"{hosts.describe()}: joined, same code and plan as the leader ({', '.join(p.hash[:12] for p in plan)})"
+
+
+def check_shared_root(cfg: Config) -> None:
+    """On a pod, every host sees what the leader writes under run.root: the leader writes a probe,
+    each host looks for it (a local or memory:// root on hosts of their own disks gave each host
+    its own step folders, and a run that failed at generate naming a `pipeline run tokenize` that
+    fixed nothing). A ConfigError on every host, naming the hosts that do not see it."""
+    if hosts.process_count() == 1:
+        return
+    root = storage.normalize(cfg.run.root)
+    fix = (f"run.root {cfg.run.root} must be storage every host of the pod shares (gs://BUCKET/PREFIX, or a "
+           f"shared file system)")
+    if hosts.is_leader():
+        probe = storage.join(root, ".leases", f"shared-by-the-pod-{secrets.token_hex(6)}")
+        storage.write_text(probe, "")
+        hosts.publish("shared-root/probe", probe)
+        try:
+            blind = [host for host in range(1, hosts.process_count())
+                     if not hosts.wait_for(f"shared-root/{host}", f"host {host} to look under run.root")]
+        finally:
+            storage.remove(probe)
+        if blind:
+            raise ConfigError(f"{hosts.describe()}: host(s) {', '.join(map(str, blind))} do not see the leader's files "
+                              f"under run.root: {fix}")
+        return
+    probe = hosts.wait_for("shared-root/probe", "the leader's file under run.root")
+    seen = storage.exists(probe)
+    hosts.publish(f"shared-root/{hosts.process_index()}", seen)
+    if not seen:
+        raise ConfigError(f"{hosts.describe()}: this host does not see the leader's files under run.root ({probe} "
+                          f"is not there): {fix}")
 
 
 def code_digest() -> str:
@@ -161,7 +195,8 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
     say = echo or _say
     hosts.initialize()
     plan = make_plan(cfg, graph, targets, force, again)
-    hosts.agree("plan", {p.name: p.hash for p in plan}, "the plan (step hashes)")
+    hosts.agree("plan", {"run.root": storage.normalize(cfg.run.root), **{p.name: p.hash for p in plan}},
+                "the plan (run root and step hashes)")
     if hosts.is_leader():
         everything = set(targets) == {p.name for p in plan}
         command = f"pipeline run {'all' if everything else ' '.join(targets)}"
@@ -177,6 +212,8 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
     check_inputs(cfg, {p.name for p in plan if p.action == "run"}, is_leader=hosts.is_leader(), dry_run=dry_run)
     if dry_run:
         return plan
+    if any(p.action == "run" for p in plan):
+        check_shared_root(cfg)
     by_name = {p.name: p for p in plan}
     for planned in plan:
         if planned.action != "run":
