@@ -25,7 +25,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from pipeline.pod import preemption
-from pipeline.errors import ConfigError, PipelineError, exit_now
+from pipeline.errors import ConfigError, PipelineError, begin_output, end_output, exit_now
 
 app = typer.Typer(
     rich_markup_mode="markdown",
@@ -62,6 +62,7 @@ def _guard(body: Callable[[], None]) -> None:
     from pipeline.pod import hosts
 
     preemption.install()
+    begin_output()
     try:
         body()
         hosts.leave(0)
@@ -86,6 +87,7 @@ def _fail(message: str, code: int) -> None:
     from pipeline.pod import hosts
 
     typer.echo(f"error: {message}", err=True)
+    end_output()  # threads still getting programs announced them after this line
     # The error line stays the last line: gcsfs's event loop can still hold pending reads after a
     # storage failure, and asyncio logs each one ("Task was destroyed but it is pending!") at exit.
     logging.getLogger("asyncio").disabled = True

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from typing import Iterator, NoReturn
 
 
@@ -57,6 +58,26 @@ def message_of(err: BaseException) -> str:
     """What another host is told of `err`: our own errors are their message, as `cli.py` prints
     them; anything else keeps its type's name (`KeyError: 'x'`)."""
     return str(err) if isinstance(err, PipelineError) else f"{type(err).__name__}: {err}"
+
+
+_ended = threading.Event()
+
+
+def end_output() -> None:
+    """The command's `error:` line is printed: what threads would still say after it (a program
+    being got, on a pod while the leader waits for the others' goodbyes) is left out, so that it
+    stays the last line. `say_unless_ended` is how such threads print."""
+    _ended.set()
+
+
+def begin_output() -> None:
+    """A command begins (several run in one process under tests): its threads may print again."""
+    _ended.clear()
+
+
+def say_unless_ended(line: str) -> None:
+    if not _ended.is_set():
+        print(line, flush=True)
 
 
 def exit_now(code: int, message: str | None = None) -> NoReturn:

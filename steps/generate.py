@@ -45,7 +45,7 @@ from pipeline.pod import hosts, preemption
 from pipeline.run import status
 from pipeline.run.config import Config
 from engine.checkpoint import load_tokenizer, read_config
-from pipeline.errors import StepFailed, checkpoint_errors
+from pipeline.errors import StepFailed, checkpoint_errors, say_unless_ended
 from pipeline.run.progress import Progress
 from pipeline.run.step import StepOutput, StepResult
 from steps.tokenize import SHARD_FIX, read_shard
@@ -476,9 +476,9 @@ def _announcer() -> Callable[[str], None]:
     programs, printing = itertools.count(1), threading.Lock()
 
     def announce(kind: str) -> None:
-        with printing:
-            print(f"generate: program {next(programs)} ({kind}): compiling, or loading it from the compile cache",
-                  flush=True)
+        with printing:  # not after the command's error line (a failing run's threads still get programs)
+            say_unless_ended(f"generate: program {next(programs)} ({kind}): compiling, or loading it from the "
+                             f"compile cache")
 
     return announce
 

@@ -100,3 +100,32 @@ def test_a_step_log_that_cannot_be_written_does_not_fail_the_step(tmp_path, caps
     captured = capsys.readouterr()
     assert captured.out == "first\nsecond\n"
     assert captured.err.count("warning: the step log ") == 1 and "it stops here" in captured.err
+
+
+def test_nothing_is_printed_after_the_error_line(capsys):
+    """The contract: an exit 1's last line starts with `error:`. Threads still getting programs
+    announced them after it, and on a pod the leader waits for the others' goodbyes meanwhile."""
+    import threading
+    import time
+
+    import typer
+
+    from pipeline import cli
+    from pipeline.errors import begin_output
+    from steps.generate import _announcer
+
+    begin_output()  # as a command begins
+    announce = _announcer()
+    announce("init")
+    late = threading.Thread(target=lambda: (time.sleep(0.2), announce("adopt")))
+    late.start()
+    try:
+        cli._fail("generate: it broke", 1)
+    except typer.Exit as exit:
+        assert exit.exit_code == 1
+    finally:
+        late.join()
+        begin_output()
+    printed = capsys.readouterr()
+    assert printed.out.splitlines() == ["generate: program 1 (init): compiling, or loading it from the compile cache"]
+    assert printed.err.strip().splitlines()[-1] == "error: generate: it broke"
