@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import sys
 import traceback
@@ -347,6 +348,10 @@ def main() -> None:
     # give up on with a traceback. The pipeline's own line says what failed and where (`_fail`).
     for name in ("asyncio", "gcsfs", "fsspec"):
         logging.getLogger(name).setLevel(logging.CRITICAL + 1)  # and their children (fsspec.prefetcher)
+    from pipeline.pod import supervise
+
+    if supervise.wanted(sys.argv[1:], os.environ):  # a pod host: JAX may end it natively (supervise.py)
+        sys.exit(supervise.run(sys.argv[1:]))
     app()
 
 

@@ -134,6 +134,29 @@ def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp
     assert generated_rows(root) == reference
 
 
+def test_the_leader_killed_ends_every_host_with_exit_75_and_an_error_line(make_config, tmp_path, many_prompts,
+                                                                          start_pipeline):
+    """JAX's distributed runtime ends the other hosts natively when the pod's coordinator (on the
+    leader) goes away: a C++ stack trace and exit 134, no `error:` line. Each host's command runs
+    under a small parent (pipeline/pod/supervise.py) that says what happened, exit 75."""
+    root = tmp_path / "leaderless"
+    config = make_config("leaderless.yaml", run={"root": str(root)}, prompts={"path": many_prompts}, **GREEDY)
+    assert pipeline("run", "tokenize", "--config", config).returncode == 0
+    pod = start_pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config)
+    pod.wait_for_files(f"{root}/{PARTS}")
+    leader = pod.hosts()[0]  # host 0's parent; its child runs the command and serves the coordinator
+    (command,) = subprocess.run(["ps", "-o", "pid=", "--ppid", str(leader)], capture_output=True, text=True).stdout.split()
+    os.kill(int(command), signal.SIGKILL)
+    pod.finish(timeout_s=240)
+    assert pod.returncode == 75, pod.output[-3000:]
+    last = {host: [line for line in pod.output.splitlines() if line.startswith(f"[host {host}] ")][-1] for host in (0, 1)}
+    assert last[0] == ("[host 0] error: host 0: it was ended by SIGKILL; rows it had not committed are generated "
+                       "again: rerun the same command to resume"), pod.output[-3000:]
+    assert last[1] == ("[host 1] error: host 1: JAX's distributed runtime ended it (SIGABRT): the pod's coordinator, on "
+                       "the leader (host 0), is gone (killed or preempted); rows it had not committed are generated "
+                       "again: rerun the same command to resume"), pod.output[-3000:]
+
+
 def test_sigterm_commits_finished_rows_and_exits_75(make_config, tmp_path, many_prompts, reference, start_pipeline):
     root = tmp_path / "termed"
     config = make_config("termed.yaml", run={"root": str(root)}, prompts={"path": many_prompts}, **GREEDY)

@@ -189,3 +189,29 @@ def test_a_host_stuck_in_a_collective_when_the_leader_fails_exits_1_naming_the_l
     last = other.stderr.strip().splitlines()[-1]
     assert last == ("error: host 1/2: stopped generating on the global mesh: host 0 failed: the leader's own error"), \
         other.stderr[-3000:]
+
+
+@pytest.mark.parametrize("signals, outcome", [
+    (("SIGTERM", "SIGUSR1"), "alive: stopping on SIGTERM"),  # a VM's shutdown reaches a host and its parent
+    (("SIGUSR2", "SIGINT"), "alive: stopping on SIGINT"),  # Ctrl-C to the terminal's process group
+    (("SIGUSR1", "SIGUSR1"), 75),  # `kill` twice to a host's parent: the second exits at once
+    (("SIGINT", "SIGINT"), 75),
+])
+def test_a_supervisors_copy_of_a_signal_never_makes_a_second_signal(signals, outcome):
+    """A pod host's parent (pipeline/pod/supervise.py) passes a stop signal on as a copy (SIGUSR1
+    for SIGTERM, SIGUSR2 for SIGINT); where the signal reached the host too, the two must not add
+    up to the 'second signal' that exits at once, losing the rows being committed."""
+    script = f"""
+import os, signal, time
+from pipeline.pod import preemption
+preemption.install()
+for name in {list(signals)!r}:
+    os.kill(os.getpid(), getattr(signal, name))
+    time.sleep(0.05)
+print("alive: stopping on " + preemption.stop_reason())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    if outcome == 75:
+        assert done.returncode == 75 and "alive" not in done.stdout, done.stdout + done.stderr
+    else:
+        assert done.returncode == 0 and done.stdout.strip() == outcome, done.stdout + done.stderr

@@ -24,7 +24,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from pipeline.errors import ConfigError, Interrupted, PipelineError, StepFailed, exit_now, failure, message_of
 from pipeline.pod import preemption
@@ -69,7 +69,7 @@ def initialize() -> None:
         address, count, index = _pod_from_env(env)
         if count > 1:
             _join(coordinator_address=address, num_processes=count, process_id=index)
-    elif _on_multihost_tpu(env):
+    elif on_multihost_tpu(env):
         _join()
 
 
@@ -417,7 +417,7 @@ def _seconds(env: os._Environ, name: str, default: int) -> int:
     return int(value)
 
 
-def _on_multihost_tpu(env: os._Environ) -> bool:
+def on_multihost_tpu(env: Mapping[str, str]) -> bool:
     hostnames = env.get("TPU_WORKER_HOSTNAMES", "")
     return len([h for h in hostnames.split(",") if h]) > 1
 
@@ -489,8 +489,8 @@ def _stop_signals_end(doing: str) -> Iterator[None]:
             except (TimeoutError, OSError):
                 signals = b""
             for number in signals:
-                if number in (signal.SIGINT, signal.SIGTERM):
-                    preemption.request_stop(signal.Signals(number).name)
+                if preemption.signal_name(number):
+                    preemption.request_stop(preemption.signal_name(number))
             if preemption.stop_requested():  # now, or just before (the handler ran)
                 exit_now(preemption.EXIT_INTERRUPTED, f"stopped by {preemption.stop_reason()} while {doing}: "
                                                       f"nothing was done; rerun the same command")

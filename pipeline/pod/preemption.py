@@ -20,16 +20,30 @@ from pipeline.errors import Interrupted, exit_now
 
 EXIT_INTERRUPTED = 75
 
+COPIES = {signal.SIGUSR1: "SIGTERM", signal.SIGUSR2: "SIGINT"}
+"""What a pod host's supervisor (supervise.py) sends on for the SIGTERM or SIGINT it got: a copy.
+The same signal often reaches both processes (Ctrl-C to the terminal's process group, a VM's
+shutdown to every process), so a copy and a signal never add up to a 'second signal'."""
+
 _stop = threading.Event()
 _reason: list[str] = []
+_seen = {"signal": 0, "copy": 0}
 
 
 def install() -> None:
-    """Handle SIGTERM (preemption notice) and SIGINT (Ctrl-C) in the main thread."""
+    """Handle SIGTERM (preemption notice) and SIGINT (Ctrl-C), and a supervisor's copies of them,
+    in the main thread."""
     if threading.current_thread() is not threading.main_thread():
         return
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT, *COPIES):
+        signal.signal(signum, _on_signal)
+
+
+def signal_name(signum: int) -> str | None:
+    """'SIGTERM' or 'SIGINT' for a stop signal or a supervisor's copy of one, else None."""
+    if signum in COPIES:
+        return COPIES[signum]
+    return signal.Signals(signum).name if signum in (signal.SIGTERM, signal.SIGINT) else None
 
 
 def request_stop(reason: str) -> None:
@@ -56,11 +70,16 @@ def reset() -> None:
     """Forget a stop request (tests run several commands in one process)."""
     _stop.clear()
     _reason.clear()
+    _seen.update(signal=0, copy=0)
 
 
 def _on_signal(signum: int, frame: object) -> None:
     del frame
-    name = signal.Signals(signum).name
-    if _stop.is_set():  # a second signal: the user does not want to wait for the commit
+    route = "copy" if signum in COPIES else "signal"
+    # A second signal (or copy), or a signal after a stop asked for otherwise: the user does not
+    # want to wait for the commit.
+    again = _seen[route] > 0 or (_stop.is_set() and not any(_seen.values()))
+    _seen[route] += 1
+    if again:
         exit_now(EXIT_INTERRUPTED)
-    request_stop(name)
+    request_stop(signal_name(signum) or signal.Signals(signum).name)
