@@ -1347,7 +1347,8 @@ def _skeleton(config: LlamaConfig) -> LlamaLM:
     """LlamaLM as `jax.ShapeDtypeStruct`s (nothing allocated), traced once per config: the memory
     plan, the checkpoint's check, the abstract model and the read all place weights by it (an
     8B model's trace takes 0.07 s). Never changed in place: `eqx.tree_at` makes new trees."""
-    return eqx.filter_eval_shape(LlamaLM.init, config, key=jax.random.key(0))
+    # The key made inside the trace: a concrete one opens the devices (status beside a job holding a TPU).
+    return eqx.filter_eval_shape(lambda: LlamaLM.init(config, key=jax.random.key(0)))
 
 
 def parameter_bytes(config: LlamaConfig, dtype) -> int:

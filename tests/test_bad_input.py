@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -283,6 +285,22 @@ def test_an_engine_setting_that_does_not_fit_the_devices_stops_the_run_before_an
         assert error_line(result).startswith(message), error_line(result)
         assert "Traceback" not in result.stderr
         assert not (tmp_path / "runs").exists()
+
+
+def test_status_does_not_take_the_devices(config_for):
+    """`status` beside a running job on a TPU VM: opening the devices there fails (the job holds
+    the TPU). It names missing inputs, but leaves the engine settings to `run`: here the devices
+    cannot be opened at all (JAX_PLATFORMS names a platform this machine lacks)."""
+    config = config_for(engine={"batch_size": 3, "lanes": 2})
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--config", config, "--json"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "tpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [s.get("problem") for s in json.loads(done.stdout)["steps"]] == [None] * 4
+    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "all", "--dry-run", "--config", config],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "tpu"})
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        "error: generate needs this host's devices, and JAX could not open them: Unable to initialize backend 'tpu'")
 
 
 def test_a_batch_that_fits_short_prompts_but_not_the_runs_fails_in_generate_in_one_line(config_for, demo_model, tmp_path):

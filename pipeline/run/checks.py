@@ -24,15 +24,18 @@ from urllib.parse import urlparse
 import fsspec.utils
 
 from pipeline import storage
-from pipeline.errors import ConfigError, PipelineError, checkpoint_errors
+from pipeline.errors import ConfigError, PipelineError, StepFailed, checkpoint_errors
 from pipeline.run.config import Config, PromptsConfig
 
 
-def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: bool = False) -> None:
+def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: bool = False,
+                 devices: bool = True) -> None:
     """Raise ConfigError for the first input of `steps` that cannot work.
 
     Leader-only steps' inputs (prompts for tokenize, the W&B key for upload) are checked on the
     leader only: the other hosts never read them. A dry run does not probe `run.root` (it writes).
+    devices=False leaves out the engine settings against this host's devices (`status` must not
+    take a TPU a running job holds).
     """
     if not steps:
         return
@@ -40,7 +43,7 @@ def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: 
         check_prompts(cfg)
     if steps & {"tokenize", "generate"}:
         check_model(cfg, positions="generate" in steps)
-    if "generate" in steps:
+    if "generate" in steps and devices:
         check_engine(cfg)
     if "upload" in steps and is_leader:
         check_wandb(cfg)
@@ -50,9 +53,9 @@ def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: 
 
 def input_problem(cfg: Config, steps: set[str]) -> str | None:
     """What `run all` would stop on before any step (a missing prompt file, a model folder that is
-    not there, no W&B key: `check_inputs`, without probing run.root), or None."""
+    not there, no W&B key: `check_inputs`, without probing run.root or the devices), or None."""
     try:
-        check_inputs(cfg, steps, is_leader=True, dry_run=True)
+        check_inputs(cfg, steps, is_leader=True, dry_run=True, devices=False)
     except PipelineError as err:
         return str(err)
     return None
@@ -170,6 +173,9 @@ def check_engine(cfg: Config) -> None:
             Engine.check(cfg.model.path, dtype=cfg.model.dtype, sampling=cfg.sampling, engine=cfg.engine)
     except InvalidConfig as err:
         raise ConfigError(str(err)) from err
+    except RuntimeError as err:  # JAX's "Unable to initialize backend ...": held by another job, or absent
+        raise StepFailed(f"generate needs this host's devices, and JAX could not open them: "
+                         f"{str(err).splitlines()[0]}") from err
 
 
 def check_root(cfg: Config) -> None:
