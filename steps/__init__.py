@@ -13,7 +13,7 @@ TOKENIZE = Step("tokenize", tokenize.tokenize, about="read prompts, tokenize, wr
 # version 2: sampling without top_k draws one uniform number per token (engine/sampler.py), so
 # a seed gives other tokens than version 1 did; a run of version 1 is redone, never mixed in.
 GENERATE = Step("generate", generate.generate, inputs=(TOKENIZE,), on="every host", finish=generate.finish,
-                version="2", about="every host generates completions for its shards")
+                version="2", progress=generate.progress, about="every host generates completions for its shards")
 MERGE = Step("merge", merge.merge, inputs=(GENERATE,),
              about="verify every (prompt, sample) once, order, write the result")
 UPLOAD = Step("upload", upload.upload, inputs=(MERGE,), redo=upload.redo,

@@ -24,6 +24,7 @@ the same decode chunk (the engine agrees on it with an all-reduce); each commits
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import itertools
@@ -263,6 +264,27 @@ def _shard_names(out: StepOutput) -> list[str]:
     if record is None:
         raise StepFailed(f"tokenize output {out.upstream['tokenize'].url} is not complete: run `pipeline run tokenize`")
     return sorted(f["path"].removesuffix(".parquet") for f in record.files if f["path"].startswith("shard-"))
+
+
+def progress(cfg: Config, url: str, upstream: dict[str, str]) -> str | None:
+    """What `status` says of a partial generate: rows committed so far, of how many (tokenize's
+    rows times sampling.n), read from the parts' footers only; None where tokenize is not complete."""
+    record = status.read_marker(upstream["tokenize"])
+    if record is None:
+        return None
+    parts = storage.expand(storage.join(url, "shard-*", "part-*.parquet"))
+
+    def rows(part: str) -> int:
+        fs, path = storage.filesystem(part)
+        try:
+            with fs.open(path, "rb") as f:
+                return pq.read_metadata(f).num_rows
+        except (OSError, pa.ArrowException):
+            return 0  # being written, or damaged: generate names it when it reads it
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # one small read a part, on a bucket too
+        committed = sum(pool.map(rows, parts))
+    return f"{committed:,} of {record.rows * cfg.sampling.n:,} rows committed in {len(parts)} part(s)"
 
 
 def _say_idle_hosts(shards: int, count: int) -> None:

@@ -123,11 +123,15 @@ def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp
     pod.finish(timeout_s=240)
     output = pod.output
     assert pod.returncode == 75, output[-3000:]  # a killed host is a preemption: rerun to resume
+    assert "[launch] host 1 was ended by SIGKILL" in output  # it could not say so itself
     print(f"pod exited {pod.returncode} {time.monotonic() - started:.1f}s after the kill:\n{output[-1500:]}")
     partial = generated_rows(root)
     assert 0 < len(partial) < 80
-    states = {s["name"]: s["state"] for s in json.loads(pipeline("status", "--config", config, "--json").stdout)["steps"]}
-    assert states == {"tokenize": "complete", "generate": "partial", "merge": "missing", "upload": "missing"}
+    steps = json.loads(pipeline("status", "--config", config, "--json").stdout)["steps"]
+    assert {s["name"]: s["state"] for s in steps} == {"tokenize": "complete", "generate": "partial", "merge": "missing",
+                                                     "upload": "missing"}
+    parts = glob.glob(f"{root}/{PARTS}")  # how far it got, from the parts' footers
+    assert steps[1]["progress"] == f"{len(partial)} of 80 rows committed in {len(parts)} part(s)"
 
     result = pipeline("run", "all", "--config", config)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -86,8 +86,13 @@ def launch(args: list[str], hosts: int, port: int = 0, env: dict[str, str] | Non
 
 def _wait(procs: list[subprocess.Popen]) -> list[int]:
     failed_at: float | None = None
+    said: set[int] = set()
     while True:
         codes = [p.poll() for p in procs]
+        for i, c in enumerate(codes):
+            if c is not None and c < 0 and i not in said:  # its process printed nothing of it
+                said.add(i)
+                print(f"[launch] host {i} was ended by {signal.Signals(-c).name}", file=sys.stderr, flush=True)
         if all(c is not None for c in codes):
             return codes  # type: ignore[return-value]
         if failed_at is None and any(c not in (None, 0) for c in codes):

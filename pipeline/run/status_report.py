@@ -1,9 +1,9 @@
 """What `pipeline status` shows: one row per step, as data and as text.
 
 Owns the report's fields (the contract's name/hash/output/state/rows, plus why a run would
-or would not run the step, rejected prompt rows, who is running it now, and the input the next
-run would stop on before its first step) and the line saying where the merged result is.
-Changes nothing.
+or would not run the step, rejected prompt rows, how far a partial step got (`Step.progress`),
+who is running it now, and the input the next run would stop on before its first step) and the
+line saying where the merged result is. Changes nothing.
 
     rows = report(cfg, steps.PIPELINE)
     print(report_text(rows, result_of(rows)))
@@ -25,13 +25,18 @@ from pipeline.storage.lease import Lease
 def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
     plan = make_plan(cfg, graph)
     problem = input_problem(cfg, {p.name for p in plan if p.action == "run"})
+    urls = {p.name: p.url for p in plan}
     rows = []
     for p in plan:
         row: dict[str, Any] = {"name": p.name, "hash": p.hash, "output": p.url, "state": p.state,
                                "rows": p.rows}
         if p.record is not None and "rejected" in p.record.summary:
             row["rejected"] = p.record.summary["rejected"]
-        row["why"] = _why(p)
+        if p.state == "partial" and p.step.progress is not None:
+            done = p.step.progress(cfg, p.url, {s.name: urls[s.name] for s in p.step.inputs})
+            if done:
+                row["progress"] = done
+        row["why"] = _why(p, row.get("progress"))
         if p.state != "complete":
             holder = Lease.for_step(cfg.run.root, p.name, p.hash).current_holder()
             if holder is not None:
@@ -44,7 +49,7 @@ def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
     return rows
 
 
-def _why(p: Any) -> str:
+def _why(p: Any, progress: str | None = None) -> str:
     if p.state == "complete" and p.action == "run":  # the step asks for it again (`Step.redo`)
         return f"{p.reason}: the next `run all` runs it"
     if p.state == "complete":
@@ -54,7 +59,7 @@ def _why(p: Any) -> str:
     if p.state == "partial":
         if p.damaged:
             return f"partial: its {status.MARKER} cannot be read ({p.damaged}): the next run runs it again"
-        return "partial: the next run resumes it"
+        return f"partial ({progress}): the next run resumes it" if progress else "partial: the next run resumes it"
     return "missing: the next `run all` runs it"
 
 

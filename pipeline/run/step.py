@@ -46,6 +46,9 @@ class Step:
     """fn(cfg, record) of a complete output: why this config wants it made again though its hash
     is the same (the plan's reason), or None to skip it. For a runtime knob that decided whether
     the step did its work at all (upload with `wandb.mode: disabled`)."""
+    progress: Callable[["Config", str, dict[str, str]], str | None] | None = None
+    """fn(cfg, output url, {upstream step: its url}) of a partial output: how far it got, for
+    `status` ('1,234 of 5,000 rows committed in 7 part(s)'), or None."""
     about: str = ""
 
     def __post_init__(self):
