@@ -611,7 +611,9 @@ class Engine:
         Changes two process-wide JAX settings: JAX's persistent compilation cache is turned on
         (engine/compile_cache.py) unless the caller already chose a folder for it, and with
         float32 `jax_default_matmul_precision` becomes "highest" (GPUs would otherwise run float32
-        products as TF32), for the caller's other JAX code too. on_compile: `Engine.on_compile`, from the first program on.
+        products as TF32), for the caller's other JAX code too.
+
+        on_compile: `Engine.on_compile`, from the first program on.
         stop: asked before each tensor is read; once it returns True, raises `LoadStopped` (this
         host's answer alone: no host waits for another while loading)."""
         model_path = _checked_arguments(model_path, sampling, engine)

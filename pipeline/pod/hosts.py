@@ -103,6 +103,11 @@ def barrier(name: str, what: str = "") -> None:
         wait_for(f"barrier/{name}/{index}", what or f"every host to reach {name}")
 
 
+def joined() -> bool:
+    """This process is a host of a pod of several (jax.distributed joined)."""
+    return _state["client"] is not None
+
+
 def publish(key: str, value: Any) -> None:
     """Make a JSON value visible to every host under `key` (set once per run)."""
     if _state["client"] is not None:

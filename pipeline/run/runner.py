@@ -145,7 +145,7 @@ def check_shared_root(cfg: Config) -> None:
     each host looks for it (a local or memory:// root on hosts of their own disks gave each host
     its own step folders, and a run that failed at generate naming a `pipeline run tokenize` that
     fixed nothing). A ConfigError on every host, naming the hosts that do not see it."""
-    if hosts.process_count() == 1:
+    if not hosts.joined():
         return
     root = storage.normalize(cfg.run.root)
     fix = (f"run.root {cfg.run.root} must be storage every host of the pod shares (gs://BUCKET/PREFIX, or a "
