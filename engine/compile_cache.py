@@ -92,7 +92,8 @@ def _write_on_every_host() -> None:
     original = compiler._cache_write
     if getattr(original, "writes_on_every_host", False):
         return
-    if tuple(inspect.signature(original).parameters) != _WRITE_PARAMETERS:
+    if (tuple(inspect.signature(original).parameters) != _WRITE_PARAMETERS
+            or not hasattr(compiler, "_should_raise_persistent_cache_error")):
         return  # another JAX: its own rule stands (process 0 writes)
 
     def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
@@ -103,7 +104,9 @@ def _write_on_every_host() -> None:
         try:
             compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
                                                       int(compile_time_secs))
-        except Exception as err:  # noqa: BLE001 - as JAX's own write: a cache that fails is a warning
+        except Exception as err:  # noqa: BLE001 - as JAX's own write: a warning, unless JAX is told to raise
+            if compiler._should_raise_persistent_cache_error(err):
+                raise
             warnings.warn(f"the compile cache could not keep {module_name} ({type(err).__name__}: {err}); "
                           f"it compiles again next time")
 

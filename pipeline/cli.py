@@ -350,7 +350,9 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL + 1)  # and their children (fsspec.prefetcher)
     from pipeline.pod import supervise
 
-    if supervise.wanted(sys.argv[1:], os.environ):  # a pod host: JAX may end it natively (supervise.py)
+    if os.environ.get(supervise.ENV_SUPERVISED) == "1":
+        preemption.install()  # now: a copy of a stop signal would end the process before `_guard` listens
+    elif supervise.wanted(sys.argv[1:], os.environ):  # a pod host: JAX may end it natively (supervise.py)
         sys.exit(supervise.run(sys.argv[1:]))
     app()
 

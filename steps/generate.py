@@ -29,8 +29,8 @@ import contextlib
 import hashlib
 import itertools
 import secrets
-import threading
 import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -268,7 +268,8 @@ def _shard_names(out: StepOutput) -> list[str]:
 
 def progress(cfg: Config, url: str, upstream: dict[str, str]) -> str | None:
     """What `status` says of a partial generate: rows committed so far, of how many (tokenize's
-    rows times sampling.n), read from the parts' footers only; None where tokenize is not complete."""
+    rows times sampling.n), read from the parts' footers only (a row a stalled writer committed
+    twice counts twice); None where tokenize is not complete."""
     record = status.read_marker(upstream["tokenize"])
     if record is None:
         return None

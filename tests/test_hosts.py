@@ -215,3 +215,25 @@ print("alive: stopping on " + preemption.stop_reason())
         assert done.returncode == 75 and "alive" not in done.stdout, done.stdout + done.stderr
     else:
         assert done.returncode == 0 and done.stdout.strip() == outcome, done.stdout + done.stderr
+
+
+def test_what_a_hosts_parent_says_of_a_child_ended_by_a_signal():
+    """An abort is the coordinator gone only where it refuses connections and this host is not
+    its leader; else the child's own (an XLA check, a kernel): exit 1, which a retry loop stops on."""
+    from pipeline.pod.supervise import _ended_by
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        alive = f"127.0.0.1:{listening.getsockname()[1]}"
+        gone = f"127.0.0.1:{free_port()}"
+        pod = {"PIPELINE_PROCESS_ID": "1", "PIPELINE_NUM_PROCESSES": "2"}
+        assert _ended_by(signal.SIGABRT, {**pod, "PIPELINE_COORDINATOR_ADDRESS": gone}) == (
+            "host 1: JAX's distributed runtime ended it (SIGABRT): the pod's coordinator, on the leader (host 0), is "
+            "gone (killed or preempted)", 75)
+        assert _ended_by(signal.SIGABRT, {**pod, "PIPELINE_COORDINATOR_ADDRESS": alive}) == (
+            "host 1: it aborted natively (SIGABRT): see the native error above", 1)
+        assert _ended_by(signal.SIGABRT, {**pod, "PIPELINE_PROCESS_ID": "0", "PIPELINE_COORDINATOR_ADDRESS": gone})[1] == 1
+    assert _ended_by(signal.SIGUSR1, pod) == ("host 1: stopped by SIGTERM as it started", 75)
+    assert _ended_by(signal.SIGKILL, pod) == ("host 1: it was ended by SIGKILL", 75)
+    assert _ended_by(40, {}) == ("this host: it was ended by signal 40", 75)  # a real-time signal: no name

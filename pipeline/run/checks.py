@@ -174,6 +174,8 @@ def check_engine(cfg: Config) -> None:
     except InvalidConfig as err:
         raise ConfigError(str(err)) from err
     except RuntimeError as err:  # JAX's "Unable to initialize backend ...": held by another job, or absent
+        if "initialize backend" not in str(err):
+            raise
         raise StepFailed(f"generate needs this host's devices, and JAX could not open them: "
                          f"{str(err).splitlines()[0]}") from err
 

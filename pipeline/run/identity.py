@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from engine.checkpoint import WEIGHT_SUFFIXES
 from pipeline import storage
@@ -23,6 +23,8 @@ from pipeline.run import checks
 from pipeline.run.config import Config
 from pipeline.errors import StepFailed
 from pipeline.storage.retrying import StorageError
+
+T = TypeVar("T")
 
 SEMANTIC_KEYS: dict[str, tuple[str, ...]] = {
     "tokenize": (
@@ -75,19 +77,20 @@ def changed_input(step: str, cfg: Config, planned: dict[str, Any]) -> str | None
     """What of the step's RECHECKED inputs no longer holds what the plan hashed (`planned`), as
     'prompts file URL changed', or None."""
     kinds = [kind for kind in CONTENT_INPUTS[step] if kind in RECHECKED and kind in planned]
-    if not kinds:
-        return None
-    now = {kind: _FINGERPRINTERS[kind](cfg) for kind in kinds}
-    if "prompts" in now and now["prompts"] != planned["prompts"]:
-        urls = storage.expand(cfg.prompts.path)
-        if len(now["prompts"]) != len(planned["prompts"]):
+    if "prompts" in kinds:
+        urls = _read(cfg, "prompts.path", lambda: storage.expand(cfg.prompts.path))
+        now = [_read(cfg, "prompts.path", lambda: _prompt_fingerprint(url)) for url in urls]
+        if len(now) != len(planned["prompts"]):
             return (f"prompts.path {cfg.prompts.path} matched {len(planned['prompts'])} file(s) when the run began "
-                    f"and {len(now['prompts'])} now")
-        first = next(i for i, (a, b) in enumerate(zip(now["prompts"], planned["prompts"])) if a != b)
-        return f"prompts file {urls[first]} changed"
-    if "tokenizer" in now and now["tokenizer"] != planned["tokenizer"]:
-        name = sorted(set(now["tokenizer"].items()) ^ set(planned["tokenizer"].items()))[0][0]
-        return f"the tokenizer file {storage.join(cfg.model.path, name)} changed"
+                    f"and {len(now)} now")
+        changed = [url for url, a, b in zip(urls, now, planned["prompts"]) if a != b]
+        if changed:
+            return f"prompts file {changed[0]} changed"
+    if "tokenizer" in kinds:
+        now_files = _read(cfg, "model.path", lambda: _FINGERPRINTERS["tokenizer"](cfg))
+        changed = sorted(set(now_files.items()) ^ set(planned["tokenizer"].items()))
+        if changed:
+            return f"the tokenizer file {storage.join(cfg.model.path, changed[0][0])} changed"
     return None
 
 
@@ -112,24 +115,30 @@ def semantic_values(step: str, cfg: Config) -> dict[str, Any]:
 
 def content_fingerprints(step: str, cfg: Config) -> dict[str, Any]:
     """Checksums of the input files a step reads, keyed by name relative to their input."""
-    fingerprints = {}
-    for kind in CONTENT_INPUTS[step]:
-        key = "prompts.path" if kind == "prompts" else "model.path"
-        try:
-            fingerprints[kind] = _FINGERPRINTERS[kind](cfg)
-        except Exception as err:  # noqa: BLE001 - any filesystem's error (unknown protocol, no network, ...)
-            cause = str(err) if isinstance(err, StorageError) else f"{type(err).__name__}: {err}"
-            raise StepFailed(f"{key} {cfg.get(key)} could not be read: {cause}") from err
-    return fingerprints
+    return {kind: _read(cfg, "prompts.path" if kind == "prompts" else "model.path", lambda: _FINGERPRINTERS[kind](cfg))
+            for kind in CONTENT_INPUTS[step]}
+
+
+def _read(cfg: Config, key: str, read: Callable[[], T]) -> T:
+    """read(), with any filesystem's error (unknown protocol, no network, ...) as one line naming `key`."""
+    try:
+        return read()
+    except Exception as err:  # noqa: BLE001 - classified into one StepFailed line
+        cause = str(err) if isinstance(err, StorageError) else f"{type(err).__name__}: {err}"
+        raise StepFailed(f"{key} {cfg.get(key)} could not be read: {cause}") from err
 
 
 def _prompt_files(cfg: Config) -> list[str]:
     # Order matters (prompt_index follows the sorted file order), names do not: the same
-    # files in another bucket give the same list. A .txt file's kind does: its lines are the
-    # prompts, where the same bytes named .jsonl are parsed (JSONL and Parquet files keep the
-    # fingerprints they had before this, so their results keep their hashes).
-    return [storage.fingerprint(url) + (":txt" if checks.kind_of(url) == "txt" else "")
-            for url in storage.expand(cfg.prompts.path)]
+    # files in another bucket give the same list.
+    return [_prompt_fingerprint(url) for url in storage.expand(cfg.prompts.path)]
+
+
+def _prompt_fingerprint(url: str) -> str:
+    # A .txt file's kind enters it: its lines are the prompts, where the same bytes named .jsonl
+    # are parsed (JSONL and Parquet files keep the fingerprints they had before this, so their
+    # results keep their hashes).
+    return storage.fingerprint(url) + (":txt" if checks.kind_of(url) == "txt" else "")
 
 
 def _checkpoint_files(cfg: Config, weights: bool) -> dict[str, str]:

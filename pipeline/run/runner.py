@@ -212,8 +212,7 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
     check_inputs(cfg, {p.name for p in plan if p.action == "run"}, is_leader=hosts.is_leader(), dry_run=dry_run)
     if dry_run:
         return plan
-    if any(p.action == "run" for p in plan):
-        check_shared_root(cfg)
+    check_shared_root(cfg)  # on every host, whatever its plan does: hosts that see other roots plan apart
     by_name = {p.name: p for p in plan}
     for planned in plan:
         if planned.action != "run":

@@ -131,7 +131,8 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
         sys.stdout, sys.stderr = saved
         for tee in tees:
             tee.close_line()
-        log.write_lines([f"error: {message_of(err)}"])
+        said = "interrupted; rerun the same command to resume" if isinstance(err, KeyboardInterrupt) else message_of(err)
+        log.write_lines([f"error: {said}"])
         storage_failed = isinstance(err, StorageError)  # no retrying the log's upload against that storage
         raise
     finally:
