@@ -200,6 +200,38 @@ def slow_read(tmp_path):
     return env
 
 
+SLOW_PARTS = """
+import os, time
+
+if os.environ.get("PIPELINE_PROCESS_ID", "0") in os.environ["SLOW_PARTS_HOSTS"].split(","):
+    import steps.generate as generate
+
+    flush = generate._PartWriter.flush
+
+    def slow_flush(self, shard):  # seconds after each part this host commits
+        flush(self, shard)
+        time.sleep(float(os.environ["SLOW_PARTS_SECONDS"]))
+
+    generate._PartWriter.flush = slow_flush
+"""
+
+
+@pytest.fixture
+def slow_parts(tmp_path):
+    """slow_parts(hosts=[1], seconds=0.5) -> the env for a `pipeline` command whose listed hosts
+    wait `seconds` after each part they commit: a test that kills a host at its first part finds it
+    with work left (a tiny model otherwise finished a host's 40 rows before the kill landed)."""
+    hook = tmp_path / "slow-parts-hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_PARTS)
+
+    def env(hosts: list[int], seconds: float = 0.5) -> dict:
+        return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+                "SLOW_PARTS_HOSTS": ",".join(map(str, hosts)), "SLOW_PARTS_SECONDS": str(seconds)}
+
+    return env
+
+
 def pipeline(*args: str, env: dict | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
     """Run `pipeline ARGS...` in a fresh process (extra `env` on top of ours); returns CompletedProcess."""
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,

@@ -109,13 +109,16 @@ def test_a_pods_second_run_loads_every_hosts_programs_from_the_compile_cache(mak
 
 
 def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp_path, many_prompts, reference,
-                                                                start_pipeline):
+                                                                start_pipeline, slow_parts):
     """A hard kill loses only uncommitted rows; the rerun (now 1 host instead of 2) fills exactly the gaps."""
     root = tmp_path / "killed"
     config = make_config("killed.yaml", run={"root": str(root)}, prompts={"path": many_prompts}, **GREEDY)
     assert pipeline("run", "tokenize", "--config", config).returncode == 0
-    pod = start_pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config)
-    pod.wait_for_files(f"{root}/{PARTS}", at_least=2)
+    pod = start_pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config,
+                         env=slow_parts(hosts=[1], seconds=0.5))
+    # Host 1's own first part (its shards are the odd ones), with its other parts half a second
+    # apart: it had sometimes finished its rows before the kill landed.
+    pod.wait_for_files(f"{root}/generate-*/shard-0000[1357]/part-*.parquet")
     victim = pod.hosts()
     assert victim, "no host processes found"
     os.kill(victim[-1], signal.SIGKILL)
@@ -139,14 +142,15 @@ def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp
 
 
 def test_the_leader_killed_ends_every_host_with_exit_75_and_an_error_line(make_config, tmp_path, many_prompts,
-                                                                          start_pipeline):
+                                                                          start_pipeline, slow_parts):
     """JAX's distributed runtime ends the other hosts natively when the pod's coordinator (on the
     leader) goes away: a C++ stack trace and exit 134, no `error:` line. Each host's command runs
     under a small parent (pipeline/pod/supervise.py) that says what happened, exit 75."""
     root = tmp_path / "leaderless"
     config = make_config("leaderless.yaml", run={"root": str(root)}, prompts={"path": many_prompts}, **GREEDY)
     assert pipeline("run", "tokenize", "--config", config).returncode == 0
-    pod = start_pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config)
+    pod = start_pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config,
+                         env=slow_parts(hosts=[0, 1], seconds=0.5))  # work left on both when the kill lands
     pod.wait_for_files(f"{root}/{PARTS}")
     leader = pod.hosts()[0]  # host 0's parent; its child runs the command and serves the coordinator
     (command,) = subprocess.run(["ps", "-o", "pid=", "--ppid", str(leader)], capture_output=True, text=True).stdout.split()
