@@ -206,6 +206,10 @@ def _fields(number: int, text: Any, raw_id: Any, raw: str, options: PromptsConfi
                 id_problem = ("invalid UTF-8", f"{id_field!r} holds a lone surrogate")
         elif isinstance(raw_id, int) and not isinstance(raw_id, bool):
             prompt_id = str(raw_id)
+        elif isinstance(raw_id, float):  # pandas writes a column of integer ids with a null in it as floats
+            hint = " (integer ids with nulls become floats in pandas: store them as Int64 or as strings)" \
+                if raw_id.is_integer() else ""
+            id_problem = ("bad id", f"{id_field!r} is {raw_id!r}, a float, expected a non-empty string or an integer{hint}")
         else:
             id_problem = ("bad id", f"{id_field!r} is {_type_name(raw_id)}, expected a non-empty string or an integer")
     if text is _MISSING or text is None:

@@ -874,3 +874,15 @@ def test_a_prompt_file_edited_while_tokenize_runs_is_not_marked_complete(tmp_pat
     texts = [text for shard in sorted(Path(again.url).glob("shard-*.parquet"))
              for text in pq.read_table(shard, columns=["prompt"]).column("prompt").to_pylist()]
     assert sorted(texts) == [f"Tell me about EDITED topic {i}." for i in range(6)]
+
+
+def test_a_parquet_id_column_of_floats_says_why_it_may_be_floats(tmp_path, demo_model):
+    """pandas writes integer ids with a null among them as float64: the refusal said only that the
+    id was 'a number', which an id column of 1, 2, 3 seemed to be."""
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": pa.array([1.0, 2.0, None]), "prompt": ["one", "two", "three"]}), path)
+    result = cli("run", "tokenize", "--config", write_config(tmp_path, demo_model, path=str(path), id_field="id"))
+    assert result.exit_code == 1
+    assert error_line(result).startswith(
+        f"error: prompts file {path} row 1: bad id: 'id' is 1.0, a float, expected a non-empty string or an integer "
+        f"(integer ids with nulls become floats in pandas: store them as Int64 or as strings)"), error_line(result)
