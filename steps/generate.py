@@ -148,10 +148,11 @@ def generate(cfg: Config, out: StepOutput) -> None:
     with every host); commit parts of the shards this host owns as they fill."""
     started = time.monotonic()
     lockstep = cfg.engine.mode == "global_mesh"
-    mine = _my_shards(out)
-    shards = _shard_names(out) if lockstep else mine
+    every = _shard_names(out)
+    mine = every[hosts.process_index()::hosts.process_count()]  # shard i goes to host i mod N
+    shards = every if lockstep else mine
     if not lockstep and hosts.is_leader():
-        _say_idle_hosts(len(_shard_names(out)), hosts.process_count())
+        _say_idle_hosts(len(every), hosts.process_count())
     todo = [_ShardTodo.read(out, name, cfg.sampling.n) for name in shards]
     if lockstep:
         _agree_on_todo(out, todo)
@@ -296,10 +297,6 @@ def _say_idle_hosts(shards: int, count: int) -> None:
         print(f"generate: warning: {count} hosts but {shards} tokenize shard(s): {idle} "
               f"nothing to generate (tokenize cut the shards for the host count it ran with; set prompts.num_shards "
               f"to at least {count} for the next prompts you tokenize)", file=sys.stderr, flush=True)
-
-
-def _my_shards(out: StepOutput) -> list[str]:
-    return [s for i, s in enumerate(_shard_names(out)) if i % hosts.process_count() == hosts.process_index()]
 
 
 def _shard_url(out: StepOutput, shard: str) -> str:

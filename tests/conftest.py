@@ -182,19 +182,24 @@ if host in os.environ["SLOW_READ_HOSTS"].split(","):
 """
 
 
+def _sitecustomize(folder: Path, source: str) -> str:
+    """A folder holding `source` as sitecustomize.py (run by every Python started with it on its
+    path: the pod's hosts too), and the PYTHONPATH that puts it first."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(source)
+    return os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
+
+
 @pytest.fixture
 def slow_read(tmp_path):
     """slow_read(hosts=[1], sigterm=None, seconds=1.0) -> the env for a `pipeline` command (a
     `pipeline launch` pod, or one process: host 0) whose listed hosts read the weights `seconds` a
     tensor, printing `host H reading tensor N` (an 8B model from a bucket takes minutes), and whose
     host `sigterm` gets SIGTERM at its first tensor."""
-    hook = tmp_path / "slow-read-hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_READ)
+    path = _sitecustomize(tmp_path / "slow-read-hook", SLOW_READ)
 
     def env(hosts: list[int], sigterm: int | None = None, seconds: float = 1.0) -> dict:
-        return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
-                "SLOW_READ_HOSTS": ",".join(map(str, hosts)), "SLOW_READ_SIGTERM": str(sigterm),
+        return {"PYTHONPATH": path, "SLOW_READ_HOSTS": ",".join(map(str, hosts)), "SLOW_READ_SIGTERM": str(sigterm),
                 "SLOW_READ_SECONDS": str(seconds)}
 
     return env
@@ -221,13 +226,10 @@ def slow_parts(tmp_path):
     """slow_parts(hosts=[1], seconds=0.5) -> the env for a `pipeline` command whose listed hosts
     wait `seconds` after each part they commit: a test that kills a host at its first part finds it
     with work left (a tiny model otherwise finished a host's 40 rows before the kill landed)."""
-    hook = tmp_path / "slow-parts-hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_PARTS)
+    path = _sitecustomize(tmp_path / "slow-parts-hook", SLOW_PARTS)
 
     def env(hosts: list[int], seconds: float = 0.5) -> dict:
-        return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
-                "SLOW_PARTS_HOSTS": ",".join(map(str, hosts)), "SLOW_PARTS_SECONDS": str(seconds)}
+        return {"PYTHONPATH": path, "SLOW_PARTS_HOSTS": ",".join(map(str, hosts)), "SLOW_PARTS_SECONDS": str(seconds)}
 
     return env
 

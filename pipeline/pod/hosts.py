@@ -494,8 +494,8 @@ def _stop_signals_end(doing: str) -> Iterator[None]:
             except (TimeoutError, OSError):
                 signals = b""
             for number in signals:
-                if preemption.signal_name(number):
-                    preemption.request_stop(preemption.signal_name(number))
+                if name := preemption.signal_name(number):
+                    preemption.request_stop(name)
             if preemption.stop_requested():  # now, or just before (the handler ran)
                 exit_now(preemption.EXIT_INTERRUPTED, f"stopped by {preemption.stop_reason()} while {doing}: "
                                                       f"nothing was done; rerun the same command")

@@ -20,7 +20,7 @@ import time
 
 from pipeline.errors import ConfigError
 from pipeline.pod import hosts as hosts_mod
-from pipeline.pod.supervise import signal_name
+from pipeline.pod.supervise import describe_signal
 
 GRACE_S = 90.0
 """After one host fails, how long the others get to notice and exit before being killed."""
@@ -93,7 +93,7 @@ def _wait(procs: list[subprocess.Popen]) -> list[int]:
         for i, c in enumerate(codes):
             if c is not None and c < 0 and i not in said:  # its process printed nothing of it
                 said.add(i)
-                print(f"[launch] host {i} was ended by {signal_name(-c)}", file=sys.stderr, flush=True)
+                print(f"[launch] host {i} was ended by {describe_signal(-c)}", file=sys.stderr, flush=True)
         if all(c is not None for c in codes):
             return codes  # type: ignore[return-value]
         if failed_at is None and any(c not in (None, 0) for c in codes):

@@ -89,7 +89,7 @@ def _ended_by(signum: int, env: Mapping[str, str]) -> tuple[str, int]:
         return f"{who}: it aborted natively (SIGABRT): see the native error above", 1
     if signum in preemption.COPIES:  # a stop signal before the child could hear it
         return f"{who}: stopped by {preemption.COPIES[signum]} as it started", preemption.EXIT_INTERRUPTED
-    return f"{who}: it was ended by {signal_name(signum)}", preemption.EXIT_INTERRUPTED
+    return f"{who}: it was ended by {describe_signal(signum)}", preemption.EXIT_INTERRUPTED
 
 
 def _coordinator_gone(env: Mapping[str, str]) -> bool | None:
@@ -105,7 +105,7 @@ def _coordinator_gone(env: Mapping[str, str]) -> bool | None:
     return False
 
 
-def signal_name(signum: int) -> str:
+def describe_signal(signum: int) -> str:
     """SIGKILL, or `signal 40` for one Python has no name for (a real-time signal)."""
     try:
         return signal.Signals(signum).name

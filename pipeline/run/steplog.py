@@ -105,6 +105,10 @@ def _clean(line: str) -> str:
     return _ANSI.sub("", line.rsplit("\r", 1)[-1])
 
 
+def _said(err: BaseException) -> str:
+    return "interrupted; rerun the same command to resume" if isinstance(err, KeyboardInterrupt) else message_of(err)
+
+
 @contextlib.contextmanager
 def step_log(step_url: str, host: int) -> Iterator[None]:
     """Tee this process's stdout and stderr into the step's log of `host` while the body runs."""
@@ -122,27 +126,24 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
     log = _LazyFile(path, saved[1])
     tees = _Tee(saved[0], log), _Tee(saved[1], log)
     sys.stdout, sys.stderr = tees
-    storage_failed = False
+    failed: BaseException | None = None
     try:
         yield
     except BaseException as err:
-        # The command's last line (`cli.py` prints it after the step): on a pod the logs are where
-        # a host's reason is read, and a log ending at a progress bar said nothing of why.
-        sys.stdout, sys.stderr = saved
-        for tee in tees:
-            tee.close_line()
-        said = "interrupted; rerun the same command to resume" if isinstance(err, KeyboardInterrupt) else message_of(err)
-        log.write_lines([f"error: {said}"])
-        storage_failed = isinstance(err, StorageError)  # no retrying the log's upload against that storage
+        failed = err
         raise
     finally:
         sys.stdout, sys.stderr = saved
         for tee in tees:
             tee.close_line()
+        if failed is not None:
+            # The command's last line (`cli.py` prints it after the step): on a pod the logs are where
+            # a host's reason is read, and a log ending at a progress bar said nothing of why.
+            log.write_lines([f"error: {_said(failed)}"])
         log.close()
         if not local:
-            try:
-                if os.path.exists(path) and not storage_failed:
+            try:  # not after a storage failure: no retrying the log's upload against that storage
+                if os.path.exists(path) and not isinstance(failed, StorageError):
                     storage.put_file(path, url)
             except Exception as err:  # noqa: BLE001 - a lost log must not fail (or hide the error of) the step
                 saved[1].write(f"warning: the step log could not be saved to {url}: {err}\n")
