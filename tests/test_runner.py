@@ -183,6 +183,37 @@ def test_single_step_with_missing_upstream_exits_1_naming_the_command(make_confi
     assert CALLS == []
 
 
+def test_a_step_with_a_new_hash_says_what_changed_since_its_last_output(make_config, tmp_path):
+    """A prompt file appended to after tokenize: `run generate` names the file, not just that
+    tokenize is missing; a changed sampling value and status say the same of their steps."""
+    config = make_config()
+    runner.run_steps(load_config(config), GRAPH, NAMES, echo=lambda _: None)
+    last_tokenize = runner.make_plan(load_config(config), GRAPH)[0].url.rstrip("/").split("/")[-1]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(prompts.read_text() + '{"id": 99, "prompt": "one more"}\n')
+    CALLS.clear()
+
+    result = CliRunner().invoke(app, ["run", "generate", "--config", config])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1].startswith(
+        f"error: cannot run generate: needs tokenize, which is missing (prompts file {prompts} changed since {last_tokenize}): run ")
+    report = status_report.report(load_config(config), GRAPH)
+    assert report[0]["why"] == f"missing (prompts file {prompts} changed since {last_tokenize}): the next `run all` runs it"
+
+    runner.run_steps(load_config(config), GRAPH, NAMES, echo=lambda _: None)
+    plan = runner.make_plan(load_config(config, ["sampling.seed=3", "sampling.temperature=0.5"]), GRAPH, ("generate",))
+    last_generate = runner.make_plan(load_config(config), GRAPH)[1].url.rstrip("/").split("/")[-1]
+    assert plan[1].reason == (f"no output for this hash (sampling.temperature changed from 0.0 to 0.5; sampling.seed changed "
+                              f"from 0 to 3 since {last_generate}): run")
+    assert CALLS == list(NAMES)
+
+
+def test_a_step_never_run_under_the_root_gives_no_since(make_config):
+    plan = runner.make_plan(load_config(make_config()), GRAPH)
+    assert [p.since for p in plan] == [None] * 4
+    assert plan[0].reason == "no output for this hash: run"
+
+
 def test_status_json_lists_four_steps(make_config):
     config = make_config()
     CliRunner().invoke(app, ["run", "all", "--config", config], catch_exceptions=False)

@@ -94,6 +94,48 @@ def changed_input(step: str, cfg: Config, planned: dict[str, Any]) -> str | None
     return None
 
 
+def what_changed(step: str, version: str, cfg: Config, content: dict[str, Any], upstream: dict[str, str],
+                 record: Any) -> str | None:
+    """What of a step's hash differs from an earlier output's `record` (a status.StepRecord):
+    its code version, config values, input files or upstream outputs, in words ('sampling.seed
+    changed from 0 to 1', 'prompts file X changed'), or None where nothing named differs."""
+    changes = []
+    if record.version != version:
+        changes.append(f"the {step} step's code changed (version {record.version}, now {version})")
+    for key in (*SEMANTIC_KEYS[step], *ADDED_KEYS.get(step, {})):
+        then, now = _at(record.config, key, ADDED_KEYS.get(step, {}).get(key)), cfg.get(key)
+        if canonical_json(then) != canonical_json(now):
+            changes.append(f"{key} changed from {canonical_json(then)} to {canonical_json(now)}")
+    for kind in CONTENT_INPUTS[step]:
+        if kind in record.content and canonical_json(record.content[kind]) != canonical_json(content.get(kind)):
+            changes.append(_changed_files(cfg, kind, record.content[kind], content.get(kind)))
+    changes += [f"{name}'s output changed" for name, h in upstream.items() if record.upstream.get(name) != h]
+    return "; ".join(changes[:3]) + ("; ..." if len(changes) > 3 else "") if changes else None
+
+
+def _at(tree: dict[str, Any], key: str, default: Any) -> Any:
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return default
+        tree = tree[part]
+    return tree
+
+
+def _changed_files(cfg: Config, kind: str, then: Any, now: Any) -> str:
+    if kind == "prompts":
+        if len(then) != len(now):
+            return f"prompts.path {cfg.prompts.path} matched {len(then)} file(s) then and {len(now)} now"
+        try:
+            urls = storage.expand(cfg.prompts.path)
+        except Exception:  # noqa: BLE001 - the files are named where they can be listed
+            urls = []
+        changed = [url for url, a, b in zip(urls, then, now) if a != b]
+        return f"prompts file {changed[0]} changed" if changed else "the prompt files changed"
+    names = sorted(name for name in set(then) | set(now or {}) if then.get(name) != (now or {}).get(name))
+    what = "the tokenizer file" if kind == "tokenizer" else "model file"
+    return f"{what} {storage.join(cfg.model.path, names[0])} changed" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+
+
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 

@@ -49,6 +49,8 @@ class PlannedStep:
     """The output's record, as the plan found it (complete)."""
     content: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The input files' fingerprints the hash covers, as the plan read them."""
+    since: str | None = None
+    """Where there is no output for the hash: what changed since the step's output made last."""
 
     @property
     def name(self) -> str:
@@ -77,26 +79,39 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
         url = storage.step_url(cfg.run.root, step.name, step_hash)
         state, record, damaged = status.inspect(url)
         rows = record.rows if record else None
-        action, reason = _decide(step, state, rows, step.name in targets, force, by_name, again)
+        since = _since_last(cfg, step, content, {s.name: by_name[s.name].hash for s in step.inputs}) if state == "missing" else None
+        action, reason = _decide(step, state, rows, step.name in targets, force, by_name, again, since)
         redo = step.redo(cfg, record) if action == "skip" and state == "complete" and step.redo else None
         if redo:
             action, reason = "run", redo
         if damaged and action == "run":
             reason = f"its {status.MARKER} cannot be read ({damaged}): run it again"
-        planned = PlannedStep(step, step_hash, url, state, rows, action, reason, damaged, record, content)
+        planned = PlannedStep(step, step_hash, url, state, rows, action, reason, damaged, record, content, since)
         plan.append(planned)
         by_name[step.name] = planned
     return plan
 
 
+def _since_last(cfg: Config, step: Step, content: dict[str, Any], upstream: dict[str, str]) -> str | None:
+    """For a step with no output for its hash: what differs from its output made last (another
+    hash), as 'prompts file X changed since tokenize-1a2b3c4d5e6f', or None where there is none."""
+    last = status.latest_complete(cfg.run.root, step.name)
+    if last is None:
+        return None
+    url, record = last
+    change = identity.what_changed(step.name, step.version, cfg, content, upstream, record)
+    return f"{change} since {url.rstrip('/').split('/')[-1]}" if change else None
+
+
 def _decide(step: Step, state: str, rows: int | None, targeted: bool, force: bool,
-            earlier: dict[str, PlannedStep], again: str) -> tuple[str, str]:
+            earlier: dict[str, PlannedStep], again: str, since: str | None = None) -> tuple[str, str]:
     if not targeted:
         return "skip", f"{state}; not selected"
     upstream = [s.name for s in step.inputs]
     missing = [n for n in upstream if earlier[n].state != "complete" and earlier[n].action != "run"]
     if missing:
-        return "blocked", (f"needs {missing[0]}, which is {earlier[missing[0]].state}: "
+        why = earlier[missing[0]].since
+        return "blocked", (f"needs {missing[0]}, which is {earlier[missing[0]].state}{f' ({why})' if why else ''}: "
                            f"run `pipeline run {missing[0]} {again}` (or `pipeline run all {again}`) first")
     if state == "complete" and not force:
         return "skip", f"complete ({rows} rows); --force reruns it"
@@ -107,7 +122,7 @@ def _decide(step: Step, state: str, rows: int | None, targeted: bool, force: boo
         return "run", "partial output from an earlier attempt: resume"
     if changed:
         return "run", f"no output for this hash ({changed[0]} runs first)"
-    return "run", "no output for this hash: run"
+    return "run", f"no output for this hash ({since}): run" if since else "no output for this hash: run"
 
 
 def format_plan(plan: list[PlannedStep], with_urls: bool = False) -> str:
@@ -314,7 +329,7 @@ def _mark(cfg: Config, planned: PlannedStep, out: StepOutput, started: str, resu
         step=planned.name, hash=planned.hash, version=planned.step.version, files=result.files,
         summary=result.summary_dict(), rows=result.rows, started_at=started, finished_at=_now(),
         wall_s=round(_elapsed(started), 3), config=cfg.to_dict(),
-        upstream={s.name: out.upstream[s.name].hash for s in planned.step.inputs},
+        upstream={s.name: out.upstream[s.name].hash for s in planned.step.inputs}, content=planned.content,
     ))
     return result
 

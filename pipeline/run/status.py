@@ -49,6 +49,9 @@ class StepRecord:
     config: dict[str, Any]
     upstream: dict[str, str]
     versions: dict[str, str] = field(default_factory=lambda: package_versions())
+    content: dict[str, Any] = field(default_factory=dict)
+    """The fingerprints of the input files its hash covers (`identity.content_fingerprints`), so
+    that a later plan with another hash can say which file changed (empty in older markers)."""
 
 
 def package_versions() -> dict[str, str]:
@@ -96,6 +99,26 @@ def inspect(out_url: str) -> tuple[State, StepRecord | None, str | None]:
         return "complete", record, None
     fs, path = storage.filesystem(out_url)
     return ("partial" if fs.exists(path) else "missing"), None, damaged
+
+
+def latest_complete(root: str, step: str) -> tuple[str, StepRecord] | None:
+    """The output of `step` under `root` that was finished last, with its record, whatever its hash;
+    None where there is none (or the root cannot be listed: this only explains, never decides)."""
+    try:
+        fs, path = storage.filesystem(root)
+        markers = fs.glob(f"{path.rstrip('/')}/{step}-*/{MARKER}")
+    except Exception:  # noqa: BLE001 - a hint lost, not a run
+        return None
+    found = []
+    for marker in markers:
+        out_url = storage.join(root, marker.rstrip("/").split("/")[-2])
+        try:
+            record = read_marker(out_url)
+        except Exception:  # noqa: BLE001 - as above
+            record = None
+        if record is not None:
+            found.append((record.finished_at, out_url, record))
+    return max(found, key=lambda f: f[0])[1:] if found else None
 
 
 def output_state(out_url: str) -> State:

@@ -60,7 +60,7 @@ def _why(p: Any, progress: str | None = None) -> str:
         if p.damaged:
             return f"partial: its {status.MARKER} cannot be read ({p.damaged}): the next run runs it again"
         return f"partial ({progress}): the next run resumes it" if progress else "partial: the next run resumes it"
-    return "missing: the next `run all` runs it"
+    return f"missing ({p.since}): the next `run all` runs it" if p.since else "missing: the next `run all` runs it"
 
 
 def result_of(rows: list[dict[str, Any]]) -> MergedResult | None:
