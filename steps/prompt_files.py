@@ -239,14 +239,24 @@ def _parquet_rows(f: Any, options: PromptsConfig) -> Iterator[list[Row]]:
         for text, raw_id in zip(texts, ids):
             number += 1
             if isinstance(text, _BadUtf8):
-                rows.append((number, None, None, text.raw, ("invalid UTF-8", f"in {options.text_field!r}")))
+                rows.append((number, None, None, _parquet_raw(options, text.raw, raw_id), ("invalid UTF-8", f"in {options.text_field!r}")))
                 continue
             if isinstance(raw_id, _BadUtf8):
                 raw_id = raw_id.raw.encode()  # a bytes id is reported as a bad id
             raw = text if isinstance(text, str) else "" if text is _MISSING else \
-                json.dumps(text, default=repr, ensure_ascii=False)
-            rows.append(_fields(number, text, raw_id, raw, options))
+                json.dumps(text, default=repr, ensure_ascii=False)  # a conversation's, if its template fails it
+            row = _fields(number, text, raw_id, raw, options)
+            if row[4] is not None:  # a bad row: what it held, as a JSONL line would show it
+                row = (*row[:3], _parquet_raw(options, text, raw_id), row[4])
+            rows.append(row)
         yield rows
+
+
+def _parquet_raw(options: PromptsConfig, text: Any, raw_id: Any) -> str:
+    """A Parquet row's text and id columns as one JSON object (an absent column left out): a
+    rejected row's `raw`, as a JSONL row's is its line."""
+    values = {options.text_field: text, **({options.id_field: raw_id} if options.id_field else {})}
+    return json.dumps({k: v for k, v in values.items() if v is not _MISSING}, default=repr, ensure_ascii=False)
 
 
 class Conversation(str):

@@ -24,8 +24,10 @@ Rules:
   prompt_id, too long, no tokens. `fail`: the whole input is still read (to count them),
   nothing is written, and StepFailed names the first one (file, line, reason) and counts
   the rest by kind. `skip`: each goes to `rejected.parquet` (file, line, prompt_index,
-  prompt_id, reason, raw: the first 1000 characters) and the count to the summary; for
-  Parquet input `line` is the 1-based row number. Problems with a whole input (no files,
+  prompt_id, reason, raw) and the count to the summary; for Parquet input `line` is the
+  1-based row number. `raw` (its first 1000 characters) is the row as read: a JSONL or .txt
+  line, a Parquet row's text and id columns as a JSON object; for a row refused after it was
+  read (too long, no tokens, a repeated id, a text the tokenizer cannot take), its prompt text. Problems with a whole input (no files,
   an unknown file type, a file that cannot be read, no prompts, every row rejected) fail
   in both modes.
 

@@ -424,7 +424,13 @@ def test_a_bad_row_is_recorded_and_skipped(tmp_path, demo_model, case):
     assert (rejected["file"], rejected["line"], rejected["prompt_index"]) == (str(path), 2, 1)
     assert rejected["reason"].split(":")[0] == kind
     assert rejected["prompt_id"] in (None, "a", "b")
-    assert rejected["raw"]  # what the row held, so it can be fixed
+    # What the row held, so it can be fixed: the line as read, or the prompt text where the row was
+    # read and then refused (too long, a repeated id, a text the tokenizer cannot take).
+    if case in ("duplicate id", "too long", "lone surrogate"):
+        held = json.loads(line)["prompt"].encode("utf-8", "backslashreplace").decode()
+    else:
+        held = line.decode(errors="backslashreplace")
+    assert rejected["raw"] == held[:1000] + (f"... [{len(held) - 1000} more characters]" if len(held) > 1000 else "")
     assert (record.summary["rows_in"], record.summary["rows"], record.summary["rejected"]) == (3, 2, 1)
     assert record.summary["rejected_reasons"] == {kind: 1}
     assert {"path": "rejected.parquet", "rows": 1}.items() <= next(
@@ -462,8 +468,9 @@ def test_bad_parquet_rows(tmp_path, demo_model):
                                             id_field="id", on_invalid="skip"))
     assert [r["prompt_id"] for r in all_rows(url, record)] == ["a"]
     rejected = storage.read_parquet(storage.join(url, "rejected.parquet")).to_pylist()
-    assert [(r["line"], r["prompt_index"], r["reason"].split(":")[0]) for r in rejected] == \
-        [(2, 1, "missing text"), (3, 2, "empty prompt"), (4, 3, "missing id")]
+    assert [(r["line"], r["prompt_index"], r["reason"].split(":")[0], r["raw"]) for r in rejected] == [
+        (2, 1, "missing text", '{"prompt": null, "id": "b"}'), (3, 2, "empty prompt", '{"prompt": "", "id": "c"}'),
+        (4, 3, "missing id", '{"prompt": "fine", "id": null}')]  # the columns read, as a JSONL line would hold them
 
     pq.write_table(pa.table({"other": ["x", "y"]}), tmp_path / "q.parquet")
     result = cli("run", "tokenize", "--config", write_config(tmp_path, demo_model, path=str(tmp_path / "q.parquet")))
