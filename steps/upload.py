@@ -61,8 +61,6 @@ RUN_FILE = "wandb_run.json"
 """In the upload folder: the W&B run id (and where its offline copy is), written at init."""
 ARTIFACT_TYPE = "generations"
 TABLE_NAME = "generations"
-CACHE_ENV = "PIPELINE_CACHE_DIR"
-"""Local folder for W&B files when run.root is remote (default ~/.cache/jax-batch-pipeline)."""
 
 
 @dataclass(frozen=True)
@@ -202,9 +200,7 @@ def _local_folder(out: StepOutput, run_id: str) -> str:
     """Where W&B writes: the upload folder itself when local, else a local cache folder for the run."""
     if storage.is_local(out.url):
         return storage.filesystem(out.url)[1]
-    cache = os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax-batch-pipeline")
-    return os.path.join(cache, "upload", run_id)
+    return storage.local_cache("upload", run_id)
 
 
 def _local_copies(merge_url: str, files: list[dict[str, Any]], local: str) -> dict[str, str]:

@@ -147,3 +147,41 @@ def test_hashes_are_stable_across_processes(base):
     runs = [subprocess.run([sys.executable, "-c", code, json.dumps(base)], capture_output=True, text=True, check=True)
             for _ in range(2)]
     assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout) == [hashes(build_config(base))[n] for n in STEP_NAMES]
+
+
+def test_a_large_local_file_is_read_for_its_fingerprint_once_until_it_changes(tmp_path, monkeypatch):
+    """A local checkpoint of gigabytes was hashed again by every plan (`status`, each `run`):
+    its fingerprint is now kept in the machine's cache folder. Any write is seen, even one that
+    keeps the size and sets the old mtime back: the write changed the file's ctime."""
+    import hashlib
+    import os
+
+    from pipeline import storage
+
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "cache"))
+    reads = []
+    md5 = storage._md5
+    monkeypatch.setattr(storage, "_md5", lambda fs, path: reads.append(path) or md5(fs, path))
+    weights = tmp_path / "model.safetensors"
+    content = os.urandom(storage.FINGERPRINTS_CACHED_FROM + 5)
+    weights.write_bytes(content)
+    want = f"md5:{hashlib.md5(content).hexdigest()}:{len(content)}"
+    assert [storage.fingerprint(str(weights)) for _ in range(3)] == [want] * 3
+    assert len(reads) == 1 and len(os.listdir(tmp_path / "cache" / "fingerprints")) == 1
+
+    before = os.stat(weights)
+    changed = b"x" + content[1:]
+    with open(weights, "r+b") as f:  # in place: the same inode and size
+        f.write(changed[:1])
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))  # the old mtime, as `touch -d` would set it
+    assert storage.fingerprint(str(weights)) == f"md5:{hashlib.md5(changed).hexdigest()}:{len(changed)}"
+    assert len(reads) == 2
+
+    small = tmp_path / "config.json"  # small files are hashed each time, as cheap as a lookup
+    small.write_text("{}")
+    storage.fingerprint(str(small)), storage.fingerprint(str(small))
+    assert len(reads) == 4
+
+    (tmp_path / "cache").rename(tmp_path / "elsewhere")
+    (tmp_path / "cache").write_text("a file where the cache folder would be")
+    assert storage.fingerprint(str(weights)) == f"md5:{hashlib.md5(changed).hexdigest()}:{len(changed)}"

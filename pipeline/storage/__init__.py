@@ -270,12 +270,60 @@ def fingerprint(url: str) -> str:
             return f"md5:{base64.b64decode(info['md5Hash']).hex()}:{info.get('size')}"
         if info.get("crc32c"):
             return f"crc32c:{info['crc32c']}:{info.get('size')}"
+    if isinstance(fs, LocalFileSystem):
+        return _local_fingerprint(fs, path)
+    return _md5(fs, path)
+
+
+def _md5(fs: fsspec.AbstractFileSystem, path: str) -> str:
     digest, size = hashlib.md5(usedforsecurity=False), 0
     with fs.open(path, "rb") as f:
         while block := f.read(8 << 20):
             digest.update(block)
             size += len(block)
     return f"md5:{digest.hexdigest()}:{size}"
+
+
+FINGERPRINTS_CACHED_FROM = 1 << 20
+"""Local files of at least this many bytes keep their fingerprint in `local_cache("fingerprints")`:
+a local checkpoint of 16 GB took about 20 s to hash, on every plan (`status`, each `run`)."""
+
+
+def _local_fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """A local file's md5, read again only when the file may have changed: the answer is kept
+    under a key of its path, device, inode, size, mtime and ctime. Any write to a file changes its
+    ctime, which no tool sets back (`cp -p` and `touch -d` set only mtime), so an edit is never
+    missed; a move or chmod only costs one hash again. A cache that cannot be written is skipped."""
+    before = os.stat(path)
+    if before.st_size < FINGERPRINTS_CACHED_FROM:
+        return _md5(fs, path)
+    key = "\0".join(map(str, (os.path.realpath(path), before.st_dev, before.st_ino, before.st_size,
+                              before.st_mtime_ns, before.st_ctime_ns)))
+    entry = local_cache("fingerprints", hashlib.sha256(key.encode()).hexdigest())
+    with contextlib.suppress(OSError), open(entry) as f:
+        if (cached := f.read()).startswith("md5:"):
+            return cached
+    value = _md5(fs, path)
+    if _same_file(before, os.stat(path)):  # not written to while it was read
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(entry), exist_ok=True)
+            temp = f"{entry}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            with open(temp, "w") as f:
+                f.write(value)
+            os.replace(temp, entry)  # whole or absent, for the other hosts of a pod sharing the folder
+    return value
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns, a.st_ctime_ns) == (b.st_dev, b.st_ino, b.st_size, b.st_mtime_ns, b.st_ctime_ns)
+
+
+def local_cache(*names: str) -> str:
+    """A path under this machine's cache folder: `$PIPELINE_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/jax-batch-pipeline` (default `~/.cache/jax-batch-pipeline`)."""
+    root = os.environ.get("PIPELINE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax-batch-pipeline")
+    return os.path.join(os.path.expanduser(root), *names)
 
 
 def _url_of(like: str, fs: fsspec.AbstractFileSystem, name: str) -> str:
