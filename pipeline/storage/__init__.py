@@ -319,11 +319,9 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 def local_cache(*names: str) -> str:
-    """A path under this machine's cache folder: `$PIPELINE_CACHE_DIR`, else
-    `$XDG_CACHE_HOME/jax-batch-pipeline` (default `~/.cache/jax-batch-pipeline`)."""
-    root = os.environ.get("PIPELINE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax-batch-pipeline")
-    return os.path.join(os.path.expanduser(root), *names)
+    """A path under this machine's cache folder: `$PIPELINE_CACHE_DIR`, default
+    `~/.cache/jax-batch-pipeline` (as engine/compile_cache.py's, which the engine keeps itself)."""
+    return os.path.join(os.path.expanduser(os.environ.get("PIPELINE_CACHE_DIR") or "~/.cache/jax-batch-pipeline"), *names)
 
 
 def _url_of(like: str, fs: fsspec.AbstractFileSystem, name: str) -> str:
