@@ -883,6 +883,29 @@ def test_a_prompt_file_edited_while_tokenize_runs_is_not_marked_complete(tmp_pat
     assert sorted(texts) == [f"Tell me about EDITED topic {i}." for i in range(6)]
 
 
+def test_a_prompt_file_in_a_bucket_folder_edited_while_tokenize_runs_is_seen(tmp_path, demo_model, gcs_bucket, monkeypatch):
+    """The same on gs:// with a folder as prompts.path: gcsfs keeps the folder's listing, md5s
+    and all, so the recheck saw the files as the plan had and marked the edited input complete."""
+    import gcsfs
+
+    folder = f"{gcs_bucket}/prompts"
+    storage.write_bytes(f"{folder}/part-0.jsonl", jsonl(*({"prompt": f"Tell me about topic {i}."} for i in range(4))))
+    config = write_config(tmp_path, demo_model, path=folder)
+    read_rows = tk.read_rows
+
+    def edited_before_the_read(url, options):  # by another writer: not through this process's gcsfs
+        gcsfs.GCSFileSystem(skip_instance_cache=True).pipe(
+            url.removeprefix("gs://"), jsonl(*({"prompt": f"EDITED topic {i}."} for i in range(4))))
+        yield from read_rows(url, options)
+
+    monkeypatch.setattr(tk, "read_rows", edited_before_the_read)
+    first = tokenize_step(config)
+    result = cli("run", "tokenize", "--config", config)
+    assert result.exit_code == 1
+    assert error_line(result).startswith(f"error: prompts file {folder}/part-0.jsonl changed while tokenize ran: ")
+    assert status.output_state(first.url) == "partial"
+
+
 def test_a_parquet_id_column_of_floats_says_why_it_may_be_floats(tmp_path, demo_model):
     """pandas writes integer ids with a null among them as float64: the refusal said only that the
     id was 'a number', which an id column of 1, 2, 3 seemed to be."""

@@ -336,8 +336,12 @@ def expand(pattern: str) -> list[str]:
     """The files a path, folder or glob names (sorted); empty if it matches nothing. A folder is
     its own files (not its subfolders': `DIR/**` for those); a folder or glob leaves out names
     starting with `.` or `_` (`_SUCCESS.json`, `.cache`), a file named exactly is itself (a `[`
-    in its name is no glob)."""
+    in its name is no glob). Listed afresh: gcsfs keeps listings, so a second look in the same
+    process (the runner's recheck of the prompt files before tokenize's marker) would see the
+    files, and their md5s (`fingerprint`), as they were at the first."""
     fs, path = filesystem(pattern)
+    glob_at = min((path.index(ch) for ch in "*?[" if ch in path), default=len(path))
+    fs.invalidate_cache(path if glob_at == len(path) else path[:glob_at].rsplit("/", 1)[0])
     if fs.isfile(path):
         return [_url_of(normalize(pattern), fs, path)]
     if any(ch in path for ch in "*?["):
