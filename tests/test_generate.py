@@ -88,6 +88,25 @@ def test_any_host_count_gives_the_same_rows(make_config, tmp_path, many_prompts,
         assert 0 < m["compile_wait_s"] <= min(m["wall_s"], m["compile_s"] + 0.05), m
 
 
+def test_a_pod_with_its_run_root_in_a_bucket_makes_the_same_rows(make_config, tmp_path, many_prompts, reference, gcs_bucket):
+    """The pod's usual setup: every host writes its parts to one gs:// root (here the GCS
+    emulator, through gcsfs), the leader merges what all of them wrote, then uploads."""
+    from pipeline import storage
+
+    root = f"{gcs_bucket}/runs"
+    config = make_config("bucket.yaml", run={"root": root}, prompts={"path": many_prompts}, **GREEDY)
+    result = pipeline("launch", "--hosts", "2", "--", "run", "all", "--config", config)
+    assert result.returncode == 0, result.stdout[-3000:]
+    (merged,) = [line for line in result.stdout.splitlines() if line.startswith("[host 0] result: ")]
+    assert merged.startswith(f"[host 0] result: {root}/merge-") and merged.endswith("(80 rows in 1 file)")
+    rows = storage.read_parquet(merged.split()[3]).to_pylist()
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == sorted(reference)  # each once, in order
+    assert {(r["prompt_index"], r["sample_index"]): (r["completion_token_ids"], r["finish_reason"], r["prompt_id"],
+                                                     r["num_prompt_tokens"]) for r in rows} == reference
+    metrics = [storage.read_json(url) for url in storage.expand(f"{root}/generate-*/metrics/host-*.json")]
+    assert sorted(m["host"] for m in metrics if m["samples"]) == [0, 1]  # both hosts generated rows
+
+
 PARTS = "generate-*/shard-*/part-*.parquet"
 
 
