@@ -106,19 +106,16 @@ def latest_complete(root: str, step: str) -> tuple[str, StepRecord] | None:
     None where there is none (or the root cannot be listed: this only explains, never decides)."""
     try:
         fs, path = storage.filesystem(root)
-        markers = fs.glob(f"{path.rstrip('/')}/{step}-*/{MARKER}")
+        markers = fs.glob(f"{path.rstrip('/')}/{step}-*/{MARKER}", detail=True)
+        # Newest first by the listing's time (local mtime, GCS updated), so that one marker is read.
+        newest = sorted(markers, key=lambda m: markers[m].get("mtime") or markers[m].get("updated") or 0, reverse=True)
+        for marker in newest:
+            out_url = storage.join(root, marker.rstrip("/").split("/")[-2])
+            if (record := read_marker(out_url)) is not None:
+                return out_url, record
     except Exception:  # noqa: BLE001 - a hint lost, not a run
-        return None
-    found = []
-    for marker in markers:
-        out_url = storage.join(root, marker.rstrip("/").split("/")[-2])
-        try:
-            record = read_marker(out_url)
-        except Exception:  # noqa: BLE001 - as above
-            record = None
-        if record is not None:
-            found.append((record.finished_at, out_url, record))
-    return max(found, key=lambda f: f[0])[1:] if found else None
+        pass
+    return None
 
 
 def output_state(out_url: str) -> State:

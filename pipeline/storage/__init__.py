@@ -294,17 +294,16 @@ def _local_fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> str:
     under a key of its path, device, inode, size, mtime and ctime. Any write to a file changes its
     ctime, which no tool sets back (`cp -p` and `touch -d` set only mtime), so an edit is never
     missed; a move or chmod only costs one hash again. A cache that cannot be written is skipped."""
-    before = os.stat(path)
-    if before.st_size < FINGERPRINTS_CACHED_FROM:
+    before = _version_of(path)
+    if before[2] < FINGERPRINTS_CACHED_FROM:
         return _md5(fs, path)
-    key = "\0".join(map(str, (os.path.realpath(path), before.st_dev, before.st_ino, before.st_size,
-                              before.st_mtime_ns, before.st_ctime_ns)))
+    key = "\0".join(map(str, (os.path.realpath(path), *before)))
     entry = local_cache("fingerprints", hashlib.sha256(key.encode()).hexdigest())
     with contextlib.suppress(OSError), open(entry) as f:
         if (cached := f.read()).startswith("md5:"):
             return cached
     value = _md5(fs, path)
-    if _same_file(before, os.stat(path)):  # not written to while it was read
+    if _version_of(path) == before:  # not written to while it was read
         with contextlib.suppress(OSError):
             os.makedirs(os.path.dirname(entry), exist_ok=True)
             temp = f"{entry}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -314,8 +313,10 @@ def _local_fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return value
 
 
-def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns, a.st_ctime_ns) == (b.st_dev, b.st_ino, b.st_size, b.st_mtime_ns, b.st_ctime_ns)
+def _version_of(path: str) -> tuple[int, ...]:
+    """(device, inode, size, mtime, ctime): what changes when a local file may have."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def local_cache(*names: str) -> str:
