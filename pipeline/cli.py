@@ -58,8 +58,10 @@ NoWaitOpt = Annotated[bool, typer.Option(
     "--no-wait", help="If another runner is executing a step on this run root, exit 75 at once instead of waiting.")]
 
 
-def _guard(body: Callable[[], None]) -> None:
-    """Run a command body; turn exceptions into one `error:` line and the contract's exit code."""
+def _guard(body: Callable[[], None], again: str | None = None) -> None:
+    """Run a command body; turn exceptions into one `error:` line and the contract's exit code.
+    again: the command's `--config ... --set ...` (`_config_args`), which the commands an error
+    names get in place of the steps' `--config FILE`."""
     from pipeline.pod import hosts
 
     preemption.install()
@@ -68,7 +70,7 @@ def _guard(body: Callable[[], None]) -> None:
         body()
         hosts.leave(0)
     except PipelineError as err:
-        _fail(str(err), err.exit_code)
+        _fail(str(err), err.exit_code, again)
     except KeyboardInterrupt:
         _fail("interrupted; rerun the same command to resume", preemption.EXIT_INTERRUPTED)
     except Exception as err:  # noqa: BLE001 - the one place that maps anything to exit 1
@@ -76,17 +78,22 @@ def _guard(body: Callable[[], None]) -> None:
 
         explained = explain(err, "write", getattr(err, "filename", None) or "a file")
         if explained is not err:  # disk full, read-only, permission denied: one line, no traceback
-            _fail(str(explained), 1)
+            _fail(str(explained), 1, again)
         traceback.print_exc(file=sys.stderr)
         if preemption.stop_requested():
             _fail(f"interrupted while failing ({type(err).__name__}: {err}); rerun to resume",
                   preemption.EXIT_INTERRUPTED)
-        _fail(f"{type(err).__name__}: {err}", 1)
+        _fail(f"{type(err).__name__}: {err}", 1, again)
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, again: str | None = None) -> None:
     from pipeline.pod import hosts
 
+    # One line, whatever a library's error held (Arrow's hold newlines), that scripts can take
+    # with `tail -1`; the commands it names run this config, --set and all.
+    message = " ".join(line.strip() for line in message.splitlines() if line.strip())
+    if again is not None:
+        message = message.replace("--config FILE", again)
     typer.echo(f"error: {message}", err=True)
     end_output()  # threads still getting programs announced them after this line
     # The error line stays the last line: gcsfs's event loop can still hold pending reads after a
@@ -119,7 +126,7 @@ def _run(targets: tuple[str, ...], config: str, overrides: list[str] | None, for
         run_steps(cfg, PIPELINE, targets, force=force, dry_run=dry_run, wait=not no_wait, verbose=verbose,
                   again=_config_args(config, overrides))
 
-    _guard(body)
+    _guard(body, _config_args(config, overrides))
 
 
 @run_app.command("all")
@@ -193,7 +200,7 @@ def status_command(
         result = result_of(rows)
         typer.echo(json.dumps(report_json(rows, result), indent=2) if as_json else report_text(rows, result))
 
-    _guard(body)
+    _guard(body, _config_args(config, set_))
 
 
 @app.command("show")
@@ -217,7 +224,7 @@ def show_command(
 
         typer.echo(show_text(load_config(config, set_ or []), PIPELINE, _config_args(config, set_), rows))
 
-    _guard(body)
+    _guard(body, _config_args(config, set_))
 
 
 @app.command("preflight")
@@ -240,7 +247,7 @@ def preflight_command(
 
         typer.echo(preflight(load_config(config, set_ or []), PIPELINE, expect_hosts=expect_hosts))
 
-    _guard(body)
+    _guard(body, _config_args(config, set_))
 
 
 @app.command(

@@ -209,12 +209,20 @@ def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_co
         return line
 
     part = sorted(glob.glob(os.path.join(steps["generate"]["output"], "shard-*", "part-*.parquet")))[0]
+    fix = (f"delete it, then run `pipeline run generate --config {config} --force`: it makes that part's rows "
+           "again and keeps the other parts")  # the command as typed: --config FILE is the user's own
+    with open(part, "r+b") as f:  # one bit of a data page: the part still parses, as other token ids
+        f.seek(os.path.getsize(part) // 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    assert fails("run", "merge", "--force") == (f"error: generate part {part} is not the file generate wrote (other "
+                                                f"bytes than its marker records: it was changed since): {fix}")
     damage(part)
-    for command in (("run", "merge", "--force"), ("run", "generate", "--force")):  # generate reads it to resume
-        line = fails(*command)
-        assert line.startswith(f"error: generate part {part} cannot be read (")
-        assert line.endswith("delete it, then run `pipeline run generate --config FILE --force`: it makes that "
-                             "part's rows again and keeps the other parts")
+    assert fails("run", "merge", "--force") == (f"error: generate part {part} is not the file generate wrote (another "
+                                                f"size than its marker records: it was changed since): {fix}")
+    line = fails("run", "generate", "--force")  # generate reads it to resume
+    assert line.startswith(f"error: generate part {part} cannot be read (") and line.endswith(fix)
     os.remove(part)
     assert invoke("run", "generate", "--force", "--config", config).exit_code == 0
     assert invoke("run", "merge", "--force", "--config", config).exit_code == 0
@@ -225,7 +233,7 @@ def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_co
     for command in (("run", "merge", "--force"), ("run", "generate", "--force")):
         line = fails(*command)
         assert line.startswith(f"error: tokenize shard {shard} cannot be read (")
-        assert "rerun `pipeline run tokenize --config FILE --force` to write the shards again" in line
+        assert f"rerun `pipeline run tokenize --config {config} --force` to write the shards again" in line
     assert invoke("run", "tokenize", "--force", "--config", config).exit_code == 0
     assert invoke("run", "all", "--config", config).exit_code == 0  # generate resumes: nothing left to make
     assert pq.read_table(merged).to_pylist() == rows
@@ -234,7 +242,7 @@ def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_co
     damage(metrics)
     line = fails("run", "generate", "--force")
     assert line.startswith(f"error: generate metrics {metrics} cannot be read (")
-    assert line.endswith("delete it (it holds only a host's figures), then run `pipeline run generate --config FILE`")
+    assert line.endswith(f"delete it (it holds only a host's figures), then run `pipeline run generate --config {config}`")
     os.remove(metrics)
     assert invoke("run", "generate", "--config", config).exit_code == 0
 
@@ -242,7 +250,27 @@ def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_co
     for command in (("run", "upload", "--force"), ("show",)):
         line = fails(*command)
         assert line.startswith(f"error: merged file {merged} cannot be read (")
-        assert "rerun `pipeline run merge --config FILE --force` to write" in line
+        assert f"rerun `pipeline run merge --config {config} --force` to write" in line
     assert invoke("run", "merge", "--force", "--config", config).exit_code == 0
     assert invoke("run", "upload", "--force", "--config", config).exit_code == 0
     assert pq.read_table(merged).to_pylist() == rows
+
+
+def test_the_error_line_is_one_line_naming_the_users_own_config_and_overrides(make_config, monkeypatch):
+    """A library's error text can hold newlines (Arrow's page errors do), and a step's fix names
+    `--config FILE`: the last line still starts `error:` and holds the whole message, and the
+    command it names is this one's config with its --set, which make the same result."""
+    from pipeline.errors import StepFailed
+    from pipeline.run import result
+
+    def damaged(*args, **kwargs):
+        raise StepFailed("merged file m.parquet cannot be read (Couldn't deserialize thrift.\nDeserializing page header "
+                         "failed.\n): rerun `pipeline run merge --config FILE --force` to write the merged files again")
+
+    monkeypatch.setattr(result, "show_text", damaged)
+    config = make_config()
+    got = invoke("show", "--config", config, "--set", "sampling.seed=3")
+    assert got.exit_code == 1
+    assert got.stderr.splitlines()[-1] == (
+        "error: merged file m.parquet cannot be read (Couldn't deserialize thrift. Deserializing page header failed. ): "
+        f"rerun `pipeline run merge --config {config} --set sampling.seed=3 --force` to write the merged files again")
