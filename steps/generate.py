@@ -148,12 +148,13 @@ def generate(cfg: Config, out: StepOutput) -> None:
     with every host); commit parts of the shards this host owns as they fill."""
     started = time.monotonic()
     lockstep = cfg.engine.mode == "global_mesh"
-    every = _shard_names(out)
+    sha256 = _shard_names(out)
+    every = list(sha256)
     mine = every[hosts.process_index()::hosts.process_count()]  # shard i goes to host i mod N
     shards = every if lockstep else mine
     if not lockstep and hosts.is_leader():
         _say_idle_hosts(len(every), hosts.process_count())
-    todo = [_ShardTodo.read(out, name, cfg.sampling.n) for name in shards]
+    todo = [_ShardTodo.read(out, name, cfg.sampling.n, sha256[name]) for name in shards]
     if lockstep:
         _agree_on_todo(out, todo)
     n_missing = sum(t.missing for t in todo)
@@ -210,7 +211,7 @@ def finish(cfg: Config, out: StepOutput) -> StepResult:
     """Leader: check every shard holds every (prompt, sample); sum per-host metrics."""
     files: list[dict[str, Any]] = []
     missing_total, rows_total, examples = 0, 0, []
-    for shard in _shard_names(out):
+    for shard in _shard_names(out):  # names, in order
         shard_keys = read_shard(_shard_url(out, shard), columns=["prompt_index"])
         expected = len(shard_keys) * cfg.sampling.n
         parts = storage.list_files(out.path(shard), suffix=".parquet")
@@ -260,11 +261,13 @@ def _pod_rate(host_metrics: list[dict[str, Any]]) -> float:
 # --- work split and resume ----------------------------------------------------------------
 
 
-def _shard_names(out: StepOutput) -> list[str]:
+def _shard_names(out: StepOutput) -> dict[str, str | None]:
+    """Tokenize's shards, by name in order, with the sha256 its marker records of each."""
     record = status.read_marker(out.upstream["tokenize"].url)
     if record is None:
         raise StepFailed(f"tokenize output {out.upstream['tokenize'].url} is not complete: run `pipeline run tokenize`")
-    return sorted(f["path"].removesuffix(".parquet") for f in record.files if f["path"].startswith("shard-"))
+    return dict(sorted((f["path"].removesuffix(".parquet"), f.get("sha256")) for f in record.files
+                       if f["path"].startswith("shard-")))
 
 
 def progress(cfg: Config, url: str, upstream: dict[str, str]) -> str | None:
@@ -324,9 +327,16 @@ class _ShardTodo:
     """[rows, n] bool."""
 
     @classmethod
-    def read(cls, out: StepOutput, name: str, n: int) -> "_ShardTodo":
+    def read(cls, out: StepOutput, name: str, n: int, sha256: str | None = None) -> "_ShardTodo":
+        """With `sha256` (tokenize's marker's), the shard's bytes are checked first."""
         url = _shard_url(out, name)
-        table = read_shard(url, columns=["prompt_index", "num_tokens"])
+        with storage.unreadable("tokenize shard", url, SHARD_FIX):
+            data = storage.read_bytes(url)
+            if sha256 and hashlib.sha256(data).hexdigest() != sha256:
+                # Changed since tokenize wrote it: a flipped bit can still parse, as other prompt tokens.
+                raise StepFailed(f"tokenize shard {url} is not the file tokenize wrote (its sha256 is not the one "
+                                 f"tokenize's marker records: it was changed since): {SHARD_FIX}")
+            table = pq.read_table(pa.BufferReader(data), columns=["prompt_index", "num_tokens"])
         prompt_index = table["prompt_index"].to_numpy()
         done = _committed_keys(storage.list_files(out.path(name), suffix=".parquet"), n)
         every = prompt_index[:, None] * n + np.arange(n)[None, :]

@@ -202,6 +202,13 @@ def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_co
         with open(path, "r+b") as f:
             f.truncate(100)
 
+    def flip(path: str) -> None:
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 3)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 1]))
+
     def fails(*args: str) -> str:
         result = invoke(*args, "--config", config)
         assert result.exit_code == 1, result.output
@@ -211,11 +218,7 @@ def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_co
     part = sorted(glob.glob(os.path.join(steps["generate"]["output"], "shard-*", "part-*.parquet")))[0]
     fix = (f"delete it, then run `pipeline run generate --config {config} --force`: it makes that part's rows "
            "again and keeps the other parts")  # the command as typed: --config FILE is the user's own
-    with open(part, "r+b") as f:  # one bit of a data page: the part still parses, as other token ids
-        f.seek(os.path.getsize(part) // 3)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 1]))
+    flip(part)  # one bit of a data page: the part still parses, as other token ids
     assert fails("run", "merge", "--force") == (f"error: generate part {part} is not the file generate wrote (other "
                                                 f"bytes than its marker records: it was changed since): {fix}")
     damage(part)
@@ -229,10 +232,20 @@ def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_co
     assert pq.read_table(merged).to_pylist() == rows
 
     shard = os.path.join(steps["tokenize"]["output"], "shard-00001.parquet")
+    kept = open(shard, "rb").read()
+    flip(shard)
+    assert fails("run", "generate", "--force") == (
+        f"error: tokenize shard {shard} is not the file tokenize wrote (its sha256 is not the one tokenize's marker "
+        f"records: it was changed since): rerun `pipeline run tokenize --config {config} --force` to write the shards "
+        "again (the same rows: the steps after it keep their work)")
+    with open(shard, "wb") as f:
+        f.write(kept)
+    assert invoke("run", "generate", "--config", config).exit_code == 0  # --force had left it partial: complete again
     damage(shard)
-    for command in (("run", "merge", "--force"), ("run", "generate", "--force")):
+    for command, what in ((("run", "merge", "--force"), "cannot be read ("),  # generate checks its bytes first
+                          (("run", "generate", "--force"), "is not the file tokenize wrote")):
         line = fails(*command)
-        assert line.startswith(f"error: tokenize shard {shard} cannot be read (")
+        assert line.startswith(f"error: tokenize shard {shard} {what}")
         assert f"rerun `pipeline run tokenize --config {config} --force` to write the shards again" in line
     assert invoke("run", "tokenize", "--force", "--config", config).exit_code == 0
     assert invoke("run", "all", "--config", config).exit_code == 0  # generate resumes: nothing left to make
