@@ -14,7 +14,7 @@ TOKENIZE = Step("tokenize", tokenize.tokenize, about="read prompts, tokenize, wr
 # a seed gives other tokens than version 1 did; a run of version 1 is redone, never mixed in.
 GENERATE = Step("generate", generate.generate, inputs=(TOKENIZE,), on="every host", finish=generate.finish,
                 version="2", progress=generate.progress, about="every host generates completions for its shards")
-MERGE = Step("merge", merge.merge, inputs=(GENERATE,),
+MERGE = Step("merge", merge.merge, inputs=(GENERATE,), redo=merge.redo,
              about="verify every (prompt, sample) once, order, write the result")
 UPLOAD = Step("upload", upload.upload, inputs=(MERGE,), redo=upload.redo,
               about="log a W&B table artifact, resuming the same W&B run")

@@ -133,6 +133,17 @@ def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_byte
     ))
 
 
+def redo(cfg: Config, record: status.StepRecord, url: str) -> str | None:
+    """The merged files are the result users read and scripts list (`status --json`): one that is
+    gone is written again (the same rows, the same bytes) rather than named as the result."""
+    there = {u.rsplit("/", 1)[-1] for u in storage.list_files(url)}
+    gone = [f["path"] for f in record.files if f["path"] not in there]
+    if gone:
+        more = f" (and {len(gone) - 1} more)" if len(gone) > 1 else ""
+        return f"complete, but its file {gone[0]}{more} is gone: write the merged files again"
+    return None
+
+
 # --- inputs ------------------------------------------------------------------------------------
 
 

@@ -88,7 +88,7 @@ class UploadSummary:
     note: str | None = None
 
 
-def redo(cfg: Config, record: status.StepRecord) -> str | None:
+def redo(cfg: Config, record: status.StepRecord, url: str) -> str | None:
     """A result uploaded with `wandb.mode: disabled` logged nothing: with W&B on, it is uploaded
     (the mode is in no hash: online and offline make the same run)."""
     if record.summary.get("mode") == "disabled" and cfg.wandb.mode != "disabled":

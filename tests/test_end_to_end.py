@@ -287,3 +287,22 @@ def test_the_error_line_is_one_line_naming_the_users_own_config_and_overrides(ma
     assert got.stderr.splitlines()[-1] == (
         "error: merged file m.parquet cannot be read (Couldn't deserialize thrift. Deserializing page header failed. ): "
         f"rerun `pipeline run merge --config {config} --set sampling.seed=3 --force` to write the merged files again")
+
+
+def test_a_merged_file_deleted_by_hand_is_not_named_as_the_result_and_the_next_run_writes_it_again(make_config):
+    config = make_config(sampling={"n": 2, "max_new_tokens": 4})
+    assert invoke("run", "all", "--config", config).exit_code == 0
+    steps = status(config)
+    merged = os.path.join(steps["merge"]["output"], "merged-00000.parquet")
+    rows = pq.read_table(merged).to_pylist()
+    os.remove(merged)
+
+    shown = invoke("status", "--config", config, "--json")
+    assert json.loads(shown.output)["result"] is None  # it named the missing file, for scripts to fail on later
+    assert status(config)["merge"]["why"] == ("complete, but its file merged-00000.parquet is gone: write the merged "
+                                              "files again: the next `run all` runs it")
+    again = invoke("run", "all", "--config", config)
+    assert again.exit_code == 0
+    assert "merge     " in again.output and "[merge] complete: " in again.output and "[upload] complete" not in again.output
+    assert again.output.strip().splitlines()[-1] == f"result: {merged} ({len(rows)} rows in 1 file)"
+    assert pq.read_table(merged).to_pylist() == rows

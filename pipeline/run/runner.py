@@ -81,7 +81,7 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
         rows = record.rows if record else None
         since = _since_last(cfg, step, content, {s.name: by_name[s.name].hash for s in step.inputs}) if state == "missing" else None
         action, reason = _decide(step, state, rows, step.name in targets, force, by_name, again, since)
-        redo = step.redo(cfg, record) if action == "skip" and state == "complete" and step.redo else None
+        redo = step.redo(cfg, record, url) if action == "skip" and state == "complete" and step.redo else None
         if redo:
             action, reason = "run", redo
         if damaged and action == "run":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline import storage
 from pipeline.run import status
 from pipeline.run.checks import input_problem
 from pipeline.run.config import Config
@@ -66,7 +67,13 @@ def _why(p: Any, progress: str | None = None) -> str:
 def result_of(rows: list[dict[str, Any]]) -> MergedResult | None:
     """The merged files, when the report's merge step is complete."""
     merge = next(r for r in rows if r["name"] == "merge")
-    return merged_result(merge["output"]) if merge["state"] == "complete" else None
+    result = merged_result(merge["output"]) if merge["state"] == "complete" else None
+    # Only files that are there: a merged file deleted by hand is made again by the next run (merge's redo).
+    if result is not None:
+        there = {url.rsplit("/", 1)[-1] for url in storage.list_files(result.folder)}
+        if any(url.rsplit("/", 1)[-1] not in there for url in result.files):
+            return None
+    return result
 
 
 def report_json(rows: list[dict[str, Any]], result: MergedResult | None) -> dict[str, Any]:

@@ -42,10 +42,11 @@ class Step:
     """For `on="every host"`: run by the leader once every host's `run` is done; returns the StepResult."""
     version: str = "1"
     """Bump when the step's output for the same inputs changes: it changes the hash."""
-    redo: Callable[["Config", "StepRecord"], str | None] | None = None
-    """fn(cfg, record) of a complete output: why this config wants it made again though its hash
-    is the same (the plan's reason), or None to skip it. For a runtime knob that decided whether
-    the step did its work at all (upload with `wandb.mode: disabled`)."""
+    redo: Callable[["Config", "StepRecord", str], str | None] | None = None
+    """fn(cfg, record, output url) of a complete output: why this config wants it made again though
+    its hash is the same (the plan's reason), or None to skip it. For a runtime knob that decided
+    whether the step did its work at all (upload with `wandb.mode: disabled`), or an output file
+    of the result that is gone (merge's)."""
     progress: Callable[["Config", str, dict[str, str]], str | None] | None = None
     """fn(cfg, output url, {upstream step: its url}) of a partial output: how far it got, for
     `status` ('1,234 of 5,000 rows committed in 7 part(s)'), or None."""
