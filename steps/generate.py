@@ -245,17 +245,44 @@ def _read_metrics(url: str) -> dict[str, Any]:
 
 
 def _pod_rate(host_metrics: list[dict[str, Any]]) -> float:
-    """Tokens a second of the pod: each host's tokens over its seconds, summed over the hosts. A
-    resumed step ran a host more than once, one run after the other, so its runs' rates must not
-    be added up as if they ran side by side (as different hosts' do); runs that generated nothing
-    (a host whose rows were all done) do not count."""
-    tokens: dict[int, int] = defaultdict(int)
-    seconds: dict[int, float] = defaultdict(float)
-    for m in host_metrics:
-        if m["samples"]:
-            tokens[m["host"]] += m["generated_tokens"]
-            seconds[m["host"]] += m["wall_s"]
-    return round(sum(tokens[h] / seconds[h] for h in tokens if seconds[h] > 0), 1)
+    """Tokens a second of the pod: each host's tokens over its seconds, summed over the hosts."""
+    return round(sum(h["tokens_per_s"] for h in per_host(host_metrics)), 1)
+
+
+SUMMED = ("prompts", "samples", "generated_tokens", "wall_s", "compile_s", "compile_wait_s", "compilations", "cache_loads")
+"""Per-host figures that add up over a host's runs; the others' largest (or last) value stands."""
+
+
+def per_host(host_metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per host from the metrics of every run of the step (`GenerateSummary.hosts`, one
+    per host and run: a resumed step ran a host more than once, one run after the other), by host:
+    SUMMED figures added up, tokens_per_s its tokens over its seconds in the runs that generated
+    (not the runs' rates added up, as if they had run side by side; runs that generated nothing,
+    a host whose rows were all done, do not count), `runs` how many."""
+    by_host: dict[int, dict[str, Any]] = {}
+    busy: dict[int, list[float]] = defaultdict(lambda: [0, 0.0])
+    for m in sorted(host_metrics, key=lambda m: m.get("host", 0)):
+        host = m.get("host", 0)
+        if m.get("samples"):
+            busy[host][0] += m.get("generated_tokens", 0)
+            busy[host][1] += m.get("wall_s", 0.0)
+        if host not in by_host:
+            by_host[host] = {**m, "runs": 1}
+            continue
+        seen = by_host[host]
+        for key, value in m.items():
+            if key in SUMMED:
+                seen[key] = seen.get(key, 0) + value
+            elif isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(seen.get(key), (int, float)):
+                seen[key] = max(seen[key], value)
+            elif value is not None:
+                seen[key] = value
+        seen["runs"] += 1
+    for host, seen in by_host.items():
+        tokens, seconds = busy[host]
+        if seen["runs"] > 1:  # one run's rate stands as the host measured it (the same quotient)
+            seen["tokens_per_s"] = round(tokens / seconds, 1) if seconds > 0 else 0.0
+    return list(by_host.values())
 
 
 # --- work split and resume ----------------------------------------------------------------

@@ -54,7 +54,7 @@ from pipeline.run.config import Config
 from pipeline.run.result import MERGED_FIX, logprob_sum_and_mean
 from pipeline.errors import StepFailed
 from pipeline.run.step import StepOutput, StepResult
-from steps.generate import LOGPROBS, PROMPT_LOGPROBS, TOP_LOGPROBS, TOP_TOKEN_IDS
+from steps.generate import LOGPROBS, PROMPT_LOGPROBS, TOP_LOGPROBS, TOP_TOKEN_IDS, per_host
 from steps.merge import MergeSummary
 
 RUN_FILE = "wandb_run.json"
@@ -282,7 +282,7 @@ def _log_metrics(wandb: Any, run: Any, generate: dict[str, Any], finish_reasons:
                  per_length: np.ndarray) -> None:
     """generate's per-host and total figures, and the three charts (`per_length`: rows per completion
     length, from `_completion_lengths`)."""
-    hosts = sorted(generate.get("hosts", []), key=lambda h: h.get("host", 0))
+    hosts = per_host(generate.get("hosts", []))  # a resumed step's runs of one host as one
     # Per-host figures on an explicit `host` axis rather than W&B's own step counter, so a resumed
     # run (whose step counter has moved on) logs them at the same x values again.
     run.define_metric("host")
@@ -327,7 +327,10 @@ def _step_metrics(records: dict[str, status.StepRecord]) -> dict[str, float]:
                 add(f"{prefix}/host-{item['host']}", {k: v for k, v in item.items() if k != "host"})
 
     for step, record in records.items():
-        add(step, record.summary)
+        summary = record.summary
+        if step == "generate" and "hosts" in summary:
+            summary = {**summary, "hosts": per_host(summary["hosts"])}  # a resumed step's runs of one host as one
+        add(step, summary)
         metrics[f"{step}/rows"] = record.rows
         metrics.setdefault(f"{step}/wall_s", record.wall_s)  # the runner's timing, unless the step kept its own
     return metrics

@@ -41,6 +41,9 @@ def test_a_resumed_steps_tokens_per_second_adds_up_hosts_not_one_hosts_runs(fake
     summary = generate.finish(run.cfg, out).summary
     assert summary.tokens_per_s == 1800 / 3.0 + 800 / 1.0
     assert summary.generated_tokens == 2600 and summary.wall_s == 2.0 and len(summary.hosts) == 4
+    # What W&B shows per host (upload): host 0's three runs as one, its rate over the runs that generated.
+    assert [(h["host"], h["runs"], h["samples"], h["generated_tokens"], h["wall_s"], h["tokens_per_s"])
+            for h in generate.per_host(summary.hosts)] == [(0, 3, 16, 1800, 3.1, 600.0), (1, 1, 8, 800, 1.0, 800.0)]
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -15,6 +16,7 @@ import pytest
 
 from pipeline import storage
 from pipeline.errors import StepFailed
+from pipeline.run import status
 from steps.generate import SCHEMA
 
 pytestmark = pytest.mark.usefixtures("wandb_env")
@@ -89,6 +91,21 @@ def test_offline_run_holds_config_metrics_charts_and_the_artifact(merged_run, ca
     assert sorted(artifact["entries"]) == ["generations.table.json"] + [f"merged-{i:05d}.parquet" for i in range(3)]
     assert artifact["digest"] == summary.artifact_digest
     assert table_rows(artifact) == merged_rows(run)
+
+
+def test_a_resumed_generates_runs_of_one_host_are_logged_as_that_host(merged_run, read_wandb_run):
+    """generate's marker holds one entry per host and run; W&B got one bar and one history point per
+    entry ("host 0" three times) and the last run's figures as the host's."""
+    run = merged_run()
+    record = status.read_marker(run.url["generate"])
+    runs = [{"host": 0, "prompts": 6, "samples": 12, "generated_tokens": 1200, "wall_s": 2.0, "tokens_per_s": 600.0},
+            {"host": 1, "prompts": 5, "samples": 10, "generated_tokens": 800, "wall_s": 1.0, "tokens_per_s": 800.0},
+            {"host": 0, "prompts": 2, "samples": 4, "generated_tokens": 600, "wall_s": 1.0, "tokens_per_s": 600.0}]
+    status.write_marker(run.url["generate"], dataclasses.replace(record, summary={**record.summary, "hosts": runs}))
+    recorded = read_wandb_run(run.run("upload").summary.offline_run_dir)
+    per_host = [(h["host"], h["host/samples"], h["host/tokens_per_s"]) for h in recorded["history"] if "host/samples" in h]
+    assert per_host == [(0, 16, 600.0), (1, 10, 800.0)]
+    assert recorded["summary"]["generate/hosts/host-0/samples"] == 16 and recorded["summary"]["generate/hosts/host-0/runs"] == 2
 
 
 def test_rerun_with_force_resumes_the_same_run_with_the_same_artifact(merged_run, read_wandb_run):
