@@ -352,22 +352,17 @@ class _ShardTodo:
     """[rows] prompt lengths."""
     wanted: np.ndarray
     """[rows, n] bool."""
+    sha256: str | None = None
+    """The shard's, as tokenize's marker records it: the bytes generated from are checked (`_batches`)."""
 
     @classmethod
     def read(cls, out: StepOutput, name: str, n: int, sha256: str | None = None) -> "_ShardTodo":
-        """With `sha256` (tokenize's marker's), the shard's bytes are checked first."""
         url = _shard_url(out, name)
-        with storage.unreadable("tokenize shard", url, SHARD_FIX):
-            data = storage.read_bytes(url)
-            if sha256 and hashlib.sha256(data).hexdigest() != sha256:
-                # Changed since tokenize wrote it: a flipped bit can still parse, as other prompt tokens.
-                raise StepFailed(f"tokenize shard {url} is not the file tokenize wrote (its sha256 is not the one "
-                                 f"tokenize's marker records: it was changed since): {SHARD_FIX}")
-            table = pq.read_table(pa.BufferReader(data), columns=["prompt_index", "num_tokens"])
+        table = read_shard(url, columns=["prompt_index", "num_tokens"])
         prompt_index = table["prompt_index"].to_numpy()
         done = _committed_keys(storage.list_files(out.path(name), suffix=".parquet"), n)
         every = prompt_index[:, None] * n + np.arange(n)[None, :]
-        return cls(name, url, prompt_index, table["num_tokens"].to_numpy(), ~np.isin(every, done))
+        return cls(name, url, prompt_index, table["num_tokens"].to_numpy(), ~np.isin(every, done), sha256)
 
     @property
     def missing(self) -> int:
@@ -384,16 +379,23 @@ class _ShardTodo:
 
     def _batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
         """The shard's rows READ_BATCH_ROWS at a time: the file whole (compressed, so small next to
-        its rows), read with retries like every other file, its rows decoded a batch at a time."""
+        its rows), read with retries like every other file and checked against `sha256`, its rows
+        decoded a batch at a time."""
         with storage.unreadable("tokenize shard", self.url, SHARD_FIX):
-            data = pq.ParquetFile(pa.BufferReader(storage.read_bytes(self.url)))
-            yield from data.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns)
+            data = storage.read_bytes(self.url)
+            if self.sha256 and hashlib.sha256(data).hexdigest() != self.sha256:
+                # Changed since tokenize wrote it: a flipped bit can still parse, as other prompt tokens.
+                raise StepFailed(f"tokenize shard {self.url} is not the file tokenize wrote (its sha256 is not the one "
+                                 f"tokenize's marker records: it was changed since): {SHARD_FIX}")
+            yield from pq.ParquetFile(pa.BufferReader(data)).iter_batches(batch_size=READ_BATCH_ROWS, columns=columns)
 
     def requests(self, sources: dict[int, "_Source"]) -> Iterator[Any]:
         """GenerationRequests of the rows still wanted, READ_BATCH_ROWS rows read at a time;
         registers each in `sources` until its last sample completes."""
         from engine import GenerationRequest
 
+        if not self.missing:  # a shard already done is not read again
+            return
         start = 0
         for batch in self._batches(["prompt_index", "prompt_id", "prompt", "input_ids", "num_tokens"]):
             wanted = self.wanted[start:start + batch.num_rows]
