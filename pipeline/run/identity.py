@@ -80,17 +80,11 @@ def changed_input(step: str, cfg: Config, planned: dict[str, Any]) -> str | None
     if "prompts" in kinds:
         urls = _read(cfg, "prompts.path", lambda: storage.expand(cfg.prompts.path))
         now = [_read(cfg, "prompts.path", lambda: _prompt_fingerprint(url)) for url in urls]
-        if len(now) != len(planned["prompts"]):
-            return (f"prompts.path {cfg.prompts.path} matched {len(planned['prompts'])} file(s) when the run began "
-                    f"and {len(now)} now")
-        changed = [url for url, a, b in zip(urls, now, planned["prompts"]) if a != b]
-        if changed:
-            return f"prompts file {changed[0]} changed"
+        if change := _changed_files(cfg, "prompts", planned["prompts"], now, urls, "when the run began"):
+            return change
     if "tokenizer" in kinds:
         now_files = _read(cfg, "model.path", lambda: _FINGERPRINTERS["tokenizer"](cfg))
-        changed = sorted(set(now_files.items()) ^ set(planned["tokenizer"].items()))
-        if changed:
-            return f"the tokenizer file {storage.join(cfg.model.path, changed[0][0])} changed"
+        return _changed_files(cfg, "tokenizer", planned["tokenizer"], now_files)
     return None
 
 
@@ -108,7 +102,9 @@ def what_changed(step: str, version: str, cfg: Config, content: dict[str, Any], 
             changes.append(f"{key} changed from {canonical_json(then)} to {canonical_json(now)}")
     for kind in CONTENT_INPUTS[step]:
         if kind in record.content and canonical_json(record.content[kind]) != canonical_json(content.get(kind)):
-            changes.append(_changed_files(cfg, kind, record.content[kind], content.get(kind)))
+            urls = _listed(cfg.prompts.path) if kind == "prompts" else []
+            changes.append(_changed_files(cfg, kind, record.content[kind], content.get(kind), urls)
+                           or "the prompt files changed")  # named where they can be listed
     changes += [f"{name}'s output changed" for name, h in upstream.items() if record.upstream.get(name) != h]
     return "; ".join(changes[:3]) + ("; ..." if len(changes) > 3 else "") if changes else None
 
@@ -121,19 +117,29 @@ def _at(tree: dict[str, Any], key: str, default: Any) -> Any:
     return tree
 
 
-def _changed_files(cfg: Config, kind: str, then: Any, now: Any) -> str:
+def _changed_files(cfg: Config, kind: str, then: Any, now: Any, urls: list[str] | None = None,
+                   when: str = "then") -> str | None:
+    """Which file of an input changed between two of its fingerprints (`content_fingerprints`):
+    prompt files by their place in `urls` (the listing `now` was read from), the model's by name;
+    None where none is named (e.g. prompt files that could not be listed)."""
     if kind == "prompts":
         if len(then) != len(now):
-            return f"prompts.path {cfg.prompts.path} matched {len(then)} file(s) then and {len(now)} now"
-        try:
-            urls = storage.expand(cfg.prompts.path)
-        except Exception:  # noqa: BLE001 - the files are named where they can be listed
-            urls = []
-        changed = [url for url, a, b in zip(urls, then, now) if a != b]
-        return f"prompts file {changed[0]} changed" if changed else "the prompt files changed"
-    names = sorted(name for name in set(then) | set(now or {}) if then.get(name) != (now or {}).get(name))
+            return f"prompts.path {cfg.prompts.path} matched {len(then)} file(s) {when} and {len(now)} now"
+        changed = [url for url, a, b in zip(urls or [], now, then) if a != b]
+        return f"prompts file {changed[0]} changed" if changed else None
+    names = sorted(name for name in set(then) | set(now) if then.get(name) != now.get(name))
     what = "the tokenizer file" if kind == "tokenizer" else "model file"
+    if not names:
+        return None
     return f"{what} {storage.join(cfg.model.path, names[0])} changed" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+
+
+def _listed(pattern: str) -> list[str]:
+    """The files a pattern names, or none where they cannot be listed (a hint is lost, not a run)."""
+    try:
+        return storage.expand(pattern)
+    except Exception:  # noqa: BLE001
+        return []
 
 
 def canonical_json(value: Any) -> str:
