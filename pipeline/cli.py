@@ -117,16 +117,17 @@ def _config_args(config: str, overrides: list[str] | None) -> str:
 
 def _run(targets: tuple[str, ...], config: str, overrides: list[str] | None, force: bool, dry_run: bool,
          no_wait: bool, verbose: bool) -> None:
+    again = _config_args(config, overrides)
+
     def body() -> None:
         from pipeline.run.config import load_config
         from pipeline.run.runner import run_steps
         from steps import PIPELINE
 
         cfg = load_config(config, overrides or [])
-        run_steps(cfg, PIPELINE, targets, force=force, dry_run=dry_run, wait=not no_wait, verbose=verbose,
-                  again=_config_args(config, overrides))
+        run_steps(cfg, PIPELINE, targets, force=force, dry_run=dry_run, wait=not no_wait, verbose=verbose, again=again)
 
-    _guard(body, _config_args(config, overrides))
+    _guard(body, again)
 
 
 @run_app.command("all")
