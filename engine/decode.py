@@ -29,8 +29,9 @@ programs whatever its mix of prompt lengths (issue 13: 24 programs for 240 mixed
   early when every slot is done. It attends over the cache where it lives, masked by each row's
   position: only over the first of its four pages (`cache_pages`: quarters) that hold every live
   row, plus a small buffer of the chunk's own keys/values, scattered into the cache once after the
-  loop. With the CPU kernel each step writes into the cache's one page instead, carried through
-  the loop, and the kernel reads each row to its length (`DecodeSpec.decode_in_place`). No
+  loop. With a kernel (the CPU's, or on a GPU Pallas') each step writes into the cache's one page
+  instead, carried through the loop, and the kernel reads each row to its length
+  (`DecodeSpec.decode_in_place`). No
   window of the cache is copied (before issue 13 a per-chunk copy of a window doubled
   the GPU peak).
 - With prefill beside decoding (`engine.overlap_prefill`), prompts are prefilled into a staging
@@ -97,7 +98,7 @@ class DecodeSpec:
     def decode_in_place(self) -> bool:
         """Decode steps write their keys/values into the cache's one page, carried through the
         loop, and the kernel attends over it (`_decode_in_place`): the CPU kernel's way, and the
-        Pallas kernel's with `KernelTuning.in_place`."""
+        Pallas kernel's unless `KernelTuning.in_place` is 0."""
         return self.attention == "cpu" or (self.attention == "pallas" and bool(self.kernel.in_place))
 
     @property
@@ -391,7 +392,7 @@ def decode_chunk(model: LlamaLM, cache: KVCache, state: DecodeState, kill: jax.A
     which is scattered into the cache at each row's own position once, after the loop (a scatter
     inside the loop made XLA copy the cache every step).
 
-    With the CPU kernel, or Pallas' in-place tuning (`DecodeSpec.decode_in_place`), and a
+    With the CPU kernel, or Pallas' (unless tuned otherwise: `DecodeSpec.decode_in_place`), and a
     one-page cache, the cache is carried through the loop instead and each step writes into it
     (`_decode_in_place`).
     """

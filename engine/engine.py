@@ -67,7 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import checkpoint, compile_cache, cpu_attention, kernels
+from engine import checkpoint, compile_cache, cpu_attention, kernels, llama
 from engine.config import EngineConfig, InvalidConfig, SamplingParams, require
 from engine.decode import (
     DecodeSpec, DecodeState, HostOut, KVCache, adopt_rows, decode_chunk, new_cache, new_state, prefill_chunk,
@@ -783,8 +783,9 @@ class Engine:
     def _find_or_get(self, kind: str, static: tuple, jitted, args: tuple, after: threading.Event | None, used: bool):
         leaves, treedef = jax.tree.flatten(args)
         # The model's config too: the init program takes no model, yet makes a cache of its shapes,
-        # and two models of one process (a notebook comparing checkpoints) must not share it.
-        key = (kind, static, self.config, self._spec, self.layout.is_global, treedef,
+        # and two models of one process (a notebook comparing checkpoints) must not share it. The
+        # activations' order is read as the program is traced (`llama.rows_first`; the tests force it).
+        key = (kind, static, self.config, self._spec, self.layout.is_global, llama.rows_first(), treedef,
                tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
         if used and key not in self._used_programs:  # once per program: calls after it take no lock here
             with self._stats_lock:

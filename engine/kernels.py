@@ -49,7 +49,8 @@ _MIN_BLOCK = 16
 class KernelTuning(NamedTuple):
     """How the kernel reads the cache (`TUNING`; scripts/bench_decode_attention.py times others).
     The defaults were the fastest of 19 tunings of the Llama-3-8B's decode attention on an H100
-    (docs/performance-notes.md): one page, blocks of 64 positions, four loads in flight."""
+    (docs/performance-notes.md): one page, blocks of 64 positions, four loads in flight; and
+    the cache written in place in the decode loop."""
 
     max_block_k: int = 64
     """Longest block of key positions one step of a program's loop reads: the largest power of
@@ -67,14 +68,16 @@ class KernelTuning(NamedTuple):
     num_stages: int = 4
     """Triton's: warps per program, and loads of the loop kept in flight."""
     chunk_kernel: int = 0
-    """1: the decode chunk's own positions (its buffer, 16 by default) through the kernel too,
-    one more call a layer instead of about four small XLA kernels (not yet timed on a GPU: a
-    `gpu_bench.sh` sweep way); 0: XLA operations."""
-    in_place: int = 0
+    """With in_place=0, 1: the decode chunk's own positions (its buffer, 16 by default) through
+    the kernel too, one more call a layer instead of about four small XLA kernels (on an H200,
+    TinyLlama: within 1 % of XLA's); 0: XLA operations."""
+    in_place: int = 1
     """1, with one page: each decode step writes its keys/values into the cache in place and the
     kernel attends to each row's length and the new position, with no chunk buffer, its writes
-    and its attention (`engine.decode.decode_chunk`; not yet timed on a GPU; the CPU kernel's
-    way always)."""
+    and its attention (`engine.decode.decode_chunk`; the CPU kernel's way always). 0: the chunk
+    buffer, written into the cache after each decode chunk. On an H200 in place took 1.6-4.9 %
+    less time in four of five side-by-side runs (TinyLlama, the 8B), 6 % more in one
+    (docs/performance-notes.md)."""
 
     @classmethod
     def parse(cls, text: str) -> KernelTuning:

@@ -477,6 +477,21 @@ def _xla_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
+ROWS_FIRST: bool | None = None
+"""The activations' order (`rows_first`): None, by the backend; True or False forces one (the
+tests run the accelerators' order on the CPU)."""
+
+
+def rows_first() -> bool:
+    """Activations rows first, (batch, position, features), and each projection x @ weight.T:
+    on accelerators. The CPU keeps them feature first, weight @ x (`linear`). On a GPU feature
+    first cost a transpose wherever rows meet heads: a TinyLlama decode step's q/k/v product
+    came out [features, batch] and its split-K sum, the rotation and the turn to the kernel's
+    (batch, heads, head_dim) took 23.6 us a layer in one fusion, and RMSNorm's sums over the
+    first axis 7.9 us each (an H200, docs/performance-notes.md)."""
+    return not _xla_cpu() if ROWS_FIRST is None else ROWS_FIRST
+
+
 def set_rows(array: jax.Array, index, new: jax.Array) -> jax.Array:
     """array.at[index].set(new) in place, out-of-range indices dropped. new is either stored as
     array is (rows of another cache: copied as they are) or values, rounded to the dtype of the
@@ -503,8 +518,12 @@ def linear(x: NamedArray, weight: NamedArray, axis: str) -> NamedArray:
     On a global mesh the result is laid out as engine/mesh.py's COMPUTE_MAPPING says: a
     projection to heads or MLP units keeps them split over `model`, as its weight is, so each
     device computes its own (left to XLA's propagation, the CPU backend gathered every weight
-    whole instead). A no-op elsewhere."""
-    return hax.auto_sharded(hax.dot(weight, x, axis=axis, preferred_element_type=jnp.float32).astype(x.dtype))
+    whole instead). A no-op elsewhere.
+
+    On accelerators (`rows_first`) the activations are rows first and the product is x @
+    weight.T: its result comes out rows first, as GPU kernels and attention read it."""
+    operands = (x, weight) if rows_first() else (weight, x)
+    return hax.auto_sharded(hax.dot(*operands, axis=axis, preferred_element_type=jnp.float32).astype(x.dtype))
 
 
 def embed(table: NamedArray, tokens: NamedArray) -> NamedArray:
@@ -845,10 +864,9 @@ class Attention(eqx.Module):
         - DecodeStep (one position): attends over the cache's pages (read only) and the chunk buffer;
           returns the updated chunk buffer. Keeping the big cache read-only inside the decode
           loop matters: a per-row scatter into it made XLA copy the whole cache every step. With
-          the CPU kernel, or Pallas' in-place tuning, and one page (no chunk buffer, no branch per
+          the CPU kernel, or Pallas' (unless tuned otherwise), and one page (no chunk buffer, no branch per
           page count), writes the step's key/value into the page and attends over it; returns the
-          updated page (`DecodeSpec.decode_in_place`; the CPU's compiled program writes the page
-          in place, not yet timed on a GPU: engine/kernels.py).
+          updated page (`DecodeSpec.decode_in_place`; the compiled programs write the page in place).
         """
         c = self.config
         q, k = linear(x, self.q_proj, "embed"), linear(x, self.k_proj, "embed")
@@ -891,7 +909,9 @@ class Attention(eqx.Module):
                     index = jnp.arange(mask.resolve_axis("position").size)
                     mask = mask & hax.named(in_window(index[None, :], index[:, None], window), ("position", "key_position"))
                 new_kv, attn = LayerKV(keys, values), _attend(q, keys, values, mask, scale, softcap)
-        attn = attn.rearrange(("kv_heads", "q_per_kv", "head_dim", "batch", "position")).astype(x.dtype)
+        heads = ("kv_heads", "q_per_kv", "head_dim")
+        attn = attn.rearrange(("batch", "position") + heads if rows_first() else heads + ("batch", "position"))
+        attn = attn.astype(x.dtype)
         out = linear(hax.flatten_axes(attn, ("kv_heads", "q_per_kv", "head_dim"), "q_heads_dim"), self.o_proj, "q_heads_dim")
         if self.o_bias is not None:
             out = out + self.o_bias
@@ -1315,7 +1335,7 @@ class LlamaLM(eqx.Module):
         # auto_sharded: on a global mesh (engine/mesh.py) keeps rows on the data axis between
         # layers, so FSDP gathers weights instead of splitting activations; a no-op otherwise.
         c = self.config
-        x = embed(self.embed_tokens, tokens).rearrange(("embed", ...))  # feature first: `linear`
+        x = embed(self.embed_tokens, tokens).rearrange((..., "embed") if rows_first() else ("embed", ...))  # `linear`
         if c.gemma:  # sqrt(hidden) as a float32, rounded to the model's dtype, as transformers scales
             x = x * jnp.asarray(np.float32(math.sqrt(c.hidden_size))).astype(x.dtype)
         x = _scaled(x, c.embedding_multiplier)
@@ -1332,10 +1352,12 @@ class LlamaLM(eqx.Module):
 
     def logits(self, hidden: NamedArray) -> NamedArray:
         """float32 logits (vocab, hidden's other axes...): the head times hidden, weight first as
-        every projection (`linear`); the sampler takes the vocabulary first."""
+        every projection (`linear`); rows first, (hidden's other axes..., vocab), on accelerators
+        (`rows_first`). Callers name the order they take (the sampler: the vocabulary first)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         # On a global mesh each device makes its own part of the vocabulary (engine/mesh.py).
-        logits = hax.auto_sharded(hax.dot(head, hidden, axis="embed", preferred_element_type=jnp.float32))
+        operands = (hidden, head) if rows_first() else (head, hidden)
+        logits = hax.auto_sharded(hax.dot(*operands, axis="embed", preferred_element_type=jnp.float32))
         cap = self.config.final_logit_softcapping
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling

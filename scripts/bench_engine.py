@@ -467,6 +467,9 @@ def main() -> None:
     parser.add_argument("--kernel-tuning", nargs="+", metavar="NAME=N,...", default=[""],
                         help="how the pallas attention reads the cache (engine.kernels.KernelTuning fields, e.g. the fastest "
                              "of scripts/bench_decode_attention.py's --tuning ways; '' the engine's): each timed in turn")
+    parser.add_argument("--activations", nargs="+", choices=["auto", "rows", "features"], default=["auto"],
+                        help="the activations' order (engine.llama.rows_first; auto: rows first on accelerators, "
+                             "feature first on the CPU): each timed in turn")
     parser.add_argument("--single-pass", action="store_true",
                         help="time our first pass minus its wait for programs instead of a second pass (halves our run time)")
     args = parser.parse_args()
@@ -475,9 +478,10 @@ def main() -> None:
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     if "mixed" in p:
-        if args.temperature or args.kernel_tuning != [""] or args.logprobs or args.top_logprobs or args.penalties:
-            parser.error("--temperature, --logprobs, --top-logprobs, --penalties and --kernel-tuning apply to the "
-                         "steady-state presets only")
+        if (args.temperature or args.kernel_tuning != [""] or args.logprobs or args.top_logprobs or args.penalties
+                or args.activations != ["auto"]):
+            parser.error("--temperature, --logprobs, --top-logprobs, --penalties, --kernel-tuning and --activations apply "
+                         "to the steady-state presets only")
         run_mixed(args, p)
         return
     if args.temperature:
@@ -486,7 +490,7 @@ def main() -> None:
     if args.penalties:
         p["penalties"] = PENALTIES
     prompts = np.random.RandomState(0).randint(0, p["vocab"], (p["prompts"], p["prompt_len"]))
-    from engine import kernels
+    from engine import kernels, llama
 
     try:
         tunings = [kernels.KernelTuning.parse(text) for text in args.kernel_tuning]
@@ -504,14 +508,16 @@ def main() -> None:
             print(json.dumps({"peer": "transformers", "dtype": dtype, **peers[dtype]}), flush=True)
         # A fresh compilation cache, so that ours_compile_s is compiling, not loading what an earlier run left.
         os.environ["PIPELINE_CACHE_DIR"] = os.path.join(folder, "pipeline-cache")
-        for dtype, attention, lanes, tuning in itertools.product(args.dtype, args.attention, args.lanes, tunings):
+        for dtype, attention, lanes, tuning, order in itertools.product(args.dtype, args.attention, args.lanes, tunings,
+                                                                        args.activations):
             if attention == "xla" and tuning != tunings[0]:
                 continue  # the tuning is the kernel's: xla once
             kernels.TUNING = tuning  # read by Engine.load
+            llama.ROWS_FIRST = {"auto": None, "rows": True, "features": False}[order]  # read as the programs are traced
             ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention, lanes)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
                       **{key: p[key] for key in ("window", "experts", "experts_per_token") if p.get(key)},
-                      "sampling": p.get("sampling", "greedy"), "logprobs": p["logprobs"], "top_logprobs": p["top_logprobs"], "ours_penalties": bool(p.get("penalties")), "ours_attention": ours["attention"],
+                      "sampling": p.get("sampling", "greedy"), "logprobs": p["logprobs"], "top_logprobs": p["top_logprobs"], "ours_penalties": bool(p.get("penalties")), "ours_attention": ours["attention"], "ours_rows_first": llama.rows_first(),
                       "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
                       "ours_prefill_s": round(ours["prefill_s"], 2), "ours_lanes": ours["lanes"],
                       "ours_timed": "first pass minus its wait for programs" if args.single_pass else "second pass",

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, UnsupportedModelError, kernels
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, UnsupportedModelError, kernels, llama
 from engine.kernels import KernelTuning
 from engine.llama import Experts, LlamaConfig, load_checkpoint, swiglu
 from engine_testlib import VOCAB, hf_greedy
@@ -44,11 +44,16 @@ def _our_logits(model, ids: np.ndarray) -> np.ndarray:
     positions = hax.named(jnp.broadcast_to(jnp.arange(L), (B, L)), (Batch, Pos))
     mask = hax.named(jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L)), (Batch, Pos, KPos))
     hidden, _ = model.forward(hax.named(jnp.asarray(ids), (Batch, Pos)), positions, mask)
+    assert hidden.axes[-1 if llama.rows_first() else 0].name == "embed", hidden.axes  # the order the backend runs
     return np.asarray(model.logits(hidden).rearrange(("batch", "position", "vocab")).array)
 
 
+@pytest.mark.parametrize("order", ["features", "rows"])
 @pytest.mark.parametrize("name", ARCHITECTURES + VARIANTS)
-def test_logits_match_transformers(name, request):
+def test_logits_match_transformers(name, order, request, monkeypatch):
+    """In both orders of the activations: feature first, the CPU's, and rows first, the
+    accelerators' (`llama.rows_first`), forced here."""
+    monkeypatch.setattr(llama, "ROWS_FIRST", order == "rows")
     path, hf = request.getfixturevalue(name)
     config = LlamaConfig.from_hf(json.load(open(f"{path}/config.json")))
     model = load_checkpoint(path, config, dtype=jnp.float32)
@@ -72,6 +77,16 @@ def test_windowed_and_whole_layers_through_the_pallas_kernel(name, request):
     every earlier one. Through JAX's Pallas kernel (its interpreter here) each layer reads its own
     span, and the tokens are transformers'."""
     _greedy_matches_transformers(*request.getfixturevalue(name), attention="pallas")
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_a_gpus_engine_gives_transformers_tokens(name, request, monkeypatch):
+    """What a GPU runs, on the CPU: activations rows first (`llama.rows_first`) and decode attention
+    through JAX's Pallas kernel (its interpreter here), the cache written in place; prefill calls
+    and decode steps of a dense model and of a mixture of experts give transformers' tokens."""
+    monkeypatch.setattr(llama, "ROWS_FIRST", True)
+    engine = _greedy_matches_transformers(*request.getfixturevalue(name), attention="pallas")
+    assert engine._spec.decode_in_place
 
 
 def test_mixtral_prefill_grouped_by_expert_gives_transformers_tokens(mixtral):
@@ -315,7 +330,7 @@ def test_rows_longer_than_a_sliding_window_match_transformers(name, chunk, atten
 
     assert run() == windowed
     if attention == "pallas":
-        monkeypatch.setattr(kernels, "TUNING", KernelTuning(in_place=1))  # read by Engine.load
+        monkeypatch.setattr(kernels, "TUNING", KernelTuning(in_place=0))  # read by Engine.load: the chunk buffer
         assert run() == windowed
 
 

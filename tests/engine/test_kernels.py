@@ -54,10 +54,10 @@ def test_kernel_attention_matches_the_engines_over_ragged_rows(steps, tuning, wi
 
 def test_engine_with_the_kernel_makes_the_same_tokens(llama, monkeypatch):
     """float32, sampled, three samples of five prompts, 4 slots (rows join and leave between
-    chunks): every row's tokens are the same with the kernel as with the engine's attention,
-    with the decode chunk's own positions through the kernel too, and with each step's keys and
-    values written into the cache in place (no chunk buffer); and with the engine's CPU kernel
-    (engine/cpu_attention.py) where it builds."""
+    chunks): every row's tokens are the same with the kernel (each step's keys and values
+    written into the cache in place) as with the engine's attention, with a chunk buffer
+    instead, with the decode chunk's own positions through the kernel too; and with the
+    engine's CPU kernel (engine/cpu_attention.py) where it builds."""
     path, _ = llama
     prompts = [np.random.RandomState(30 + i).randint(0, VOCAB, n).tolist() for i, n in enumerate([4, 13, 7, 16, 9])]
     sampling = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, n=3, seed=3)
@@ -72,9 +72,9 @@ def test_engine_with_the_kernel_makes_the_same_tokens(llama, monkeypatch):
     xla, pallas = run("xla"), run("pallas")
     assert sorted(pallas) == [(p, s) for p in range(5) for s in range(3)]
     assert pallas == xla
-    monkeypatch.setattr(kernels, "TUNING", KernelTuning(chunk_kernel=1))  # read by Engine.load
+    monkeypatch.setattr(kernels, "TUNING", KernelTuning(in_place=0))  # read by Engine.load: the chunk buffer
     assert run("pallas") == xla
-    monkeypatch.setattr(kernels, "TUNING", KernelTuning(in_place=1))  # the cache written in the decode loop
+    monkeypatch.setattr(kernels, "TUNING", KernelTuning(in_place=0, chunk_kernel=1))  # and the kernel over it
     assert run("pallas") == xla
     if cpu_attention.unavailable() is None:
         assert run("cpu") == xla
@@ -98,7 +98,8 @@ def test_which_attention_each_host_gets():
 
 def test_the_kernel_runs_per_device_over_several(llama, mistral):
     """Four forced CPU devices: host data parallel (rows over 4 devices) and a global mesh (rows
-    over 2, KV heads over 2, also with the cache written in place), each with the kernel, and
+    over 2, KV heads over 2, also with the chunk buffer instead of the cache written in place),
+    each with the kernel, and
     host data parallel with the engine's CPU kernel, give one device's tokens (float32,
     sampled); so does Mistral's sliding window (8 positions, rows of up to 24) on the global
     mesh, each device's rows read from their own window's start."""
@@ -118,10 +119,10 @@ def test_the_kernel_runs_per_device_over_several(llama, mistral):
         from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, cpu_attention, kernels
         assert jax.device_count() == 4
         out = {{}}
-        modes = ("host_dp", "global_mesh", "global_mesh in place") + (("host_dp cpu",) if cpu_attention.unavailable() is None else ())
+        modes = ("host_dp", "global_mesh", "global_mesh buffer") + (("host_dp cpu",) if cpu_attention.unavailable() is None else ())
         runs = [("llama", mode) for mode in modes] + [("mistral", "global_mesh")]
         for name, mode in runs:  # the global mesh: data 2 x model 2
-            kernels.TUNING = kernels.KernelTuning(in_place=int(mode.endswith("in place")))  # read by Engine.load
+            kernels.TUNING = kernels.KernelTuning(in_place=int(not mode.endswith("buffer")))  # read by Engine.load
             attention = "cpu" if mode.endswith("cpu") else "pallas"
             engine = Engine.load({paths!r}[name], dtype="float32", sampling=SamplingParams(**{sampling!r}),
                                  max_prompt_tokens=16,
@@ -137,7 +138,7 @@ def test_the_kernel_runs_per_device_over_several(llama, mistral):
     assert out["llama global_mesh cache"] == out["mistral global_mesh cache"] == [4, "P('data', 'model')"]
     assert out["llama host_dp"] == want["llama"]
     assert out["llama global_mesh"] == want["llama"]
-    assert out["llama global_mesh in place"] == want["llama"]
+    assert out["llama global_mesh buffer"] == want["llama"]
     assert out["mistral global_mesh"] == want["mistral"]
     if cpu_attention.unavailable() is None:
         assert out["llama host_dp cpu"] == want["llama"]  # the engine's CPU kernel, each device its own rows
@@ -184,10 +185,10 @@ def test_the_decode_program_lowers_for_a_gpu_with_the_kernel():
     triton = "custom_call @__gpu$xla.gpu.triton"
     assert _decode_program_text("pallas").count(triton) == 1
     assert _decode_program_text("pallas", kernel=KernelTuning(pages=4, num_stages=2)).count(triton) == 10
-    chunk_kernel = KernelTuning(chunk_kernel=1)
+    chunk_kernel = KernelTuning(chunk_kernel=1, in_place=0)
     assert _decode_program_text("pallas", kernel=chunk_kernel, steps=16).count(triton) == 2  # and the chunk of 16
     assert _decode_program_text("pallas", kernel=chunk_kernel).count(triton) == 1  # 4 steps: below the kernel's blocks
-    assert _decode_program_text("pallas", kernel=KernelTuning(in_place=1)).count(triton) == 1  # the cache alone
+    assert _decode_program_text("pallas", kernel=KernelTuning(in_place=0)).count(triton) == 1  # the pages, then the chunk buffer
     windowed = _decode_program_text("pallas", window=256)
     assert windowed.count(triton) == 1
     operands = [len(re.search(r"xla\.gpu\.triton\(([^)]*)\)", text).group(1).split(","))
@@ -236,7 +237,7 @@ def test_kernel_blocks():
     assert cache_ends("pallas", 26, KernelTuning(pages=4)) == (16, 32)  # blocks of 16: a quarter holds no more
     assert cache_ends("pallas", 26, engine) == (32,)
     assert str(KernelTuning.parse("num_warps=8,max_block_k=128")) == \
-        "max_block_k=128,pages=1,min_programs=1024,num_warps=8,num_stages=4,chunk_kernel=0,in_place=0"
+        "max_block_k=128,pages=1,min_programs=1024,num_warps=8,num_stages=4,chunk_kernel=0,in_place=1"
     with pytest.raises(ValueError, match="kernel tuning 'warps=8': expected name=integer pairs of max_block_k, "):
         KernelTuning.parse("warps=8")
     with pytest.raises(ValueError, match="kernel tuning 'max_block_k=96': max_block_k must be a power of two >= 16"):
