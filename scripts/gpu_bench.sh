@@ -5,8 +5,9 @@
 # (scripts/bench_decode_attention.py --tuning); the TinyLlama benchmark beside transformers (also
 # as a Mistral with a sliding window of 128 positions, shorter than its rows) and the Llama-3-8B
 # seed workload (128 prompts x 128 tokens, 2,048 new, batch 128), each with
-# the sweep's fastest tuning (KERNEL_TUNING, if set, instead), the same with the cache written
-# in place (`in_place=1`), and the engine's own attention; and decode attention alone, the
+# the sweep's fastest tuning (KERNEL_TUNING, if set, instead), the same with a chunk buffer in
+# place of the cache written in the decode loop (`in_place=0`), and the engine's own attention;
+# and decode attention alone, the
 # engine's own against the kernel, on both shapes. ATTENTION='pallas' (or 'xla') times one way
 # of attention (`engine.decode_attention`). Each step's log goes to $OUT (default
 # gpu-bench-out/) as it runs, so a step cut short still leaves what it printed. Each step has
@@ -102,8 +103,8 @@ tuning=${KERNEL_TUNING:-}
 if [ -z "$tuning" ] && [ -s "$OUT/kernel-sweep.log" ]; then
     tuning=$(tail -n 1 "$OUT/kernel-sweep.log" | "$python" -c 'import json, sys; print(json.load(sys.stdin).get("tuning", ""))' 2>/dev/null)
 fi
-echo "== kernel tuning for the benchmarks: ${tuning:-the default}, and the same with the cache written in place"
-tunings=("$tuning" "${tuning:+$tuning,}in_place=1")
+echo "== kernel tuning for the benchmarks: ${tuning:-the default}, and the same with a chunk buffer (in_place=0)"
+tunings=("$tuning" "${tuning:+$tuning,}in_place=0")
 read -ra attention_ways <<<"${ATTENTION:-pallas xla}"
 step tinyllama 200 "$python" scripts/bench_engine.py "${tiny[@]}" --dtype bfloat16 --attention "${attention_ways[@]}" --kernel-tuning "${tunings[@]}"
 step seed-workload 330 "$python" scripts/bench_engine.py "${seed[@]}" --dtype bfloat16 --attention "${attention_ways[@]}" --kernel-tuning "${tunings[@]}"
