@@ -912,7 +912,7 @@ class Attention(eqx.Module):
         heads = ("kv_heads", "q_per_kv", "head_dim")
         attn = attn.rearrange(("batch", "position") + heads if rows_first() else heads + ("batch", "position"))
         attn = attn.astype(x.dtype)
-        out = linear(hax.flatten_axes(attn, ("kv_heads", "q_per_kv", "head_dim"), "q_heads_dim"), self.o_proj, "q_heads_dim")
+        out = linear(hax.flatten_axes(attn, heads, "q_heads_dim"), self.o_proj, "q_heads_dim")
         if self.o_bias is not None:
             out = out + self.o_bias
         return out, new_kv
