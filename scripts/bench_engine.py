@@ -32,6 +32,8 @@ when it starts, and torch's cache would otherwise hold memory JAX needs.
     python scripts/bench_engine.py --preset cpu-mixed-prefill --batch 64 --dtype float32
     python scripts/bench_engine.py --preset cpu-mixed --batch 16 --attention xla cpu   # both attentions, one run
     python scripts/bench_engine.py --preset tinyllama-1.1b --window 128 --attention pallas xla   # a sliding window, on a GPU
+    python scripts/bench_engine.py --preset tinyllama-1.1b --activations rows features  # each order of the activations
+    python scripts/bench_engine.py --preset cpu-tiny --engine "" prefill_tokens=1024    # other EngineConfig fields, in turn
 
 The mixed presets (issue 13) draw 300 prompt lengths log-uniformly between 4 and 512 tokens and
 time our engine twice, each in a fresh process: cold (an empty compilation cache folder, so
@@ -66,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import importlib
 import itertools
 import json
@@ -148,13 +151,13 @@ PENALTIES = dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty
 
 
 def bench_ours(folder: str, p: dict, dtype: str, prompts: np.ndarray, single_pass: bool, attention: str,
-               lanes: int | str) -> dict:
+               lanes: int | str, options: dict | None = None) -> dict:
     from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, kernels
 
     sampling = SamplingParams(max_new_tokens=p["new"], logprobs=p.get("logprobs", False), top_logprobs=p.get("top_logprobs", 0),
                               **p.get("penalties", {}), **p.get("sampling", {}))
-    engine = Engine.load(folder, dtype=dtype, sampling=sampling, engine=EngineConfig(batch_size=p["batch"], decode_attention=attention, lanes=lanes),
-                         max_prompt_tokens=p["prompt_len"])
+    config = EngineConfig(batch_size=p["batch"], decode_attention=attention, lanes=lanes, **(options or {}))
+    engine = Engine.load(folder, dtype=dtype, sampling=sampling, engine=config, max_prompt_tokens=p["prompt_len"])
     requests = [GenerationRequest(i, row.tolist(), [0]) for i, row in enumerate(prompts)]
 
     def prefill_run_s() -> float:
@@ -397,6 +400,26 @@ def _lanes(text: str):
     return text if text == "auto" else int(text)
 
 
+def _engine_options(text: str) -> dict:
+    """--engine's values: 'prefill_tokens=8192,prefill_chunk_tokens=128', EngineConfig fields
+    (integers, or words such as auto); '' is the engine's defaults."""
+    from engine import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"batch_size", "decode_attention", "lanes"}
+    options = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(fields))}")
+        for kind in (int, float, str):
+            try:
+                options[name] = kind(value)
+                break
+            except ValueError:
+                pass
+    return options
+
+
 def _report_mixed(args, p: dict, folder: str, dtype: str, batch: int, prompts: list[list[int]], hf: dict | None,
                   variant: dict) -> dict[int, list[int]]:
     """Our cold and warm runs (fresh processes, a fresh compile cache), beside transformers' `hf`;
@@ -467,6 +490,9 @@ def main() -> None:
     parser.add_argument("--kernel-tuning", nargs="+", metavar="NAME=N,...", default=[""],
                         help="how the pallas attention reads the cache (engine.kernels.KernelTuning fields, e.g. the fastest "
                              "of scripts/bench_decode_attention.py's --tuning ways; '' the engine's): each timed in turn")
+    parser.add_argument("--engine", nargs="+", type=_engine_options, default=[{}], metavar="NAME=VALUE,...",
+                        help="steady-state presets: other EngineConfig fields (e.g. prefill_tokens=8192,"
+                             "prefill_chunk_tokens=128; '' the defaults): each timed in turn")
     parser.add_argument("--activations", nargs="+", choices=["auto", "rows", "features"], default=["auto"],
                         help="the activations' order (engine.llama.rows_first; auto: rows first on accelerators, "
                              "feature first on the CPU): each timed in turn")
@@ -479,9 +505,9 @@ def main() -> None:
             p[key] = getattr(args, key)
     if "mixed" in p:
         if (args.temperature or args.kernel_tuning != [""] or args.logprobs or args.top_logprobs or args.penalties
-                or args.activations != ["auto"]):
-            parser.error("--temperature, --logprobs, --top-logprobs, --penalties, --kernel-tuning and --activations apply "
-                         "to the steady-state presets only")
+                or args.activations != ["auto"] or args.engine != [{}]):
+            parser.error("--temperature, --logprobs, --top-logprobs, --penalties, --kernel-tuning, --activations and "
+                         "--engine apply to the steady-state presets only")
         run_mixed(args, p)
         return
     if args.temperature:
@@ -508,16 +534,17 @@ def main() -> None:
             print(json.dumps({"peer": "transformers", "dtype": dtype, **peers[dtype]}), flush=True)
         # A fresh compilation cache, so that ours_compile_s is compiling, not loading what an earlier run left.
         os.environ["PIPELINE_CACHE_DIR"] = os.path.join(folder, "pipeline-cache")
-        for dtype, attention, lanes, tuning, order in itertools.product(args.dtype, args.attention, args.lanes, tunings,
-                                                                        args.activations):
+        for dtype, attention, lanes, tuning, order, options in itertools.product(
+                args.dtype, args.attention, args.lanes, tunings, args.activations, args.engine):
             if attention == "xla" and tuning != tunings[0]:
                 continue  # the tuning is the kernel's: xla once
             kernels.TUNING = tuning  # read by Engine.load
             llama.ROWS_FIRST = {"auto": None, "rows": True, "features": False}[order]  # read as the programs are traced
-            ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention, lanes)
+            ours = bench_ours(folder, p, dtype, prompts, args.single_pass, attention, lanes, options)
             result = {"preset": args.preset, "dtype": dtype, **{k: p[k] for k in ("prompts", "prompt_len", "new", "batch")},
                       **{key: p[key] for key in ("window", "experts", "experts_per_token") if p.get(key)},
                       "sampling": p.get("sampling", "greedy"), "logprobs": p["logprobs"], "top_logprobs": p["top_logprobs"], "ours_penalties": bool(p.get("penalties")), "ours_attention": ours["attention"], "ours_rows_first": llama.rows_first(),
+                      **({"ours_engine": options} if options else {}),
                       "ours_tok_s": round(ours["tok_s"], 1), "ours_wall_s": round(ours["wall_s"], 2),
                       "ours_prefill_s": round(ours["prefill_s"], 2), "ours_lanes": ours["lanes"],
                       "ours_timed": "first pass minus its wait for programs" if args.single_pass else "second pass",

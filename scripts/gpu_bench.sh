@@ -7,8 +7,8 @@
 # seed workload (128 prompts x 128 tokens, 2,048 new, batch 128), each with
 # the sweep's fastest tuning (KERNEL_TUNING, if set, instead), the same with a chunk buffer in
 # place of the cache written in the decode loop (`in_place=0`), and the engine's own attention;
-# and decode attention alone, the
-# engine's own against the kernel, on both shapes. ATTENTION='pallas' (or 'xla') times one way
+# TinyLlama's prefill calls at other budgets and chunk lengths (`--engine`); and decode
+# attention alone, the engine's own against the kernel, on both shapes. ATTENTION='pallas' (or 'xla') times one way
 # of attention (`engine.decode_attention`). Each step's log goes to $OUT (default
 # gpu-bench-out/) as it runs, so a step cut short still leaves what it printed. Each step has
 # its own time limit. On an H100, 2026-11-26: the sweep about a minute, the TinyLlama and seed
@@ -47,6 +47,7 @@ if [ "${1:-}" = "--smoke" ]; then
     tiny=(--preset cpu-tiny --prompts 8 --new 8 --batch 8)
     window=(--preset cpu-tiny --prompts 8 --new 8 --batch 8 --window 32)
     seed=(--preset cpu-tiny --prompts 8 --new 8 --batch 8 --skip-hf --single-pass)
+    prefill=(--preset cpu-tiny --prompts 8 --new 8 --batch 8 --skip-hf --engine "" prefill_chunk_tokens=64)
     profile_tiny=(--preset cpu-tiny --batch 8 --repeats 3 16 96)
     profile_seed=(--preset cpu-mixed --batch 8 --repeats 3 16)
     attention=("--preset cpu-tiny --batch 2 --layers 1 40 150" "--preset cpu-tiny --batch 2 --layers 1 --ragged 150")
@@ -56,6 +57,10 @@ else
     tiny=(--preset tinyllama-1.1b)
     window=(--preset tinyllama-1.1b --window 128)  # Mistral's blocks, rows of 384 over a window of 128
     seed=(--preset llama3-8b --skip-hf --single-pass)  # transformers takes ~200 s here: measured once, in the notes
+    # TinyLlama's prefill calls, 0.2 s of its 1.0 s run (8 calls of 128 rows x 32 tokens), against
+    # bigger calls and longer chunks (docs/performance-notes.md, 2026-11-30)
+    prefill=(--preset tinyllama-1.1b --skip-hf --engine "" prefill_chunk_tokens=128 prefill_tokens=8192
+             prefill_tokens=8192,prefill_chunk_tokens=128)
     profile_tiny=(--preset tinyllama-1.1b --repeats 5 128 256)
     profile_seed=(--preset llama3-8b --repeats 3 128 1100 2100)
     attention=("--preset tinyllama-1.1b 128 256 384" "--preset tinyllama-1.1b --ragged 384"
@@ -108,7 +113,8 @@ tunings=("$tuning" "${tuning:+$tuning,}in_place=0")
 read -ra attention_ways <<<"${ATTENTION:-pallas xla}"
 step tinyllama 200 "$python" scripts/bench_engine.py "${tiny[@]}" --dtype bfloat16 --attention "${attention_ways[@]}" --kernel-tuning "${tunings[@]}"
 step seed-workload 330 "$python" scripts/bench_engine.py "${seed[@]}" --dtype bfloat16 --attention "${attention_ways[@]}" --kernel-tuning "${tunings[@]}"
-# The window last: no GPU has run it yet, and the two goals' steps come first.
+step tinyllama-prefill 200 "$python" scripts/bench_engine.py "${prefill[@]}" --dtype bfloat16 --attention pallas
+# The window last: the two goals' steps come first.
 step tinyllama-window 200 "$python" scripts/bench_engine.py "${window[@]}" --dtype bfloat16 --attention "${attention_ways[@]}" --kernel-tuning "${tunings[@]}"
 for i in "${!attention[@]}"; do
     # shellcheck disable=SC2086 - each entry is one command line's arguments
