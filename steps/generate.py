@@ -48,7 +48,7 @@ from pipeline.run.config import Config
 from engine.checkpoint import load_tokenizer, read_config
 from pipeline.errors import StepFailed, checkpoint_errors, say_unless_ended
 from pipeline.run.progress import Progress
-from pipeline.run.step import StepOutput, StepResult
+from pipeline.run.step import Committed, StepOutput, StepResult
 from steps.tokenize import SHARD_FIX, read_shard
 
 PART_MAX_AGE_S = 60.0
@@ -297,7 +297,7 @@ def _shard_names(out: StepOutput) -> dict[str, str | None]:
                        if f["path"].startswith("shard-")))
 
 
-def progress(cfg: Config, url: str, upstream: dict[str, str]) -> str | None:
+def progress(cfg: Config, url: str, upstream: dict[str, str]) -> Committed | None:
     """What `status` says of a partial generate: rows committed so far, of how many (tokenize's
     rows times sampling.n), read from the parts' footers only (a row a stalled writer committed
     twice counts twice); None where tokenize is not complete."""
@@ -316,7 +316,7 @@ def progress(cfg: Config, url: str, upstream: dict[str, str]) -> str | None:
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # one small read a part, on a bucket too
         committed = sum(pool.map(rows, parts))
-    return f"{committed:,} of {record.rows * cfg.sampling.n:,} rows committed in {len(parts)} part(s)"
+    return Committed(committed, record.rows * cfg.sampling.n, len(parts))
 
 
 def _say_idle_hosts(shards: int, count: int) -> None:

@@ -157,6 +157,7 @@ def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp
                                                      "upload": "missing"}
     parts = glob.glob(f"{root}/{PARTS}")  # how far it got, from the parts' footers
     assert steps[1]["progress"] == f"{len(partial)} of 80 rows committed in {len(parts)} part(s)"
+    assert (steps[1]["committed_rows"], steps[1]["total_rows"]) == (len(partial), 80)  # the same, for scripts
 
     result = pipeline("run", "all", "--config", config)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -35,8 +35,9 @@ def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
             row["rejected"] = p.record.summary["rejected"]
         if p.state == "partial" and p.step.progress is not None:
             done = p.step.progress(cfg, p.url, {s.name: urls[s.name] for s in p.step.inputs})
-            if done:
-                row["progress"] = done
+            if done is not None:
+                row["progress"] = str(done)
+                row["committed_rows"], row["total_rows"] = done.rows, done.of
         row["why"] = _why(p, row.get("progress"))
         if p.state != "complete":
             holder = Lease.for_step(cfg.run.root, p.name, p.hash).current_holder()

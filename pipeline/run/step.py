@@ -47,14 +47,28 @@ class Step:
     its hash is the same (the plan's reason), or None to skip it. For a runtime knob that decided
     whether the step did its work at all (upload with `wandb.mode: disabled`), or an output file
     of the result that is gone (merge's)."""
-    progress: Callable[["Config", str, dict[str, str]], str | None] | None = None
+    progress: Callable[["Config", str, dict[str, str]], "Committed | None"] | None = None
     """fn(cfg, output url, {upstream step: its url}) of a partial output: how far it got, for
-    `status` ('1,234 of 5,000 rows committed in 7 part(s)'), or None."""
+    `status`, or None."""
     about: str = ""
 
     def __post_init__(self):
         if (self.on == "every host") != (self.finish is not None):
             raise TypeError(f"step {self.name}: a finish function goes with on='every host', and only with it")
+
+
+@dataclass(frozen=True)
+class Committed:
+    """How far a partial step got (`Step.progress`): rows committed so far, of how many, in how
+    many files. `status` prints it ('1,234 of 5,000 rows committed in 7 part(s)'), and `status
+    --json` gives the numbers too."""
+
+    rows: int
+    of: int
+    parts: int
+
+    def __str__(self) -> str:
+        return f"{self.rows:,} of {self.of:,} rows committed in {self.parts} part(s)"
 
 
 def in_order(graph: tuple[Step, ...]) -> tuple[Step, ...]:
