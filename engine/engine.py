@@ -822,7 +822,8 @@ class Engine:
         """What tells this engine's calls' programs apart, cheaply: the model is the engine's own,
         a cache's and a state's shapes follow from their slots, the other arguments are arrays
         (`_program` keys a program by every leaf's shape, dtype and sharding), or None (an input
-        the sampling does not need, e.g. a prefill call's targets without prompt_logprobs)."""
+        the sampling does not need, e.g. a prefill call's targets without prompt_logprobs); and the
+        activations' order (`llama.rows_first`: a test may change it for a live engine)."""
         assert args[0] is self.model, "a call runs the engine's own model"
 
         def shape(arg) -> tuple | None:
@@ -834,7 +835,7 @@ class Engine:
                 return ("state", arg.done.shape)
             return (arg.shape, arg.dtype)
 
-        return (kind, static, *map(shape, args[1:]))
+        return (kind, static, llama.rows_first(), *map(shape, args[1:]))
 
     def _jit(self, fn):
         """fn(model, cache, state, ...) jitted with the cache and state donated (updated in place)."""

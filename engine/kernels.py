@@ -48,9 +48,9 @@ _MIN_BLOCK = 16
 
 class KernelTuning(NamedTuple):
     """How the kernel reads the cache (`TUNING`; scripts/bench_decode_attention.py times others).
-    The defaults were the fastest of 19 tunings of the Llama-3-8B's decode attention on an H100
-    (docs/performance-notes.md): one page, blocks of 64 positions, four loads in flight; and
-    the cache written in place in the decode loop."""
+    The blocks' defaults were the fastest of 19 tunings of the Llama-3-8B's decode attention on
+    an H100 (docs/performance-notes.md): one page, blocks of 64 positions, four loads in flight.
+    The cache written in place in the decode loop was timed on an H200 (`in_place`)."""
 
     max_block_k: int = 64
     """Longest block of key positions one step of a program's loop reads: the largest power of
@@ -70,14 +70,15 @@ class KernelTuning(NamedTuple):
     chunk_kernel: int = 0
     """With in_place=0, 1: the decode chunk's own positions (its buffer, 16 by default) through
     the kernel too, one more call a layer instead of about four small XLA kernels (on an H200,
-    TinyLlama: within 1 % of XLA's); 0: XLA operations."""
+    TinyLlama, one run: 0.8 % more tokens/s than XLA's); 0: XLA operations."""
     in_place: int = 1
     """1, with one page: each decode step writes its keys/values into the cache in place and the
     kernel attends to each row's length and the new position, with no chunk buffer, its writes
     and its attention (`engine.decode.decode_chunk`; the CPU kernel's way always). 0: the chunk
-    buffer, written into the cache after each decode chunk. On an H200 in place took 1.6-4.9 %
-    less time in four of five side-by-side runs (TinyLlama, the 8B), 6 % more in one
-    (docs/performance-notes.md)."""
+    buffer, written into the cache after each decode chunk. On an H200 on 2026-11-30 in place
+    gave TinyLlama 1.6-4.9 % more tokens/s in each of four runs beside the buffer (one process
+    each); on 2026-11-29 it had given 6 % less, 5.5 % less with a sliding window, and the 8B
+    1.6 % less time (one run each; docs/performance-notes.md)."""
 
     @classmethod
     def parse(cls, text: str) -> KernelTuning:

@@ -503,9 +503,10 @@ def set_rows(array: jax.Array, index, new: jax.Array) -> jax.Array:
 
 def linear(x: NamedArray, weight: NamedArray, axis: str) -> NamedArray:
     """A projection weight times x, summed over `axis`: (weight's out axis, x's other axes...),
-    accumulated in float32 and rounded once to x's dtype, as torch's Linear does.
+    or on accelerators (x's other axes..., weight's out axis), accumulated in float32 and
+    rounded once to x's dtype, as torch's Linear does.
 
-    The engine holds activations feature axis first, (embed, batch, position), and weights as
+    On the CPU the engine holds activations feature axis first, (embed, batch, position), and weights as
     transformers saves them, (out, in): each projection is then the plain weight @ x, with no
     transpose of either side, and its result comes out feature first for the next one. XLA's
     CPU backend runs a decode step's projections fastest this way at the 125M shape: a fifth
@@ -853,7 +854,8 @@ class Attention(eqx.Module):
         )
 
     def __call__(self, x: NamedArray, cos: NamedArray, sin: NamedArray, context) -> tuple[NamedArray, LayerKV]:
-        """x (Embed, Batch, Pos); returns (output, keys/values), by the kind of `context`:
+        """x (Embed, Batch, Pos), or (Batch, Pos, Embed) on accelerators (`rows_first`); returns
+        (output, keys/values), by the kind of `context`:
 
         - a mask (Batch, Pos, KPos), True where a query may attend (prefill without a cache):
           keys are this call's own positions, in order, returned as a fresh LayerKV; a windowed

@@ -89,6 +89,21 @@ def test_a_gpus_engine_gives_transformers_tokens(name, request, monkeypatch):
     assert engine._spec.decode_in_place
 
 
+def test_a_live_engine_runs_the_order_it_is_given(request, monkeypatch):
+    """Its programs are keyed by the activations' order: a benchmark that changes the order
+    under a live engine times the new order's programs (it had kept the first ones), and the
+    float32 tokens are the same."""
+    path, _ = request.getfixturevalue("llama")
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=6), max_prompt_tokens=32,
+                         engine=EngineConfig(batch_size=4))
+    requests = [GenerationRequest(i, p, [0]) for i, p in enumerate(PROMPTS[:3])]
+    first = [c.token_ids for c in engine.generate(requests)]
+    compiled = engine.stats.compilations
+    monkeypatch.setattr(llama, "ROWS_FIRST", not llama.rows_first())
+    assert [c.token_ids for c in engine.generate(requests)] == first
+    assert engine.stats.compilations > compiled, engine.stats.programs
+
+
 def test_mixtral_prefill_grouped_by_expert_gives_transformers_tokens(mixtral):
     """Prefill calls of 8 rows (256 tokens) run each expert on the tokens that picked it
     (`Experts._grouped`); decode steps of 8 rows every expert on every token: the tokens are
