@@ -401,9 +401,13 @@ def _lanes(text: str):
 
 
 def _engine_options(text: str) -> dict:
-    """--engine's values: 'prefill_tokens=8192,prefill_chunk_tokens=128', EngineConfig fields
-    (integers, or words such as auto); '' is the engine's defaults."""
+    """--engine's values: 'prefill_tokens=8192,prefill_chunk_tokens=128', EngineConfig fields,
+    each value read as YAML reads a config's (8192, 0.8, true, auto); '' is the engine's
+    defaults. A value the engine refuses is refused here, before anything is built."""
+    import yaml
+
     from engine import EngineConfig
+    from engine.config import InvalidConfig
 
     fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"batch_size", "decode_attention", "lanes"}
     options = {}
@@ -411,12 +415,11 @@ def _engine_options(text: str) -> dict:
         name, _, value = item.partition("=")
         if name not in fields or not value:
             raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(fields))}")
-        for kind in (int, float, str):
-            try:
-                options[name] = kind(value)
-                break
-            except ValueError:
-                pass
+        options[name] = yaml.safe_load(value)
+    try:
+        EngineConfig(**options)
+    except InvalidConfig as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return options
 
 

@@ -67,7 +67,8 @@ else
                "--preset llama3-8b 1100 2100" "--preset llama3-8b --ragged 2176")
     # The engine's tuning (one page, blocks of up to 64 positions, 1,024 programs, 4 warps, 4
     # stages: the fastest of two sweeps on an H100, docs/performance-notes.md) against the decode
-    # chunk's positions through the kernel too (not yet timed on a GPU) and its neighbours.
+    # chunk's positions through the kernel too and its neighbours. The sweep times the chunk
+    # buffer's way; chunk_kernel does nothing with the cache written in place (the default).
     sweep=(--preset llama3-8b --tuning chunk_kernel=1 --tuning num_stages=3 --tuning num_warps=8 --tuning pages=4
            --tuning max_block_k=128 --tuning min_programs=2048 600 1100 2100)
 fi
