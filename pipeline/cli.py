@@ -362,7 +362,10 @@ def main() -> None:
         preemption.install()  # now: a copy of a stop signal would end the process before `_guard` listens
     elif supervise.wanted(sys.argv[1:], os.environ):  # a pod host: JAX may end it natively (supervise.py)
         sys.exit(supervise.run(sys.argv[1:]))
-    app()
+    try:
+        app()
+    finally:
+        preemption.ignore_from_now()  # the exit code stands (not in tests, which call `app`)
 
 
 if __name__ == "__main__":

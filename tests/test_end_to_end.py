@@ -11,6 +11,8 @@ import glob
 import json
 import math
 import os
+import signal
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -306,3 +308,17 @@ def test_a_merged_file_deleted_by_hand_is_not_named_as_the_result_and_the_next_r
     assert "merge     " in again.output and "[merge] complete: " in again.output and "[upload] complete" not in again.output
     assert again.output.strip().splitlines()[-1] == f"result: {merged} ({len(rows)} rows in 1 file)"
     assert pq.read_table(merged).to_pylist() == rows
+
+
+def test_a_stop_signal_after_the_result_line_leaves_the_exit_code_as_it_was(make_config, start_pipeline):
+    """A scheduler's SIGTERM that lands while a finished command shuts down (Python puts the
+    default handlers back there) ended it by the signal, exit 143, after it had printed its
+    `result:` line: a completed job counted as failed. Signals from then on are ignored."""
+    config = make_config(sampling={"max_new_tokens": 2})
+    assert invoke("run", "all", "--config", config).exit_code == 0
+    for delay in (0.01, 0.02, 0.04):  # the shutdown's window with JAX loaded: tens of ms here
+        process = start_pipeline("run", "all", "--config", config)
+        assert process.wait_for("result: ")
+        time.sleep(delay)
+        process.send_signal(signal.SIGTERM)
+        assert process.finish() == 0, (delay, process.output[-2000:])

@@ -39,6 +39,17 @@ def install() -> None:
         signal.signal(signum, _on_signal)
 
 
+def ignore_from_now() -> None:
+    """The command has ended and its exit code is decided: a stop signal from now on is ignored.
+    Python's shutdown (tens of milliseconds with JAX loaded) puts back the default handlers, and
+    a SIGTERM there ended a command that had printed its `result:` line by the signal (exit 143),
+    which a scheduler takes for a failure; ignored signals stay ignored through it."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT, *COPIES):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def signal_name(signum: int) -> str | None:
     """'SIGTERM' or 'SIGINT' for a stop signal or a supervisor's copy of one, else None."""
     if signum in COPIES:
