@@ -218,14 +218,16 @@ def show_command(
     Example: pipeline show --config demo/config.yaml -n 3
     """
 
+    again = _config_args(config, set_)
+
     def body() -> None:
         from pipeline.run.config import load_config
         from pipeline.run.result import show_text
         from steps import PIPELINE
 
-        typer.echo(show_text(load_config(config, set_ or []), PIPELINE, _config_args(config, set_), rows))
+        typer.echo(show_text(load_config(config, set_ or []), PIPELINE, again, rows))
 
-    _guard(body, _config_args(config, set_))
+    _guard(body, again)
 
 
 @app.command("preflight")

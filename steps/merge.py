@@ -37,6 +37,7 @@ from pipeline.run import status
 from pipeline.run.config import Config
 from pipeline.errors import StepFailed
 from pipeline.run.progress import Progress
+from pipeline.run.result import missing_files
 from pipeline.run.step import StepOutput, StepResult
 from steps.generate import LOGPROBS, PART_FIX, PROMPT_LOGPROBS, check_part_keys, schema
 from steps.tokenize import read_shard
@@ -136,8 +137,7 @@ def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_byte
 def redo(cfg: Config, record: status.StepRecord, url: str) -> str | None:
     """The merged files are the result users read and scripts list (`status --json`): one that is
     gone is written again (the same rows, the same bytes) rather than named as the result."""
-    there = {u.rsplit("/", 1)[-1] for u in storage.list_files(url)}
-    gone = [f["path"] for f in record.files if f["path"] not in there]
+    gone = missing_files(url, [f["path"] for f in record.files])
     if gone:
         more = f" (and {len(gone) - 1} more)" if len(gone) > 1 else ""
         return f"complete, but its file {gone[0]}{more} is gone: write the merged files again"
@@ -145,11 +145,6 @@ def redo(cfg: Config, record: status.StepRecord, url: str) -> str | None:
 
 
 # --- inputs ------------------------------------------------------------------------------------
-
-
-def _read_local(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def _accepted_prompts(tokenize_url: str) -> np.ndarray:
@@ -195,15 +190,15 @@ class _Parts:
         # pq.ParquetFile on a local path is ~3x faster than pq.read_table through fsspec for
         # generate's small parts (measured: 1.1 s against 3.7 s for the key columns of 3,920 parts).
         url = f"{self.url}/{self.names[i]}"
-        local = isinstance(self.fs, LocalFileSystem)
         with storage.unreadable("generate part", url, PART_FIX):
-            # Remote: the whole part (small) read with retries, as every other file.
-            if verify:
-                data = _read_local(self.paths[i]) if local else storage.read_bytes(url)
-                self._check(i, data)
+            if verify or not isinstance(self.fs, LocalFileSystem):
+                # The whole part (small), read with retries as every other file.
+                data = storage.read_bytes(url)
+                if verify:
+                    self._check(i, data)
                 source = pa.BufferReader(data)
             else:
-                source = self.paths[i] if local else pa.BufferReader(storage.read_bytes(url))
+                source = self.paths[i]
             parquet = pq.ParquetFile(source)
             table = parquet.read(columns=columns, use_threads=False)
         return table, parquet.metadata

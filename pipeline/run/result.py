@@ -67,6 +67,13 @@ def merged_result(merge_url: str) -> MergedResult | None:
     return MergedResult(folder=merge_url, rows=record.rows, files=files)
 
 
+def missing_files(folder: str, names: list[str]) -> list[str]:
+    """Of `names`, files of `folder` that a marker records, those the folder no longer holds (a
+    merged file deleted by hand), in their order."""
+    there = {url.rsplit("/", 1)[-1] for url in storage.list_files(folder)}
+    return [name for name in names if name not in there]
+
+
 def first_rows(result: MergedResult, count: int) -> list[dict[str, Any]]:
     """The first `count` rows of the result (reading no more than needed), the shown columns only."""
     rows: list[dict[str, Any]] = []

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline import storage
 from pipeline.run import status
 from pipeline.run.checks import input_problem
 from pipeline.run.config import Config
-from pipeline.run.result import MergedResult, merged_result
+from pipeline.run.result import MergedResult, merged_result, missing_files
 from pipeline.run.runner import make_plan
 from pipeline.run.step import Step
 from pipeline.storage.lease import Lease
@@ -70,10 +69,8 @@ def result_of(rows: list[dict[str, Any]]) -> MergedResult | None:
     merge = next(r for r in rows if r["name"] == "merge")
     result = merged_result(merge["output"]) if merge["state"] == "complete" else None
     # Only files that are there: a merged file deleted by hand is made again by the next run (merge's redo).
-    if result is not None:
-        there = {url.rsplit("/", 1)[-1] for url in storage.list_files(result.folder)}
-        if any(url.rsplit("/", 1)[-1] not in there for url in result.files):
-            return None
+    if result is not None and missing_files(result.folder, [url.rsplit("/", 1)[-1] for url in result.files]):
+        return None
     return result
 
 
