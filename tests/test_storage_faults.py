@@ -329,3 +329,31 @@ def test_a_connection_error_while_reading_is_not_taken_for_a_damaged_file():
             raise OSError("Couldn't deserialize thrift: TProtocolException: Invalid data")
     assert str(err.value) == ("generate part gs://bucket/part.parquet cannot be read (Couldn't deserialize thrift: "
                               "TProtocolException: Invalid data): make it again")
+
+
+def test_files_another_process_writes_or_deletes_in_a_bucket_are_seen(gcs_bucket):
+    """gcsfs answers from the listings it made earlier in the process: once a folder was listed,
+    another host's new part, another runner's success marker and a file deleted elsewhere all went
+    unseen (list_files, exists, is_dir), and `remove` left a file it believed absent."""
+    import gcsfs
+
+    from pipeline import storage
+
+    folder = f"{gcs_bucket}/runs/generate-0123456789ab"
+    storage.write_bytes(f"{folder}/part-a.parquet", b"a")
+    elsewhere = gcsfs.GCSFileSystem(skip_instance_cache=True)  # another process: its own listings
+    assert storage.list_files(folder) == [f"{folder}/part-a.parquet"]
+    assert not storage.exists(f"{folder}/_SUCCESS.json") and not storage.is_dir(f"{folder}/shard-00000")
+
+    elsewhere.pipe(f"{folder}/part-b.parquet", b"b")
+    elsewhere.pipe(f"{folder}/_SUCCESS.json", b"{}")
+    elsewhere.pipe(f"{folder}/shard-00000/part-c.parquet", b"c")
+    elsewhere.rm(f"{folder}/part-a.parquet")
+    assert storage.list_files(folder, suffix=".parquet") == [f"{folder}/part-b.parquet"]
+    assert storage.exists(f"{folder}/_SUCCESS.json") and storage.is_dir(f"{folder}/shard-00000")
+    assert not storage.exists(f"{folder}/part-a.parquet")
+
+    storage.list_files(folder)
+    elsewhere.pipe(f"{folder}/part-d.parquet", b"d")
+    storage.remove(f"{folder}/part-d.parquet")
+    assert not elsewhere.exists(f"{folder}/part-d.parquet")

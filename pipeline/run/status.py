@@ -97,8 +97,7 @@ def inspect(out_url: str) -> tuple[State, StepRecord | None, str | None]:
     record, damaged = _marker(out_url)
     if record is not None:
         return "complete", record, None
-    fs, path = storage.filesystem(out_url)
-    return ("partial" if fs.exists(path) else "missing"), None, damaged
+    return ("partial" if storage.exists(out_url) else "missing"), None, damaged
 
 
 def latest_complete(root: str, step: str) -> tuple[str, StepRecord] | None:

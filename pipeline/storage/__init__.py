@@ -80,15 +80,27 @@ def is_local(url: str) -> bool:
     return isinstance(filesystem(url)[0], LocalFileSystem)
 
 
+def _looked_at_afresh(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """`filesystem(url)`, its listings of `url` and of the folders above it dropped first. gcsfs
+    keeps every listing it made for the life of the process and answers `exists`, `isdir`, `ls`
+    and `info` from them, so another process's write or delete (another host, another runner
+    that finished the step this one waited for) would stay unseen: every question of whether a
+    file is there is asked of the storage itself. A file's size and checksum after such a look
+    still come from the fresh listing."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(path)
+    return fs, path
+
+
 @storage_call("check")
 def exists(url: str) -> bool:
-    fs, path = filesystem(url)
+    fs, path = _looked_at_afresh(url)
     return fs.exists(path)
 
 
 @storage_call("check")
 def is_dir(url: str) -> bool:
-    fs, path = filesystem(url)
+    fs, path = _looked_at_afresh(url)
     return fs.isdir(path)
 
 
@@ -143,7 +155,7 @@ def remove_temp_files(url: str) -> list[str]:
     Only `_local_temp_for` names (`.name.tmp-<pid>-<rand>`) are touched; on object stores
     there are none (one-shot uploads). Call only while holding the folder's lease.
     """
-    fs, path = filesystem(url)
+    fs, path = _looked_at_afresh(url)
     if not isinstance(fs, LocalFileSystem) or not os.path.isdir(path):
         return []
     stale = [os.path.join(folder, name) for folder, _, names in os.walk(path)
@@ -168,7 +180,7 @@ def put_file(local_path: str, url: str) -> None:
     For files too big to hold in memory (tokenize streams its shards to local files first):
     local targets get a same-folder temp name then `os.replace`; gs:// gets one upload.
     """
-    fs, path = filesystem(url)
+    fs, path = _looked_at_afresh(url)
     if isinstance(fs, LocalFileSystem):
         with _local_temp_for(path) as tmp:
             shutil.move(local_path, tmp)  # a rename on the same filesystem, else a copy
@@ -196,7 +208,7 @@ def write_parquet(url: str, table: pa.Table) -> dict[str, Any]:
 
 @storage_call("read")
 def read_parquet(url: str, columns: list[str] | None = None) -> pa.Table:
-    fs, path = filesystem(url)
+    fs, path = _looked_at_afresh(url)
     return pq.read_table(path, filesystem=fs, columns=columns)
 
 
@@ -222,8 +234,9 @@ def unreadable(what: str, url: str, fix: str) -> Iterator[None]:
 
 @storage_call("list")
 def list_files(url: str, suffix: str = "") -> list[str]:
-    """URLs of the files directly under a folder (sorted); hidden and temp files excluded."""
-    fs, path = filesystem(url)
+    """URLs of the files directly under a folder (sorted), as the storage holds them now; hidden
+    and temp files excluded."""
+    fs, path = _looked_at_afresh(url)
     try:
         entries = fs.ls(path, detail=True)
     except FileNotFoundError:
@@ -238,7 +251,7 @@ def list_files(url: str, suffix: str = "") -> list[str]:
 
 @storage_call("remove")
 def remove(url: str, recursive: bool = False) -> None:
-    fs, path = filesystem(url)
+    fs, path = _looked_at_afresh(url)
     if fs.exists(path):
         fs.rm(path, recursive=recursive)
 
@@ -337,9 +350,9 @@ def expand(pattern: str) -> list[str]:
     """The files a path, folder or glob names (sorted); empty if it matches nothing. A folder is
     its own files (not its subfolders': `DIR/**` for those); a folder or glob leaves out names
     starting with `.` or `_` (`_SUCCESS.json`, `.cache`), a file named exactly is itself (a `[`
-    in its name is no glob). Listed afresh: gcsfs keeps listings, so a second look in the same
-    process (the runner's recheck of the prompt files before tokenize's marker) would see the
-    files, and their md5s (`fingerprint`), as they were at the first."""
+    in its name is no glob). Listed afresh (`_looked_at_afresh`): the runner's recheck of the
+    prompt files before tokenize's marker must see the files, and their md5s (`fingerprint`), as
+    they are now, not as the plan saw them."""
     fs, path = filesystem(pattern)
     glob_at = min((path.index(ch) for ch in "*?[" if ch in path), default=len(path))
     fs.invalidate_cache(path if glob_at == len(path) else path[:glob_at].rsplit("/", 1)[0])
