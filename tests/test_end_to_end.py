@@ -211,10 +211,18 @@ def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_co
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 1]))
 
-    def fails(*args: str) -> str:
+    def fails(*args: str, untouched: bool = True) -> str:
+        """The error line. A --force that failed before it changed a file leaves its step complete, as
+        it was; one that wrote first (generate's new metrics) leaves it partial."""
+        before = status(config)
         result = invoke(*args, "--config", config)
         assert result.exit_code == 1, result.output
         (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        if "--force" in args:
+            step, kept = args[1], (f"[{args[1]}] --force changed none of its files before it failed: still "
+                                   f"complete, as it was ({before[args[1]]['rows']} rows)")
+            assert status(config)[step] == before[step] if untouched else status(config)[step]["state"] == "partial"
+            assert (kept in result.stderr) == untouched
         return line
 
     part = sorted(glob.glob(os.path.join(steps["generate"]["output"], "shard-*", "part-*.parquet")))[0]
@@ -243,7 +251,7 @@ def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_co
         "again (the same rows: the steps after it keep their work)")
     with open(shard, "wb") as f:
         f.write(kept)
-    assert invoke("run", "generate", "--config", config).exit_code == 0  # the part's rows made again
+    assert invoke("run", "generate", "--force", "--config", config).exit_code == 0  # the part's rows made again
     damage(shard)
     for command in (("run", "merge", "--force"), ("run", "generate", "--force")):
         line = fails(*command)
@@ -255,7 +263,7 @@ def test_a_damaged_file_names_itself_and_the_command_that_makes_it_again(make_co
 
     metrics = sorted(glob.glob(os.path.join(steps["generate"]["output"], "metrics", "host-*.json")))[0]
     damage(metrics)
-    line = fails("run", "generate", "--force")
+    line = fails("run", "generate", "--force", untouched=False)
     assert line.startswith(f"error: generate metrics {metrics} cannot be read (")
     assert line.endswith(f"delete it (it holds only a host's figures), then run `pipeline run generate --config {config}`")
     os.remove(metrics)

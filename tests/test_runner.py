@@ -24,6 +24,8 @@ from pipeline.run.config import load_config
 
 CALLS: list[str] = []
 FAIL_IN: set[str] = set()
+FAIL_FIRST: set[str] = set()
+"""Steps that fail before they write anything (a check of their input that fails)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,8 @@ class StubSummary:
 def _stub(name: str):
     def step(cfg, out):
         CALLS.append(name)
+        if name in FAIL_FIRST:
+            raise RuntimeError(f"{name} broke before writing anything")
         storage.write_text(out.path("data.txt"), f"{name} output")
         if name in FAIL_IN:
             raise RuntimeError(f"{name} broke after writing its data")
@@ -66,6 +70,7 @@ def stub_steps(monkeypatch):
     monkeypatch.setattr(steps, "PIPELINE", GRAPH)  # what the CLI hands the runner
     CALLS.clear()
     FAIL_IN.clear()
+    FAIL_FIRST.clear()
 
 
 def files_under(root) -> dict[str, float]:
@@ -143,6 +148,31 @@ def test_force_reruns_a_complete_step(make_config):
     CALLS.clear()
     runner.run_steps(cfg, GRAPH, ("upload",), force=True, echo=lambda _: None)
     assert CALLS == ["upload"]
+
+
+@pytest.mark.parametrize("step", ["merge", "generate"])  # on the leader, and on every host
+def test_a_forced_step_that_fails_before_touching_its_files_stays_complete_as_it_was(make_config, step):
+    """--force takes the marker away first; a run that then failed in a check of its input (a part
+    missing for merge, a damaged shard for generate) left a complete step partial, its result gone
+    from `show`, though not one of its files had changed. Changed files stay partial (below)."""
+    cfg = load_config(make_config())
+    runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)
+    (planned,) = [p for p in runner.make_plan(cfg, GRAPH) if p.name == step]
+    before = status.read_marker(planned.url)
+    FAIL_FIRST.add(step)
+    said: list[str] = []
+    with pytest.raises(RuntimeError, match="before writing anything"):
+        runner.run_steps(cfg, GRAPH, (step,), force=True, echo=said.append)
+    assert status.read_marker(planned.url) == before
+    assert said[-1] == f"[{step}] --force changed none of its files before it failed: still complete, as it was (3 rows)"
+    assert [p.action for p in runner.make_plan(cfg, GRAPH)] == ["skip"] * 4
+
+    FAIL_FIRST.clear()
+    FAIL_IN.add(step)  # writes its file again, then fails: not what the marker recorded any more
+    with pytest.raises(RuntimeError, match="after writing its data"):
+        runner.run_steps(cfg, GRAPH, (step,), force=True, echo=said.append)
+    assert status.output_state(planned.url) == "partial"
+    assert "still complete" not in said[-1]
 
 
 def test_an_upload_made_with_wandb_disabled_runs_again_once_wandb_is_on(make_config):

@@ -266,8 +266,9 @@ def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
     step, tag = planned.step, f"{planned.name}-{planned.hash[:12]}"
     started = _now()
     lease = Lease.for_step(cfg.run.root, step.name, planned.hash)
+    forced: list[_Forced] = []  # the leader's, when --force runs a complete step again
     try:
-        token = hosts.on_leader(f"{tag}/start", lambda: _begin(cfg, planned, out, lease, wait, say),
+        token = hosts.on_leader(f"{tag}/start", lambda: _begin(cfg, planned, out, lease, wait, say, forced),
                                 f"the lease on step {step.name}")
         if token is None:
             if hosts.is_leader():
@@ -285,24 +286,51 @@ def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
     except BaseException as err:
         if hosts.is_leader():  # tell the pod before letting go, so no host takes it for a takeover
             hosts.abort(message_of(err), getattr(err, "exit_code", 1))
-            if step.on == "every host":  # and let hosts that are stopping too commit their rows
-                hosts.wait_briefly([f"{tag}/host-{i}" for i in range(1, hosts.process_count())])
+            settled = step.on != "every host" or hosts.wait_briefly(  # and let hosts that are stopping
+                [f"{tag}/host-{i}" for i in range(1, hosts.process_count())])  # too commit their rows
+            if forced and settled:
+                forced[0].put_back_if_untouched(out.url, lease, say)
         raise
     finally:
         if hosts.is_leader():
             lease.release()
 
 
+@dataclass(frozen=True)
+class _Forced:
+    """A complete step that --force runs again, as it was: its record and its files."""
+
+    name: str
+    record: status.StepRecord
+    files: dict[str, tuple[str, ...]]
+
+    def put_back_if_untouched(self, out_url: str, lease: Lease, say: Callable[[str], None]) -> None:
+        """After the run failed: where it changed none of the step's files (a check that failed
+        first, a preemption before the first write), the step is complete as it was, not partial.
+        Never raises: the run's own error is what the user must see."""
+        try:
+            lease.check()  # a runner that took the step over may be writing it
+            if status.data_files(out_url) == self.files:
+                status.write_marker(out_url, self.record)
+                say(f"[{self.name}] --force changed none of its files before it failed: still complete, "
+                    f"as it was ({self.record.rows} rows)")
+        except Exception:  # noqa: BLE001 - left partial: the next run makes it again
+            pass
+
+
 def _begin(cfg: Config, planned: PlannedStep, out: StepOutput, lease: Lease, wait: bool,
-           say: Callable[[str], None]) -> str | None:
+           say: Callable[[str], None], forced: list[_Forced]) -> str | None:
     """Leader: take the lease and prepare the output folder; returns the lease token for the other
-    hosts, or None if another runner completed the step meanwhile."""
+    hosts, or None if another runner completed the step meanwhile. Running a complete step again
+    (--force) keeps its record and its files' listing in `forced`."""
     lease.acquire(wait, say)
     if planned.state != "complete" and status.output_state(out.url) == "complete":
         lease.release()
         return None
+    if planned.state == "complete" and (record := status.read_marker(out.url)) is not None:
+        forced.append(_Forced(planned.name, record, status.data_files(out.url)))
     if planned.state == "complete":
-        status.remove_marker(out.url)  # --force: not complete until it finishes again
+        status.remove_marker(out.url)  # --force: not complete until it finishes again (or fails untouched)
     stale = storage.remove_temp_files(out.url)  # from a writer killed mid-write
     if stale:
         say(f"[{planned.name}] removed {len(stale)} temp file(s) a killed writer left behind")

@@ -23,6 +23,8 @@ from pipeline import storage
 MARKER = "_SUCCESS.json"
 CONFIG_FILE = "config.yaml"
 """The resolved config, written beside each step's output when the step starts."""
+LOG_FOLDER = "logs"
+"""Each host's log of the step (pipeline/run/steplog.py)."""
 
 State = Literal["complete", "partial", "missing"]
 
@@ -89,6 +91,15 @@ def _marker(out_url: str) -> tuple[StepRecord | None, str | None]:
 
 def remove_marker(out_url: str) -> None:
     storage.remove(storage.join(out_url, MARKER))
+
+
+def data_files(out_url: str) -> dict[str, tuple[str, ...]]:
+    """A step folder's files but its marker, its config and its logs (and hidden temp files), each
+    with what changes when it is written again (`storage.files_under`): two looks are equal only
+    if the step's output was not touched between them."""
+    return {name: version for name, version in storage.files_under(out_url).items()
+            if name not in (MARKER, CONFIG_FILE) and not name.startswith(f"{LOG_FOLDER}/")
+            and not name.rsplit("/", 1)[-1].startswith(".")}
 
 
 def inspect(out_url: str) -> tuple[State, StepRecord | None, str | None]:

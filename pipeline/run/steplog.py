@@ -25,9 +25,9 @@ from typing import Iterator, TextIO
 
 from pipeline import storage
 from pipeline.errors import message_of
+from pipeline.run.status import LOG_FOLDER
 from pipeline.storage.retrying import StorageError
 
-LOG_FOLDER = "logs"
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 

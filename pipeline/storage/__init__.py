@@ -249,6 +249,25 @@ def list_files(url: str, suffix: str = "") -> list[str]:
     return [_url_of(url, fs, name) for name in names]
 
 
+_VERSION_KEYS = ("size", "mtime", "ino", "generation", "created")
+"""What a listing says of a file that changes when it is written again: its size, and the local
+file's mtime and inode (`os.replace` gives a new one), a GCS object's generation, a memory file's time."""
+
+
+@storage_call("list")
+def files_under(url: str) -> dict[str, tuple[str, ...]]:
+    """Every file under a folder, its subfolders' included, as {its path under the folder: what
+    changes when it is written again (`_VERSION_KEYS`)}, from one listing; {} where there is none."""
+    fs, path = _looked_at_afresh(url)
+    try:
+        found = fs.find(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    folder = path.rstrip("/") + "/"
+    return {name[len(folder):]: tuple(str(info.get(key)) for key in _VERSION_KEYS)
+            for name, info in found.items() if name.startswith(folder)}
+
+
 @storage_call("remove")
 def remove(url: str, recursive: bool = False) -> None:
     fs, path = _looked_at_afresh(url)
