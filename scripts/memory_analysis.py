@@ -14,6 +14,10 @@ same batch. The cache is planned in the accelerator's dtype (bfloat16), as on a 
 
 Peak of a program = arguments + outputs - donated (aliased) buffers + temporaries.
 
+The programs are traced with the activations rows first (`--activations rows`, the default), as
+every accelerator runs them (`engine.llama.rows_first`); `--activations features` analyses the
+CPU's own order instead.
+
 `--mesh DATAxMODEL` analyses the global mesh (`engine.mode: global_mesh`) over that many CPU
 devices forced into one process: the weights sharded as the engine shards them, the KV cache's
 rows over `data` and its heads over `model`, decode attention in XLA's own operations (what a TPU
@@ -60,6 +64,13 @@ def main() -> None:
                         help="sampling.prompt_logprobs: the prefill program computes every position's log-probability")
     parser.add_argument("--mesh", metavar="DATAxMODEL", help="a global mesh over forced CPU devices, e.g. 2x8")
     parser.add_argument("--experts", type=int, help="a Mixtral of the preset's shape: each MLP this many experts, two a token")
+    parser.add_argument("--activations", choices=["rows", "features"], default="rows",
+                        help="the activations' order the programs are traced in: rows first, as an accelerator runs "
+                             "them (default), or feature first, as the CPU does")
+    parser.add_argument("--attention", choices=["auto", "xla", "cpu", "pallas"], default="auto",
+                        help="engine.decode_attention (auto: what the engine runs on this device; xla: the engine's own "
+                             "attention, reading the cache in place as a GPU's Pallas kernel does; pallas: its "
+                             "interpreter on a CPU)")
     parser.add_argument("--dense-experts", action="store_true",
                         help="a mixture's every call as an accelerator runs it, every expert on every token (the CPU "
                              "groups calls of many tokens by expert)")
@@ -75,7 +86,10 @@ def main() -> None:
 
     from engine import cpu_attention, kernels
     from engine.decode import DecodeSpec, decode_chunk, new_cache, new_state, prefill_chunk
+    from engine import llama
     from engine.llama import Experts, LlamaConfig, abstract_model
+
+    llama.ROWS_FIRST = args.activations == "rows"  # read as the programs are traced
 
     if args.dense_experts:
         Experts.grouped_pays = lambda self, tokens, step=False: False
@@ -101,7 +115,7 @@ def main() -> None:
         layout = None
         param_sharding = batch_sharding = cache_sharding = host_sharding = sharding = jax.sharding.SingleDeviceSharding(device)
         # The decode attention the engine would run here (engine.decode_attention: auto).
-        attention = kernels.resolve("auto", platform=device.platform, head_dim=config.head_dim, dtype=args.dtype)
+        attention = kernels.resolve(args.attention, platform=device.platform, head_dim=config.head_dim, dtype=args.dtype)
 
     def abstract(tree, where):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), tree)
@@ -124,7 +138,7 @@ def main() -> None:
     planned = weights + working + -(-batch // data) * row
     print(json.dumps({"model": f"{config.num_hidden_layers}x{config.hidden_size}, {config.num_key_value_heads} KV heads, vocab {config.vocab_size}",
                       "dtype": args.dtype, "cache_dtype": args.cache_dtype, "batch": batch, "prompt": prompt, "new": new,
-                      "mesh": args.mesh,
+                      "mesh": args.mesh, "activations": args.activations,
                       "plan_gib": round(planned / GiB, 2), "plan_weights_gib": round(weights / GiB, 2),
                       "plan_row_mib": round(row / 2**20, 2), "plan_working_gib": round(working / GiB, 3)}), flush=True)
 

@@ -17,14 +17,16 @@ from engine import cpu_attention
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "memory_analysis.py")
 
 
-def test_8b_decode_program_reads_the_cache_in_place_and_matches_the_plan():
+@pytest.mark.parametrize("activations", ["rows", "features"])  # an accelerator's order, and the CPU's
+def test_8b_decode_program_reads_the_cache_in_place_and_matches_the_plan(activations):
     done = subprocess.run(
-        [sys.executable, SCRIPT, "--preset", "llama3-8b", "--dtype", "float32", "--cache-dtype", "float32", "--skip-prefill"],
+        [sys.executable, SCRIPT, "--preset", "llama3-8b", "--dtype", "float32", "--cache-dtype", "float32", "--skip-prefill",
+         "--activations", activations],
         capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     plan, decode = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
-    assert (plan["batch"], plan["prompt"], plan["new"]) == (128, 128, 2048)
+    assert (plan["batch"], plan["prompt"], plan["new"], plan["activations"]) == (128, 128, 2048, activations)
     assert decode["program"] == "decode"
     assert decode["alias_gib"] == decode["output_gib"] > 60  # the whole cache is donated and updated in place
     assert decode["temp_gib"] < 1.0, decode  # no copy of the cache or of a window of it
