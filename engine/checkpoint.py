@@ -350,7 +350,8 @@ def check_checkpoint(url: str) -> dict[str, Any]:
             raise BrokenCheckpoint(f"{tensor.url}: tensor {name} has shape {list(tensor.shape)}, "
                                    f"config.json implies {list(shape)}")
     return {"model_type": config.model_type, "files": files, "tensors": len(tensors),
-            "layers": config.num_hidden_layers, "max_position_embeddings": config.max_position_embeddings,
+            "layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
+            "max_position_embeddings": config.max_position_embeddings,
             "longrope_rows": config.longrope_rows,
             "attn_logit_softcapping": config.attn_logit_softcapping}
 

@@ -95,6 +95,40 @@ def test_run_root_under_a_file(config_for, tmp_path):
     assert line == f"error: run.root {tmp_path / 'a-file' / 'runs'}: {tmp_path / 'a-file'} is a file, not a folder"
 
 
+def test_run_root_under_a_link_to_nowhere(config_for, tmp_path):
+    """The nearest folder that exists was writable, so the check passed; the first step then failed
+    making its folder, with a traceback and exit 1 (`FileNotFoundError: ... runs`)."""
+    (tmp_path / "gone").symlink_to(tmp_path / "unmounted-disk")
+    root = tmp_path / "gone" / "runs"
+    line = refused(run("run", "all", "--config", config_for(run={"root": str(root)})), root)
+    assert line == (f"error: run.root {root}: {tmp_path / 'gone'} is a symbolic link to {tmp_path / 'unmounted-disk'}, "
+                    f"which does not exist: make its target, or choose another run.root")
+    assert refused(run("preflight", "--config", config_for(run={"root": str(root)})), root) == line
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_run_root_where_no_folder_can_be_made(config_for, tmp_path):
+    """/proc lets its owner through the permission check but takes no folders: the check now makes
+    the root, so this too is refused before any step, naming it."""
+    root = "/proc/no-such-folder/runs"
+    line = refused(run("run", "all", "--config", config_for(run={"root": root})), root)
+    if os.geteuid() == 0:  # others are refused by the permission check
+        assert line == f"error: run.root {root} cannot be made (No such file or directory: {root[:-5]}); choose another run.root"
+
+
+def test_a_stop_token_the_model_cannot_make(config_for, tmp_path, demo_model):
+    """An id at or past the checkpoint's vocabulary never comes out: the setting did nothing, but
+    changed every hash after tokenize (a new run of the same rows)."""
+    vocab = json.loads(open(os.path.join(demo_model, "config.json")).read())["vocab_size"]
+    config = config_for(sampling={"stop_token_ids": [2, vocab + 5]})
+    line = refused(run("run", "all", "--config", config), tmp_path / "runs")
+    assert line == (f"error: sampling.stop_token_ids [2, {vocab + 5}]: {vocab + 5} is not a token of the checkpoint, "
+                    f"whose vocab_size is {vocab} ({demo_model}/config.json): the model never makes it; give ids "
+                    f"below {vocab}")
+    assert run("run", "all", "--config", config_for(sampling={"stop_token_ids": [vocab - 1]}),
+               "--dry-run").exit_code == 0
+
+
 def test_online_wandb_without_a_key(config_for, tmp_path):
     config = config_for(wandb={"mode": "online"})
     env = {"WANDB_API_KEY": None, "WANDB_BASE_URL": None, "NETRC": str(tmp_path / "no-netrc"),

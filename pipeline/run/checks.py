@@ -3,11 +3,11 @@
 Owns the up-front checks of a run: the prompt files `prompts.path` names exist and are of a type
 tokenize reads (a chat template where prompts ask for one), `model.path` is a
 checkpoint we can run (engine/checkpoint.py, headers only), a prompt of `max_prompt_tokens` plus
-`max_new_tokens` fits the checkpoint's positions, the engine settings fit this host's devices,
-`run.root` can be written, and an online W&B
+`max_new_tokens` fits the checkpoint's positions, the stop token ids are the checkpoint's, the
+engine settings fit this host's devices, `run.root` can be written, and an online W&B
 run has a key. Each failure is a ConfigError naming the key (exit 2), and nothing is written: a
-check of `run.root` on remote storage writes a probe object and removes it, a local one only asks
-the operating system. It refuses to check what only the step can see (the rows of a prompt file).
+check of `run.root` on remote storage writes a probe object and removes it, a local one asks the
+operating system, then makes the root folder once every other check has passed. It refuses to check what only the step can see (the rows of a prompt file).
 Only the inputs of steps that are about to run are checked (`pipeline run upload` needs no model):
 the runner calls this once, with the steps its plan runs, before any step folder or lease.
 
@@ -140,6 +140,11 @@ def check_model(cfg: Config, positions: bool) -> None:
     if not positions:
         return
     url = storage.join(cfg.model.path, "config.json")
+    never = [token for token in cfg.sampling.stop_token_ids if token >= found["vocab_size"]]
+    if never:
+        raise ConfigError(f"sampling.stop_token_ids {list(cfg.sampling.stop_token_ids)}: {never[0]} is not a token of "
+                          f"the checkpoint, whose vocab_size is {found['vocab_size']} ({url}): the model never makes it; "
+                          f"give ids below {found['vocab_size']}")
     needed = cfg.prompts.max_prompt_tokens + cfg.sampling.max_new_tokens
     # Past a longrope's original positions transformers turns the whole row to its long factors,
     # which the engine does not implement: it runs rows up to there.
@@ -181,13 +186,18 @@ def check_engine(cfg: Config) -> None:
 
 
 def check_root(cfg: Config) -> None:
-    """run.root can be written: locally the nearest existing folder is writable; elsewhere a probe
-    object is written and removed (it also checks credentials before any work)."""
+    """run.root can be written: locally the nearest existing folder is writable and the root is
+    made there (where a link to nowhere or a file system that takes no folders, as /proc, stands
+    in the way, the first step's folder could not be); elsewhere a probe object is written and
+    removed (it also checks credentials before any work)."""
     root = storage.normalize(cfg.run.root)
     if storage.is_local(root):
         path = storage.filesystem(root)[1]
         existing = path
         while not os.path.exists(existing):
+            if os.path.islink(existing):
+                raise ConfigError(f"run.root {cfg.run.root}: {existing} is a symbolic link to {os.readlink(existing)}, "
+                                  f"which does not exist: make its target, or choose another run.root")
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing):
             raise ConfigError(f"run.root {cfg.run.root}: {existing} is a file, not a folder")
@@ -197,6 +207,11 @@ def check_root(cfg: Config) -> None:
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ConfigError(f"run.root {cfg.run.root} is not writable ({existing}: permission denied); "
                               f"choose another run.root or fix its permissions")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"run.root {cfg.run.root} cannot be made ({err.strerror}: {err.filename}); "
+                              f"choose another run.root") from err
         return
     probe = storage.join(root, f".write-check-{secrets.token_hex(6)}")
     try:
