@@ -267,6 +267,11 @@ def test_missing_prompt_file_exits_2_and_a_bad_prompt_line_exits_1(config_for, t
     assert result.exit_code == 1
     assert error_line(result).startswith(f"error: prompts file {tmp_path / 'prompts.jsonl'} line 2: invalid JSON")
     assert markers(tmp_path) == []
+    # status says why the step is partial: it had said "the next run resumes it", which would fail the same way
+    shown = CliRunner().invoke(app, ["status", "--config", bad, "--json"])
+    tokenize = json.loads(shown.stdout)["steps"][0]
+    assert tokenize["state"] == "partial" and tokenize["last_error"] == error_line(result).removeprefix("error: ")
+    assert tokenize["why"] == f"partial; its last run ended: {tokenize['last_error']}; the next run runs it again"
 
 
 @pytest.mark.parametrize("engine, message", [

@@ -107,6 +107,10 @@ def test_failure_after_data_leaves_step_partial_not_complete(make_config):
         runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)
     states = {p.name: p.state for p in runner.make_plan(cfg, GRAPH)}
     assert states == {"tokenize": "complete", "generate": "partial", "merge": "missing", "upload": "missing"}
+    generate = status_report.report(cfg, GRAPH)[1]  # the step's log ends with the error: status tells it
+    assert generate["last_error"] == "RuntimeError: generate broke after writing its data"
+    assert generate["why"].endswith("; its last run ended: RuntimeError: generate broke after writing its data; "
+                                    "the next run resumes it"), generate["why"]
     FAIL_IN.clear()
     CALLS.clear()
     plan = runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)

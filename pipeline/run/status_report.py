@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.run import status
+from pipeline.run import status, steplog
 from pipeline.run.checks import input_problem
 from pipeline.run.config import Config
 from pipeline.run.result import MergedResult, merged_result, missing_files
@@ -37,7 +37,9 @@ def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
             if done is not None:
                 row["progress"] = str(done)
                 row["committed_rows"], row["total_rows"] = done.rows, done.of
-        row["why"] = _why(p, row.get("progress"))
+        if p.state == "partial" and not p.damaged and (failed := steplog.last_error(p.url)) is not None:
+            row["last_error"] = failed
+        row["why"] = _why(p, row.get("progress"), row.get("last_error"))
         if p.state != "complete":
             holder = Lease.for_step(cfg.run.root, p.name, p.hash).current_holder()
             if holder is not None:
@@ -50,7 +52,7 @@ def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
     return rows
 
 
-def _why(p: Any, progress: str | None = None) -> str:
+def _why(p: Any, progress: str | None = None, failed: str | None = None) -> str:
     if p.state == "complete" and p.action == "run":  # the step asks for it again (`Step.redo`)
         return f"{p.reason}: the next `run all` runs it"
     if p.state == "complete":
@@ -60,7 +62,11 @@ def _why(p: Any, progress: str | None = None) -> str:
     if p.state == "partial":
         if p.damaged:
             return f"partial: its {status.MARKER} cannot be read ({p.damaged}): the next run runs it again"
-        return f"partial ({progress}): the next run resumes it" if progress else "partial: the next run resumes it"
+        state = f"partial ({progress})" if progress else "partial"
+        if failed is not None:  # a resume would meet the same error unless its cause is fixed
+            again = "resumes it" if p.step.progress is not None else "runs it again"
+            return f"{state}; its last run ended: {failed}; the next run {again}"
+        return f"{state}: the next run resumes it"
     return f"missing ({p.since}): the next `run all` runs it" if p.since else "missing: the next `run all` runs it"
 
 

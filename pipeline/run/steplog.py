@@ -41,6 +41,19 @@ def log_urls(step_url: str) -> list[str]:
     return storage.list_files(folder, suffix=".log") if storage.exists(folder) else []
 
 
+def last_error(step_url: str) -> str | None:
+    """How the last run of a step failed, where it did: the message of the `error:` line the
+    leader's log ends with (the command's own, which names a failed host's error too); None where
+    there is no such log or it ends otherwise (a run still going, or killed before it could say).
+    Never raises: it only explains."""
+    url = storage.join(step_url, LOG_FOLDER, log_name(0))
+    try:
+        lines = storage.read_bytes(url).decode("utf-8", errors="replace").rstrip("\n").rsplit("\n", 1)
+    except Exception:  # noqa: BLE001 - no log (the run never began), or unreadable: nothing to say
+        return None
+    return lines[-1].removeprefix("error: ") if lines[-1].startswith("error: ") else None
+
+
 class _LazyFile:
     """A log file opened (appending) on its first line: a host that prints nothing during a step
     (a non-leader waiting through tokenize) leaves no empty log behind.
