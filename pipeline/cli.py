@@ -365,9 +365,34 @@ def main() -> None:
     elif supervise.wanted(sys.argv[1:], os.environ):  # a pod host: JAX may end it natively (supervise.py)
         sys.exit(supervise.run(sys.argv[1:]))
     try:
-        app()
+        code = _run_app()
     finally:
         preemption.ignore_from_now()  # the exit code stands (not in tests, which call `app`)
+    sys.exit(code)
+
+
+_USAGE_ERROR = typer.BadParameter.__mro__[1]
+"""click's UsageError (typer's own copy of click in newer versions): a missing or unknown option, a
+value the option's type refuses."""
+
+
+def _run_app() -> int:
+    """The app's exit code. A usage error is the contract's one `error:` line and exit 2 (click
+    printed a boxed panel, which a script looking for `error:` missed); the bare command, or a
+    group without a command, still prints its help."""
+    try:
+        code = app(prog_name="pipeline", standalone_mode=False)
+    except _USAGE_ERROR as err:
+        if type(err).__name__ == "NoArgsIsHelpError":
+            err.show()
+            return err.exit_code
+        help_of = f" (see `{err.ctx.command_path} --help`)" if err.ctx is not None else ""
+        typer.echo(f"error: {' '.join(err.format_message().split())}{help_of}", err=True)
+        return 2
+    except typer.Abort:  # end of input or Ctrl-C at a prompt (the commands ask none)
+        typer.echo("Aborted!", err=True)
+        return 1
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

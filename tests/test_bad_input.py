@@ -64,6 +64,27 @@ def test_bad_config_values_exit_2_naming_the_key(config_for, tmp_path, extra, ex
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_usage_error_is_one_error_line_and_exit_2(config_for, tmp_path):
+    """A missing or unknown option, or a value its type refuses, printed click's boxed panel, which
+    a script reading the last line for `error:` missed; the bare command still prints its help."""
+    from tests.conftest import pipeline
+
+    config = config_for()
+    for args, first, last in [  # click's own words in between
+        (["run", "all"], "error: Missing option '--config'", "(see `pipeline run all --help`)"),
+        (["run", "all", "--config", config, "--sett", "x=1"], "error: No such option: --sett",
+         "(see `pipeline run all --help`)"),
+        (["show", "--config", config, "-n", "0"], "error: Invalid value for '--rows'", "(see `pipeline show --help`)"),
+    ]:
+        done = pipeline(*args)
+        assert done.returncode == 2, done.stderr
+        (line,) = done.stderr.splitlines()
+        assert line.startswith(first) and line.endswith(last), line
+    bare = pipeline()
+    assert bare.returncode == 2 and "Usage: pipeline [OPTIONS] COMMAND [ARGS]..." in bare.stdout + bare.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_yaml_syntax_error_exits_2_naming_file_line_and_column(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text("run:\n  root: /tmp/x\n  name: [oops\nmodel: {path: /m}\n")
