@@ -77,7 +77,7 @@ def begin_output() -> None:
 
 def say_unless_ended(line: str) -> None:
     if not _ended.is_set():
-        print(line, flush=True)
+        print(line, file=sys.stderr, flush=True)
 
 
 def exit_now(code: int, message: str | None = None) -> NoReturn:

@@ -490,7 +490,7 @@ def _load_engine(cfg: Config, todo: list[_ShardTodo]):
         raise StepFailed(f"generate: {err} (found when the engine planned for this host's devices; change the "
                          f"setting and rerun the same command)") from err
     if prints:
-        print(f"generate: {engine.describe()}", flush=True)
+        print(f"generate: {engine.describe()}", file=sys.stderr, flush=True)
     return engine
 
 

@@ -56,6 +56,7 @@ import hashlib
 import heapq
 import itertools
 import os
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -174,7 +175,7 @@ def tokenize(cfg: Config, out: StepOutput) -> StepResult:
         files = shards.commit(out) + rejects.commit(out)
     if rejects.count:  # skipped rows are the user's data: say where they are, not only how many
         print(f"tokenize: {rejects.count} row(s) rejected ({rejects.first_and_counts()}); each with its file, line "
-              f"and reason in {out.path(REJECTED_FILE)}", flush=True)
+              f"and reason in {out.path(REJECTED_FILE)}", file=sys.stderr, flush=True)
     _remove_stale(out, keep={f["path"] for f in files})
     return StepResult(rows=shards.rows, files=files, summary=TokenizeSummary(
         rows_in=reader.rows_in, rows=shards.rows, rejected=rejects.count, tokens=shards.tokens,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.run.result import _table, first_rows, merged_result
+from pipeline.run.result import MergedResult, _table, first_rows, merged_result
 
 
 def test_show_before_any_run_exits_1_naming_the_command(make_config):
@@ -64,3 +64,10 @@ def test_show_prints_ids_and_texts_that_look_like_markup_as_they_are(fake_run):
     text = _table(rows, 2)
     assert "(wiki[en], 0)" in text and "(run[/1], 0)" in text
     assert "say [bold]hi[/bold]" in text and "[/1] done" in text
+
+
+def test_the_result_lines_row_count_is_a_plain_integer():
+    """`result: URL (N rows in K files)` is read by scripts: 2,400 did not parse as N."""
+    merged = MergedResult(folder="gs://b/runs/merge-0123456789ab", rows=1_234_567,
+                          files=["gs://b/runs/merge-0123456789ab/merged-00000.parquet"])
+    assert merged.describe() == "gs://b/runs/merge-0123456789ab/merged-00000.parquet (1234567 rows in 1 file)"

@@ -55,7 +55,8 @@ class MergedResult:
 
     def describe(self) -> str:
         where = self.files[0] if len(self.files) == 1 else f"{self.folder}/merged-*.parquet" if self.files else self.folder
-        return f"{where} ({self.rows:,} rows in {len(self.files)} file{'s' if len(self.files) != 1 else ''})"
+        # N as a plain integer: scripts read the `result:` line (the contract's `N rows in K files`)
+        return f"{where} ({self.rows} rows in {len(self.files)} file{'s' if len(self.files) != 1 else ''})"
 
 
 def merged_result(merge_url: str) -> MergedResult | None:
