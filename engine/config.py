@@ -122,12 +122,12 @@ class SamplingParams:
         require(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "sampling.min_new_tokens",
                 self.min_new_tokens, f"an integer in [0, max_new_tokens = {self.max_new_tokens}]")
         require(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
-                "sampling.temperature", self.temperature, "a number >= 0 (0 = greedy), not inf")
+                "sampling.temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
         require(_is_number(self.top_p) and 0 < self.top_p <= 1, "sampling.top_p", self.top_p, "a number in (0, 1]")
         require(_is_int(self.top_k) and self.top_k >= 0, "sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
         require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "sampling.min_p", self.min_p, "a number in [0, 1] (0 = off)")
         require(_is_number(self.repetition_penalty) and math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-                "sampling.repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off), not inf")
+                "sampling.repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             require(_is_number(value) and -2 <= value <= 2, f"sampling.{name}", value, "a number in [-2, 2] (0 = off)")

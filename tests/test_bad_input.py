@@ -43,7 +43,7 @@ def markers(root: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("extra, expected", [
-    (["--set", "sampling.temperature=-0.5"], "sampling.temperature must be a number >= 0"),
+    (["--set", "sampling.temperature=-0.5"], "sampling.temperature must be a finite number >= 0 (0 = greedy), got -0.5"),
     (["--set", "sampling.top_p=0"], "sampling.top_p must be a number in (0, 1], got 0"),
     (["--set", "sampling.top_p=1.5"], "sampling.top_p must be a number in (0, 1], got 1.5"),
     (["--set", "sampling.n=two"], "sampling.n must be an integer, got 'two'"),

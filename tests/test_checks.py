@@ -34,7 +34,7 @@ def test_prompts_path_matching_no_files(config_for, tmp_path):
     """Issue 14: a missing prompts.path started tokenize, exited 1 and left a partial step and a lock."""
     config = config_for(prompts={"path": str(tmp_path / "nope-*.jsonl")})
     line = refused(run("run", "all", "--config", config), tmp_path / "runs")
-    assert line == f"error: prompts.path {tmp_path / 'nope-*.jsonl'} matched no files (check the bucket and glob)"
+    assert line == f"error: prompts.path {tmp_path / 'nope-*.jsonl'} matched no files (check the folder and the glob)"
 
 
 def test_a_folder_with_only_subfolders_says_how_to_read_them(config_for, tmp_path):

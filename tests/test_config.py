@@ -74,7 +74,7 @@ def test_defaults_fill_optional_sections():
 
 @pytest.mark.parametrize("data, message", [
     (with_section("sampling", top_p=1.5), "sampling.top_p must be a number in (0, 1], got 1.5"),
-    (with_section("sampling", temperature=-0.1), "sampling.temperature must be a number >= 0"),
+    (with_section("sampling", temperature=-0.1), "sampling.temperature must be a finite number >= 0"),
     (with_section("sampling", n=0), "sampling.n must be an integer > 0, got 0"),
     (with_section("sampling", max_new_tokens="many"), "sampling.max_new_tokens must be an integer, got 'many'"),
     (with_section("sampling", temperature=True), "sampling.temperature must be a number, got True"),
@@ -98,7 +98,7 @@ def test_defaults_fill_optional_sections():
     (with_section("sampling", top_k=-1), "sampling.top_k must be an integer >= 0"),
     (with_section("sampling", min_p=1.5), "sampling.min_p must be a number in [0, 1] (0 = off), got 1.5"),
     (with_section("sampling", max_new_tokens=8, min_new_tokens=9), "sampling.min_new_tokens must be an integer in [0, max_new_tokens = 8], got 9"),
-    (with_section("sampling", repetition_penalty=0), "sampling.repetition_penalty must be a number > 0 (1 = off), not inf, got 0"),
+    (with_section("sampling", repetition_penalty=0), "sampling.repetition_penalty must be a finite number > 0 (1 = off), got 0"),
     (with_section("sampling", frequency_penalty=2.5), "sampling.frequency_penalty must be a number in [-2, 2] (0 = off), got 2.5"),
     (with_section("sampling", presence_penalty="high"), "sampling.presence_penalty must be a number, got 'high' (str)"),
     (with_section("sampling", max_new_tokens=0), "sampling.max_new_tokens must be an integer > 0, got 0"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import textwrap
 import time
@@ -51,6 +52,8 @@ def test_local_second_runner_refuses_or_waits_and_takes_over_when_the_holder_die
         refused = pipeline("run", "all", "--config", config, "--no-wait")
         assert refused.returncode == 75, refused.stderr
         assert f"pid {holder.pid}" in refused.stderr and "--no-wait" in refused.stderr
+        (planned,) = [line for line in refused.stderr.splitlines() if line.lstrip().startswith("tokenize ")]
+        assert f"being run by {socket.gethostname()} pid {holder.pid} (since " in planned, planned  # not "resume"
         steps = json.loads(pipeline("status", "--config", config, "--json").stdout)["steps"]
         assert all(s["state"] != "complete" for s in steps)
         assert f"pid {holder.pid}" in steps[0]["running"] and "running" not in steps[1]

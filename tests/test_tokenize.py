@@ -501,7 +501,7 @@ def _zipped(files: dict[str, dict]) -> bytes:
 WHOLE_INPUT = {
     "empty file": (lambda d: put(d / "p.jsonl", b""), "no prompts in 1 file(s)"),
     "blank lines only": (lambda d: put(d / "p.txt", b"\n \n\t\n"), "no prompts in 1 file(s) (3 blank lines"),
-    "glob matches nothing": (lambda d: str(d / "nothing-*.jsonl"), "matched no files (check the bucket and glob)"),
+    "glob matches nothing": (lambda d: str(d / "nothing-*.jsonl"), "matched no files (check the folder and the glob)"),
     "no such file": (lambda d: str(d / "missing.jsonl"), "matched no files (no such file, or an empty folder)"),
     "corrupt parquet": (lambda d: put(d / "p.parquet", b"PAR1 not really"), "could not be read: "),
     "corrupt gzip": (lambda d: put(d / "p.jsonl.gz", gzip.compress(jsonl(GOOD_1))[:-12] + b"garbage!"),
@@ -849,7 +849,7 @@ def test_gcs_round_trip_prompts_model_and_output_on_gs(tmp_path, demo_model, gcs
     result = cli("run", "tokenize", "--config", nothing)
     assert result.exit_code == 2  # checked before tokenize starts (issue 14)
     assert error_line(result) == (f"error: prompts.path {gcs_bucket}/nowhere/*.jsonl matched no files "
-                                  "(check the bucket and glob)")
+                                  "(check the bucket and the glob)")
 
 
 def test_a_prompt_file_edited_while_tokenize_runs_is_not_marked_complete(tmp_path, demo_model, monkeypatch):

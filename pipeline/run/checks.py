@@ -88,7 +88,7 @@ def prompt_files(pattern: str) -> list[str]:
         from engine.checkpoint import relative_hint
 
         if any(ch in pattern for ch in "*?["):
-            hint = "check the bucket and glob"
+            hint = "check the folder and the glob" if storage.is_local(pattern) else "check the bucket and the glob"
         elif storage.is_dir(pattern):
             hint = f"a folder without files of its own: {pattern.rstrip('/')}/** reads its subfolders"
         else:

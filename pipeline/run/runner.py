@@ -51,6 +51,8 @@ class PlannedStep:
     """The input files' fingerprints the hash covers, as the plan read them."""
     since: str | None = None
     """Where there is no output for the hash: what changed since the step's output made last."""
+    running: str | None = None
+    """Who holds the lease on the step's output now (`Holder.describe`), where it is not complete."""
 
     @property
     def name(self) -> str:
@@ -86,7 +88,11 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
             action, reason = "run", redo
         if damaged and action == "run":
             reason = f"its {status.MARKER} cannot be read ({damaged}): run it again"
-        planned = PlannedStep(step, step_hash, url, state, rows, action, reason, damaged, record, content, since)
+        holder = Lease.for_step(cfg.run.root, step.name, step_hash).current_holder() if state != "complete" else None
+        running = holder.describe() if holder is not None else None
+        if running and action == "run":  # the run waits for it (or, with --no-wait, exits 75)
+            reason = f"being run by {running}: wait for it ({reason})"
+        planned = PlannedStep(step, step_hash, url, state, rows, action, reason, damaged, record, content, since, running)
         plan.append(planned)
         by_name[step.name] = planned
     return plan

@@ -19,7 +19,6 @@ from pipeline.run.config import Config
 from pipeline.run.result import MergedResult, merged_result, missing_files
 from pipeline.run.runner import make_plan
 from pipeline.run.step import Step
-from pipeline.storage.lease import Lease
 
 
 def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
@@ -40,11 +39,9 @@ def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
         if p.state == "partial" and not p.damaged and (failed := steplog.last_error(p.url)) is not None:
             row["last_error"] = failed
         row["why"] = _why(p, row.get("progress"), row.get("last_error"))
-        if p.state != "complete":
-            holder = Lease.for_step(cfg.run.root, p.name, p.hash).current_holder()
-            if holder is not None:
-                row["running"] = holder.describe()
-                row["why"] = f"being run by {holder.describe()}"
+        if p.running is not None:
+            row["running"] = p.running
+            row["why"] = f"being run by {p.running}"
         if problem is not None and p.action == "run":  # the first step the next run would start
             row["problem"], problem = problem, None
             row["why"] = f"{p.state}, but the next run stops before it: {row['problem']}"
