@@ -75,6 +75,8 @@ def main() -> None:
                         help="a mixture's every call as an accelerator runs it, every expert on every token (the CPU "
                              "groups calls of many tokens by expert)")
     args = parser.parse_args()
+    if args.mesh and args.attention not in ("auto", "xla"):
+        parser.error("--mesh analyses the global mesh, whose decode attention is XLA's own: leave --attention out")
     p = bench.PRESETS[args.preset]
     batch, prompt, new = args.batch or p["batch"], args.prompt or p["prompt_len"], args.new or p["new"]
     mesh = tuple(int(n) for n in args.mesh.lower().split("x")) if args.mesh else None

@@ -230,7 +230,7 @@ def test_token_ids_beyond_the_checkpoints_vocabulary(make_config, tmp_path, demo
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "holds token id" in errors[0], result.stderr[-3000:]
     assert f"but model.path {model} has a vocabulary of 100" in errors[0], errors
-    assert "program 1" not in result.stdout and not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS"), result.stdout
+    assert "program 1" not in result.stderr and not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS"), result.stderr
 
 
 FAILS_AFTER_LOAD = """
@@ -268,8 +268,8 @@ def test_a_step_failing_after_load_does_not_wait_for_compiles(make_config, tmp_p
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1] == "error: RuntimeError: the engine failed at its first call", result.stderr[-3000:]
-    begun = sorted(line.split("(")[1].split(")")[0] for line in result.stdout.splitlines() if ": program " in line)
-    assert begun == ["decode", "init"], result.stdout  # decode's thread waits for a prefill program
+    begun = sorted(line.split("(")[1].split(")")[0] for line in result.stderr.splitlines() if ": program " in line)
+    assert begun == ["decode", "init"], result.stderr  # decode's thread waits for a prefill program
     assert not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS")
 
 

@@ -74,6 +74,22 @@ def test_a_failed_steps_log_ends_with_its_error_line(make_config, tmp_path):
     assert "duplicate" in error[-1]
 
 
+def test_an_error_of_several_lines_ends_the_log_on_one_line_that_status_reads(tmp_path):
+    """Arrow's messages hold newlines: the log ended on the message's last line, not an `error:`
+    line, so `status` had no error to show for the step."""
+    import pytest
+
+    from pipeline.run import steplog
+
+    step = str(tmp_path / "merge-abc")
+    with pytest.raises(OSError), steplog.step_log(step, host=0):
+        print("merge: 0/600 rows")
+        raise OSError("Couldn't deserialize thrift.\nDeserializing page header failed.\n")
+    assert open(f"{step}/logs/host-00000.log").read().splitlines()[-1] == (
+        "error: OSError: Couldn't deserialize thrift. Deserializing page header failed.")
+    assert steplog.last_error(step) == "OSError: Couldn't deserialize thrift. Deserializing page header failed."
+
+
 def test_a_step_log_on_remote_storage_is_uploaded_when_the_step_ends():
     from pipeline import storage
     from pipeline.run import steplog

@@ -49,7 +49,7 @@ def _stub(name: str):
 
 
 def _finish(cfg, out):
-    return StepResult(rows=3, files=[], summary=StubSummary())
+    return StepResult(rows=3, files=[{"path": "data.txt"}], summary=StubSummary())
 
 
 def _stub_graph() -> tuple[Step, ...]:
@@ -168,8 +168,14 @@ def test_a_forced_step_that_fails_before_touching_its_files_stays_complete_as_it
     with pytest.raises(RuntimeError, match="before writing anything"):
         runner.run_steps(cfg, GRAPH, (step,), force=True, echo=said.append)
     assert status.read_marker(planned.url) == before
-    assert said[-1] == f"[{step}] --force changed none of its files before it failed: still complete, as it was (3 rows)"
+    assert said[-1] == f"[{step}] failed before it changed any of its files: still complete, as it was (3 rows)"
     assert [p.action for p in runner.make_plan(cfg, GRAPH)] == ["skip"] * 4
+
+    os.remove(os.path.join(planned.url, "data.txt"))  # deleted to be made again (the fix a damaged file's error gives)
+    with pytest.raises(RuntimeError, match="before writing anything"):
+        runner.run_steps(cfg, GRAPH, (step,), force=True, echo=said.append)
+    assert status.output_state(planned.url) == "partial"  # not complete without the file its marker lists
+    assert "still complete" not in said[-1]
 
     FAIL_FIRST.clear()
     FAIL_IN.add(step)  # writes its file again, then fails: not what the marker recorded any more

@@ -304,7 +304,7 @@ def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
 
 @dataclass(frozen=True)
 class _Forced:
-    """A complete step that --force runs again, as it was: its record and its files."""
+    """A complete step run again (--force, or its `redo`), as it was: its record and its files."""
 
     name: str
     record: status.StepRecord
@@ -318,8 +318,8 @@ class _Forced:
             lease.check()  # a runner that took the step over may be writing it
             if status.data_files(out_url) == self.files:
                 status.write_marker(out_url, self.record)
-                say(f"[{self.name}] --force changed none of its files before it failed: still complete, "
-                    f"as it was ({self.record.rows} rows)")
+                say(f"[{self.name}] failed before it changed any of its files: still complete, as it was "
+                    f"({self.record.rows} rows)")
         except Exception:  # noqa: BLE001 - left partial: the next run makes it again
             pass
 
@@ -334,7 +334,9 @@ def _begin(cfg: Config, planned: PlannedStep, out: StepOutput, lease: Lease, wai
         lease.release()
         return None
     if planned.state == "complete" and (record := status.read_marker(out.url)) is not None:
-        forced.append(_Forced(planned.name, record, status.data_files(out.url)))
+        files = status.data_files(out.url)
+        if all(f["path"] in files for f in record.files):  # not one deleted by hand, to be made again
+            forced.append(_Forced(planned.name, record, files))
     if planned.state == "complete":
         status.remove_marker(out.url)  # --force: not complete until it finishes again (or fails untouched)
     stale = storage.remove_temp_files(out.url)  # from a writer killed mid-write

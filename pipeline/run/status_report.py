@@ -36,7 +36,7 @@ def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
             if done is not None:
                 row["progress"] = str(done)
                 row["committed_rows"], row["total_rows"] = done.rows, done.of
-        if p.state == "partial" and not p.damaged and (failed := steplog.last_error(p.url)) is not None:
+        if p.state == "partial" and not p.damaged and p.running is None and (failed := steplog.last_error(p.url)):
             row["last_error"] = failed
         row["why"] = _why(p, row.get("progress"), row.get("last_error"))
         if p.running is not None:

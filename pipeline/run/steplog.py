@@ -119,7 +119,9 @@ def _clean(line: str) -> str:
 
 
 def _said(err: BaseException) -> str:
-    return "interrupted; rerun the same command to resume" if isinstance(err, KeyboardInterrupt) else message_of(err)
+    """The error line's message, on one line as the terminal's (Arrow's messages hold newlines)."""
+    said = "interrupted; rerun the same command to resume" if isinstance(err, KeyboardInterrupt) else message_of(err)
+    return " ".join(line.strip() for line in said.splitlines() if line.strip())
 
 
 @contextlib.contextmanager

@@ -155,7 +155,7 @@ def remove_temp_files(url: str) -> list[str]:
     Only `_local_temp_for` names (`.name.tmp-<pid>-<rand>`) are touched; on object stores
     there are none (one-shot uploads). Call only while holding the folder's lease.
     """
-    fs, path = _looked_at_afresh(url)
+    fs, path = filesystem(url)
     if not isinstance(fs, LocalFileSystem) or not os.path.isdir(path):
         return []
     stale = [os.path.join(folder, name) for folder, _, names in os.walk(path)
@@ -180,7 +180,7 @@ def put_file(local_path: str, url: str) -> None:
     For files too big to hold in memory (tokenize streams its shards to local files first):
     local targets get a same-folder temp name then `os.replace`; gs:// gets one upload.
     """
-    fs, path = _looked_at_afresh(url)
+    fs, path = filesystem(url)
     if isinstance(fs, LocalFileSystem):
         with _local_temp_for(path) as tmp:
             shutil.move(local_path, tmp)  # a rename on the same filesystem, else a copy
@@ -208,7 +208,7 @@ def write_parquet(url: str, table: pa.Table) -> dict[str, Any]:
 
 @storage_call("read")
 def read_parquet(url: str, columns: list[str] | None = None) -> pa.Table:
-    fs, path = _looked_at_afresh(url)
+    fs, path = filesystem(url)
     return pq.read_table(path, filesystem=fs, columns=columns)
 
 

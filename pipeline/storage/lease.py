@@ -266,11 +266,14 @@ class _FileLease:
             return None
 
     def peek(self) -> Holder | None:
-        """The record's holder if its lock is held; a record left by a killed holder is stale."""
+        """The record's holder if its lock is held; a record left by a killed holder is stale.
+        Without a record nobody holds it (a holder writes one as it takes the lock and removes it
+        as it lets go): the lock is not touched then, so that a look (every plan takes one) never
+        makes a runner starting with --no-wait see it held."""
         from filelock import Timeout
 
-        if not os.path.exists(self._lock_path):
-            return None  # never leased: do not create anything
+        if not os.path.exists(self.url) or not os.path.exists(self._lock_path):
+            return None  # not held, or never leased: do not create anything
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
