@@ -213,6 +213,9 @@ print("alive: stopping on " + preemption.stop_reason())
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     if outcome == 75:
         assert done.returncode == 75 and "alive" not in done.stdout, done.stdout + done.stderr
+        second = {"SIGUSR1": "SIGTERM", "SIGINT": "SIGINT"}[signals[1]]  # a copy is named as what it copies
+        assert done.stderr.splitlines()[-1] == (f"error: stopped at once by a second {second}: rows not yet committed "
+                                                "are lost; rerun the same command to resume"), done.stderr
     else:
         assert done.returncode == 0 and done.stdout.strip() == outcome, done.stdout + done.stderr
 

@@ -357,3 +357,38 @@ def test_files_another_process_writes_or_deletes_in_a_bucket_are_seen(gcs_bucket
     elsewhere.pipe(f"{folder}/part-d.parquet", b"d")
     storage.remove(f"{folder}/part-d.parquet")
     assert not elsewhere.exists(f"{folder}/part-d.parquet")
+
+
+def test_a_stop_while_the_storage_is_retried_before_any_step_is_an_interruption(config_for, monkeypatch):
+    """A stop signal while the plan read a bucket that did not answer became `error: prompts.path
+    ... could not be read: ... stopped by SIGTERM ...`, exit 1: a scheduler read a failed run, not
+    one to rerun (75)."""
+    from fsspec.implementations.memory import MemoryFileSystem
+    from typer.testing import CliRunner
+
+    from pipeline import storage
+    from pipeline.cli import app
+    from pipeline.errors import Interrupted
+    from pipeline.pod import preemption
+    from pipeline.run import checks
+
+    def unreachable(self, path):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    storage.write_bytes("memory://stopped-bucket/prompts/a.jsonl", b'{"prompt": "one"}\n')
+    config = config_for(prompts={"path": "memory://stopped-bucket/prompts/*.jsonl"})
+    monkeypatch.setattr(MemoryFileSystem, "isfile", unreachable)
+    preemption.reset()
+    preemption.request_stop("SIGTERM")
+    try:
+        with pytest.raises(Interrupted):
+            checks.prompt_files("memory://stopped-bucket/prompts/*.jsonl")
+        for args in (["run", "all", "--config", config], ["run", "all", "--config", config, "--dry-run"]):
+            result = CliRunner().invoke(app, args)
+            assert result.exit_code == 75, result.output
+            assert result.stderr.splitlines()[-1] == ("error: stopped by SIGTERM: finished work is committed; rerun "
+                                                      "the same command to resume"), result.stderr
+    finally:
+        preemption.reset()
+        monkeypatch.undo()
+        storage.remove("memory://stopped-bucket", recursive=True)

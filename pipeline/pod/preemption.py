@@ -91,6 +91,7 @@ def _on_signal(signum: int, frame: object) -> None:
     # want to wait for the commit.
     again = _seen[route] > 0 or (_stop.is_set() and not any(_seen.values()))
     _seen[route] += 1
-    if again:
-        exit_now(EXIT_INTERRUPTED)
+    if again:  # the error line all the same: a script, and `status`'s last error, read it
+        exit_now(EXIT_INTERRUPTED, f"stopped at once by a second {signal_name(signum) or signal.Signals(signum).name}: "
+                                   f"rows not yet committed are lost; rerun the same command to resume")
     request_stop(signal_name(signum) or signal.Signals(signum).name)

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import fsspec.utils
 
 from pipeline import storage
-from pipeline.errors import ConfigError, PipelineError, StepFailed, checkpoint_errors
+from pipeline.errors import ConfigError, Interrupted, PipelineError, StepFailed, checkpoint_errors
 from pipeline.run.config import Config, PromptsConfig
 
 
@@ -56,6 +56,8 @@ def input_problem(cfg: Config, steps: set[str]) -> str | None:
     not there, no W&B key: `check_inputs`, without probing run.root or the devices), or None."""
     try:
         check_inputs(cfg, steps, is_leader=True, dry_run=True, devices=False)
+    except Interrupted:
+        raise
     except PipelineError as err:
         return str(err)
     return None
@@ -82,6 +84,8 @@ def prompt_files(pattern: str) -> list[str]:
     tokenize lists its input with this too (steps/prompt_files.py), so both say the same."""
     try:
         urls = storage.expand(pattern)
+    except Interrupted:  # a stop signal while the storage was retried: exit 75, not a config error
+        raise
     except Exception as err:  # noqa: BLE001 - any filesystem's error: add which setting it was
         raise ConfigError(f"prompts.path {pattern} could not be listed: {type(err).__name__}: {err}") from err
     if not urls:
@@ -217,6 +221,8 @@ def check_root(cfg: Config) -> None:
     try:
         storage.write_bytes(probe, b"")
         storage.remove(probe)
+    except Interrupted:
+        raise
     except Exception as err:  # noqa: BLE001 - any filesystem's error: it is this setting that is wrong
         raise ConfigError(f"run.root {cfg.run.root} is not writable: {' '.join(str(err).split())}") from err
 

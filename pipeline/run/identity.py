@@ -21,7 +21,7 @@ from engine.checkpoint import WEIGHT_SUFFIXES
 from pipeline import storage
 from pipeline.run import checks
 from pipeline.run.config import Config
-from pipeline.errors import StepFailed
+from pipeline.errors import Interrupted, StepFailed
 from pipeline.storage.retrying import StorageError
 
 T = TypeVar("T")
@@ -138,6 +138,8 @@ def _listed(pattern: str) -> list[str]:
     """The files a pattern names, or none where they cannot be listed (a hint is lost, not a run)."""
     try:
         return storage.expand(pattern)
+    except Interrupted:
+        raise
     except Exception:  # noqa: BLE001
         return []
 
@@ -171,6 +173,8 @@ def _read(cfg: Config, key: str, read: Callable[[], T]) -> T:
     """read(), with any filesystem's error (unknown protocol, no network, ...) as one line naming `key`."""
     try:
         return read()
+    except Interrupted:  # a stop signal while the storage was retried: exit 75, not "could not be read"
+        raise
     except Exception as err:  # noqa: BLE001 - classified into one StepFailed line
         cause = str(err) if isinstance(err, StorageError) else f"{type(err).__name__}: {err}"
         raise StepFailed(f"{key} {cfg.get(key)} could not be read: {cause}") from err
