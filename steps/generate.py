@@ -167,34 +167,48 @@ def generate(cfg: Config, out: StepOutput) -> None:
         writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine), schema=schema(cfg))
         watch = hosts.watchdog("generating on the global mesh") if lockstep else contextlib.nullcontext()
         n_total = sum(t.wanted.size for t in todo)  # every (prompt, sample) of these shards
-        with watch, Progress(total=n_total, desc=f"generate {hosts.describe()}", unit="sample",
-                             resumed=n_total - n_missing) as bar:
-            try:
-                for c, source in _completions(engine, todo, _StopGenerating(watch_pod=not lockstep)):
-                    if writer.add(source.shard, _row(source, c)):
-                        samples += 1
-                        tokens += len(c.token_ids)
-                        if not source.counted:  # a count, not a set of every prompt: memory stays flat
-                            prompts, source.counted = prompts + 1, True
-                    bar.update(1, tokens=len(c.token_ids))
-            except Exception as err:
-                if lockstep:  # a collective failed because a peer died (any error type): exit 75
-                    hosts.blame_peer(err, "generating on the global mesh")
-                raise
-            finally:
-                writer.flush_all()  # commit what is finished, also on errors and signals
-        if engine.stopped and not lockstep:
-            hosts.raise_if_aborted(GENERATING)  # another host failed or was stopped: its error, ours committed
-        if engine.stopped and not preemption.stop_requested():  # global_mesh: the hosts agreed to stop
-            preemption.request_stop("a stop signal on another host")
-        preemption.check()
+        try:
+            with watch, Progress(total=n_total, desc=f"generate {hosts.describe()}", unit="sample",
+                                 resumed=n_total - n_missing) as bar:
+                try:
+                    for c, source in _completions(engine, todo, _StopGenerating(watch_pod=not lockstep)):
+                        if writer.add(source.shard, _row(source, c)):
+                            samples += 1
+                            tokens += len(c.token_ids)
+                            if not source.counted:  # a count, not a set of every prompt: memory stays flat
+                                prompts, source.counted = prompts + 1, True
+                        bar.update(1, tokens=len(c.token_ids))
+                except Exception as err:
+                    if lockstep:  # a collective failed because a peer died (any error type): exit 75
+                        hosts.blame_peer(err, "generating on the global mesh")
+                    raise
+                finally:
+                    writer.flush_all()  # commit what is finished, also on errors and signals
+            if engine.stopped and not lockstep:
+                hosts.raise_if_aborted(GENERATING)  # another host failed or was stopped: its error, ours committed
+            if engine.stopped and not preemption.stop_requested():  # global_mesh: the hosts agreed to stop
+                preemption.request_stop("a stop signal on another host")
+            preemption.check()
+        except BaseException:
+            if samples:  # the rows this run committed before it ended count in the step's figures too
+                with contextlib.suppress(Exception):  # never in the way of the run's own error
+                    _write_metrics(out, _host_metrics(cfg, started, len(mine), prompts, samples, tokens,
+                                                           engine.stats, lockstep))
+            raise
         stats = engine.stats
+    _write_metrics(out, _host_metrics(cfg, started, len(mine), prompts, samples, tokens, stats, lockstep))
+
+
+def _host_metrics(cfg: Config, started: float, shards: int, prompts: int, samples: int, tokens: int,
+                  stats: Any, lockstep: bool) -> HostMetrics:
+    """This host's figures of this run of the step (`stats`: the engine's, None where it generated
+    nothing)."""
     # On a global mesh every host computed every row: count only what it wrote, so per-host
     # figures add up in `finish`.
     generated = (tokens if lockstep else stats.generated_tokens) if stats else 0
     wall_s = time.monotonic() - started
-    metrics = HostMetrics(
-        host=hosts.process_index(), hosts=hosts.process_count(), shards=len(mine), prompts=prompts,
+    return HostMetrics(
+        host=hosts.process_index(), hosts=hosts.process_count(), shards=shards, prompts=prompts,
         samples=samples, generated_tokens=generated, wall_s=round(wall_s, 3),
         compile_s=round(stats.compile_time_s, 3) if stats else 0.0,
         tokens_per_s=round(generated / wall_s, 1) if wall_s > 0 else 0.0,
@@ -204,6 +218,9 @@ def generate(cfg: Config, out: StepOutput) -> None:
         programs_used=stats.programs_used if stats else 0,
         programs=stats.programs if stats else None, compile_wait_s=round(stats.compile_wait_s, 3) if stats else 0.0,
     )
+
+
+def _write_metrics(out: StepOutput, metrics: HostMetrics) -> None:
     storage.write_json(out.path("metrics", f"host-{hosts.process_index():05d}-{_stamp()}.json"), metrics.__dict__)
 
 

@@ -19,6 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from steps.generate import per_host
 from tests.conftest import generated_rows, pipeline
 
 GREEDY = {"sampling": {"max_new_tokens": 12, "temperature": 0.0, "n": 2}, "engine": {"batch_size": 4, "part_rows": 4}}
@@ -208,6 +209,12 @@ def test_sigterm_commits_finished_rows_and_exits_75(make_config, tmp_path, many_
     assert generated_rows(root) == reference
     # Issue 14: the resumed bar counts what was committed before (it started at 0 of what was left).
     assert f": 80/80 samples ({len(committed)} resumed), " in result.stderr, result.stderr[-2000:]
+    # The stopped run's rows count in the step's figures too (they had counted only the last run's).
+    summary = json.loads(pipeline("status", "--config", config, "--json").stdout)
+    (generate,) = [s for s in summary["steps"] if s["name"] == "generate"]
+    record = json.loads(open(os.path.join(generate["output"], "_SUCCESS.json")).read())["summary"]
+    assert [h["runs"] for h in per_host(record["hosts"])] == [2]
+    assert sum(h["samples"] for h in record["hosts"]) == 80, record["hosts"]
 
 
 
