@@ -26,7 +26,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from pipeline.pod import preemption
-from pipeline.errors import ConfigError, PipelineError, begin_output, end_output, exit_now
+from pipeline.errors import ConfigError, PipelineError, begin_output, end_output, exit_now, one_line
 
 app = typer.Typer(
     rich_markup_mode="markdown",
@@ -91,7 +91,7 @@ def _fail(message: str, code: int, again: str | None = None) -> None:
 
     # One line, whatever a library's error held (Arrow's hold newlines), that scripts can take
     # with `tail -1`; the commands it names run this config, --set and all.
-    message = " ".join(line.strip() for line in message.splitlines() if line.strip())
+    message = one_line(message)
     if again is not None:
         message = message.replace("--config FILE", again)
     typer.echo(f"error: {message}", err=True)

@@ -54,6 +54,12 @@ def failure(code: int, message: str) -> PipelineError:
     return Interrupted(message) if code == Interrupted.exit_code else StepFailed(message)
 
 
+def one_line(message: str) -> str:
+    """A message on one line, as every `error:` line is (a library's error text can hold newlines:
+    Arrow's do), its lines joined by spaces."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
 def message_of(err: BaseException) -> str:
     """What another host is told of `err`: our own errors are their message, as `cli.py` prints
     them; anything else keeps its type's name (`KeyError: 'x'`)."""

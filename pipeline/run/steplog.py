@@ -24,7 +24,7 @@ import tempfile
 from typing import Iterator, TextIO
 
 from pipeline import storage
-from pipeline.errors import message_of
+from pipeline.errors import message_of, one_line
 from pipeline.run.status import LOG_FOLDER
 from pipeline.storage.retrying import StorageError
 
@@ -119,9 +119,9 @@ def _clean(line: str) -> str:
 
 
 def _said(err: BaseException) -> str:
-    """The error line's message, on one line as the terminal's (Arrow's messages hold newlines)."""
-    said = "interrupted; rerun the same command to resume" if isinstance(err, KeyboardInterrupt) else message_of(err)
-    return " ".join(line.strip() for line in said.splitlines() if line.strip())
+    """The error line's message, on one line as the terminal's."""
+    return one_line("interrupted; rerun the same command to resume" if isinstance(err, KeyboardInterrupt)
+                    else message_of(err))
 
 
 @contextlib.contextmanager
