@@ -265,7 +265,7 @@ def launch_command(
     """Start N local processes of `pipeline ARGS...` joined by jax.distributed: a pod on one machine.
 
     Each process gets PIPELINE_COORDINATOR_ADDRESS, PIPELINE_NUM_PROCESSES and
-    PIPELINE_PROCESS_ID; output lines are prefixed with the host index. Exits with the
+    PIPELINE_PROCESS_ID; each host's lines are prefixed with its index (its stdout on ours, its stderr on ours). Exits with the
     worst host's exit code (75 if the only failures were interruptions).
 
     Example: pipeline launch --hosts 2 -- run all --config demo/config.yaml

@@ -76,12 +76,12 @@ def test_any_host_count_gives_the_same_rows(make_config, tmp_path, many_prompts,
                          prompts={"path": many_prompts, "num_shards": shards}, **GREEDY)
     assert pipeline("run", "tokenize", "--config", config).returncode == 0
     result = pipeline("launch", "--hosts", str(hosts), "--", "run", "generate", "--config", config)
-    assert result.returncode == 0, result.stdout[-3000:]
-    idle = [line for line in result.stdout.splitlines() if "nothing to generate" in line]
+    assert result.returncode == 0, result.stderr[-3000:]
+    idle = [line for line in result.stderr.splitlines() if "nothing to generate" in line]
     assert idle == ([] if shards == "auto" else
                     ["[host 0] generate: warning: 3 hosts but 2 tokenize shard(s): host 2 has nothing to generate "
                      "(tokenize cut the shards for the host count it ran with; set prompts.num_shards to at least 3 for "
-                     "the next prompts you tokenize)"]), result.stdout[-3000:]
+                     "the next prompts you tokenize)"]), result.stderr[-3000:]
     assert generated_rows(tmp_path / f"pod{hosts}") == reference
     metrics = [json.load(open(path)) for path in glob.glob(f"{tmp_path}/pod{hosts}/generate-*/metrics/host-*.json")]
     assert len(metrics) == hosts
@@ -100,8 +100,9 @@ def test_a_pod_with_its_run_root_in_a_bucket_makes_the_same_rows(make_config, tm
     root = f"{gcs_bucket}/runs"
     config = make_config("bucket.yaml", run={"root": root}, prompts={"path": many_prompts}, **GREEDY)
     result = pipeline("launch", "--hosts", "2", "--", "run", "all", "--config", config)
-    assert result.returncode == 0, result.stdout[-3000:]
-    (merged,) = [line for line in result.stdout.splitlines() if line.startswith("[host 0] result: ")]
+    assert result.returncode == 0, result.stderr[-3000:]
+    (merged,) = [line for line in result.stderr.splitlines() if line.startswith("[host 0] result: ")]
+    assert result.stdout == ""  # a run's lines are on standard error, the hosts' as the launch's
     assert merged.startswith(f"[host 0] result: {root}/merge-") and merged.endswith("(80 rows in 1 file)")
     rows = storage.read_parquet(merged.split()[3]).to_pylist()
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == sorted(reference)  # each once, in order
@@ -123,7 +124,7 @@ def test_a_pods_second_run_loads_every_hosts_programs_from_the_compile_cache(mak
         config = make_config(f"{root}.yaml", run={"root": str(tmp_path / root)}, prompts={"path": many_prompts}, **GREEDY)
         assert pipeline("run", "tokenize", "--config", config, env=cache).returncode == 0
         result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, env=cache)
-        assert result.returncode == 0, result.stdout[-3000:]
+        assert result.returncode == 0, result.stderr[-3000:]
     metrics = {path.name.split("-")[1]: json.loads(path.read_text())
                for path in (tmp_path / "second").glob("generate-*/metrics/host-*.json")}
     assert sorted(metrics) == ["00000", "00001"]

@@ -110,8 +110,8 @@ def _pod_config(make_config, tmp_path, prompts, name: str) -> str:
 def test_two_host_global_mesh_equals_one_host_and_resumes_lost_parts(make_config, tmp_path, prompts, reference):
     config = _pod_config(make_config, tmp_path, prompts, "pod")
     result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL)
-    assert result.returncode == 0, result.stdout[-4000:]
-    assert "global mesh data 1 x model 2 over 2 cpu devices of 2 host(s)" in result.stdout
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "global mesh data 1 x model 2 over 2 cpu devices of 2 host(s)" in result.stderr
     assert generated_rows(tmp_path / "pod") == reference
     # Shard i is written by host i % 2 only; both hosts report what they wrote.
     metrics = [json.loads(open(p).read()) for p in glob.glob(f"{tmp_path}/pod/generate-*/metrics/host-*.json")]
@@ -128,7 +128,7 @@ def test_two_host_global_mesh_equals_one_host_and_resumes_lost_parts(make_config
         os.remove(path)
     kept = set(parts) - set(lost)
     result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL)
-    assert result.returncode == 0, result.stdout[-4000:]
+    assert result.returncode == 0, result.stderr[-4000:]
     assert kept <= set(glob.glob(f"{step}/shard-*/part-*.parquet"))
     assert generated_rows(tmp_path / "pod") == reference
 
@@ -149,7 +149,7 @@ def test_sigterm_stops_every_host_together_then_resumes(make_config, tmp_path, p
     assert committed.items() <= reference.items()
 
     result = pipeline("launch", "--hosts", "2", "--", "run", "generate", "--config", config, *GLOBAL)
-    assert result.returncode == 0, result.stdout[-4000:]
+    assert result.returncode == 0, result.stderr[-4000:]
     assert generated_rows(root) == reference
 
 

@@ -20,7 +20,8 @@ from tests.conftest import pipeline
 def test_launch_two_hosts_meet_at_a_barrier_and_agree_on_the_plan(make_config):
     result = pipeline("launch", "--hosts", "2", "--", "preflight", "--config", make_config())
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.splitlines()
+    lines = result.stdout.splitlines()  # preflight's answer, on the standard output of each host and of the launch
+    assert not any("joined" in line for line in result.stderr.splitlines()), result.stderr
     for host in (0, 1):
         assert any(line.startswith(f"[host {host}] host {host}/2: joined, same code and plan") for line in lines)
 
@@ -59,13 +60,13 @@ def test_a_run_root_the_hosts_do_not_share_stops_the_pod_before_any_step(make_co
     leader's probe file is not there for host 1, and both hosts exit 2 saying what run.root needs."""
     config = make_config(run={"root": "memory://pod-root"})
     result = pipeline("launch", "--hosts", "2", "--", "run", "all", "--config", config, timeout=120)
-    assert result.returncode == 2, result.stdout[-3000:]
-    errors = sorted(line for line in result.stdout.splitlines() if " error: " in line)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = sorted(line for line in result.stderr.splitlines() if " error: " in line)
     fix = "run.root memory://pod-root must be storage every host of the pod shares (gs://BUCKET/PREFIX, or a shared file system)"
     assert errors[0] == f"[host 0] error: host 0/2: host(s) 1 do not see the leader's files under run.root: {fix}"
     assert errors[1].startswith("[host 1] error: host 1/2: this host does not see the leader's files under run.root "
                                 "(memory://pod-root/.leases/shared-by-the-pod-") and errors[1].endswith(fix)
-    assert "[tokenize]" not in result.stdout  # no step began
+    assert "[tokenize]" not in result.stderr  # no step began
 
 
 def test_launch_on_a_port_in_use_is_a_usage_error_before_any_host_starts(make_config):
@@ -79,7 +80,7 @@ def test_launch_on_a_port_in_use_is_a_usage_error_before_any_host_starts(make_co
                           timeout=60)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: launch: --port {port} is not free on 127.0.0.1")
-    assert "[host " not in result.stdout
+    assert "[host " not in result.stdout + result.stderr
 
 
 def test_a_missing_host_fails_in_bounded_time_with_a_clear_message(make_config):

@@ -1,8 +1,8 @@
 """`pipeline launch --hosts N -- ARGS...`: a pod of N hosts simulated on one machine.
 
 Starts N processes of `pipeline ARGS...` with the PIPELINE_* variables that make them join
-one `jax.distributed` pod on 127.0.0.1 (CPU collectives through gloo), prefixes their
-output with the host index, forwards SIGTERM/SIGINT to all of them, and returns the worst
+one `jax.distributed` pod on 127.0.0.1 (CPU collectives through gloo), prefixes each line
+of their output with the host index (a host's stdout to ours, its stderr to ours), forwards SIGTERM/SIGINT to all of them, and returns the worst
 exit code. It refuses nothing the hosts would accept: every check happens in the hosts.
 
     code = launch(["run", "all", "--config", "demo/config.yaml"], hosts=2)
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TextIO
 
 from pipeline.errors import ConfigError
 from pipeline.pod import hosts as hosts_mod
@@ -60,10 +61,11 @@ def launch(args: list[str], hosts: int, port: int = 0, env: dict[str, str] | Non
         })
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "pipeline.cli", *args], env=host_env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
             start_new_session=True,
         ))
-    pumps = [threading.Thread(target=_pump, args=(p, i), daemon=True) for i, p in enumerate(procs)]
+    pumps = [threading.Thread(target=_pump, args=(stream, i, to), daemon=True)
+             for i, p in enumerate(procs) for stream, to in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))]
     for t in pumps:
         t.start()
 
@@ -117,8 +119,7 @@ def _pod_code(codes: list[int]) -> int:
     return worst[0] if worst else 75
 
 
-def _pump(proc: subprocess.Popen, index: int) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        sys.stdout.write(f"[host {index}] {line}")
-        sys.stdout.flush()
+def _pump(stream: TextIO, index: int, to: TextIO) -> None:
+    for line in stream:
+        to.write(f"[host {index}] {line}")
+        to.flush()
