@@ -386,13 +386,26 @@ def _run_app() -> int:
         if type(err).__name__ == "NoArgsIsHelpError":
             err.show()
             return err.exit_code
-        help_of = f" (see `{err.ctx.command_path} --help`)" if err.ctx is not None else ""
-        typer.echo(f"error: {' '.join(err.format_message().split())}{help_of}", err=True)
+        command = err.ctx.command_path if err.ctx is not None else _command_path(sys.argv[1:])
+        typer.echo(f"error: {' '.join(err.format_message().split())} (see `{command} --help`)", err=True)
         return 2
     except typer.Abort:  # end of input or Ctrl-C at a prompt (the commands ask none)
         typer.echo("Aborted!", err=True)
         return 1
     return code if isinstance(code, int) else 0
+
+
+def _command_path(argv: list[str]) -> str:
+    """`pipeline run all` for `run all -c`: the command a usage error click reports without its
+    context (an option missing its value) belongs to, from the words before the first option."""
+    words, command = ["pipeline"], typer.main.get_command(app)
+    for word in argv:
+        sub = getattr(command, "commands", {}).get(word)
+        if sub is None:
+            break
+        words.append(word)
+        command = sub
+    return " ".join(words)
 
 
 if __name__ == "__main__":

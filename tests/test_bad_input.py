@@ -75,6 +75,7 @@ def test_a_usage_error_is_one_error_line_and_exit_2(config_for, tmp_path):
         (["run", "all", "--config", config, "--sett", "x=1"], "error: No such option: --sett",
          "(see `pipeline run all --help`)"),
         (["show", "--config", config, "-n", "0"], "error: Invalid value for '--rows'", "(see `pipeline show --help`)"),
+        (["status", "-c"], "error: Option '-c' requires an argument.", "(see `pipeline status --help`)"),  # no click context
     ]:
         done = pipeline(*args)
         assert done.returncode == 2, done.stderr
