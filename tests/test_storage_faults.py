@@ -392,3 +392,33 @@ def test_a_stop_while_the_storage_is_retried_before_any_step_is_an_interruption(
         preemption.reset()
         monkeypatch.undo()
         storage.remove("memory://stopped-bucket", recursive=True)
+
+
+def test_a_stop_during_a_storage_back_off_is_heard_at_once():
+    """A SIGTERM while storage retries waited out their back-off (up to 30 s a try) was heard only
+    when the wait ended, eating a preemption's notice; now the wait ends with the stop."""
+    import threading
+
+    from pipeline.errors import Interrupted
+    from pipeline.pod import preemption
+    from pipeline.storage.retrying import storage_call
+
+    tries = []
+
+    @storage_call("read")
+    def unanswered(url):
+        tries.append(time.monotonic())
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    preemption.reset()
+    stop = threading.Timer(1.5, preemption.request_stop, args=("SIGTERM",))  # inside the second back-off (1 s, then 2 s)
+    started = time.monotonic()
+    stop.start()
+    try:
+        with pytest.raises(Interrupted, match="stopped by SIGTERM"):
+            unanswered("gs://bucket/x")
+        assert time.monotonic() - started < 2.5  # not at the end of the 2 s back-off (3 s)
+        assert len(tries) == 2
+    finally:
+        stop.cancel()
+        preemption.reset()

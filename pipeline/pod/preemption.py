@@ -77,6 +77,14 @@ def check() -> None:
         raise Interrupted(f"stopped by {_reason[0]}: finished work is committed; rerun the same command to resume")
 
 
+def pause(seconds: float) -> None:
+    """Sleep `seconds` between two tries, but raise Interrupted as soon as a stop is asked: a
+    SIGTERM while storage retries waited out a 30 s back-off before it was heard."""
+    check()
+    _stop.wait(seconds)
+    check()
+
+
 def reset() -> None:
     """Forget a stop request (tests run several commands in one process)."""
     _stop.clear()

@@ -167,8 +167,7 @@ class Lease:
             if time.monotonic() - reported >= REPORT_EVERY_S:
                 say(f"waiting: {message} ({self._backend.takeover_rule})")
                 reported = time.monotonic()
-            preemption.check()
-            time.sleep(self._backend.poll_s)
+            preemption.pause(self._backend.poll_s)
 
     def check(self) -> None:
         """Raise LeaseLost unless the record still names this runner (call before each commit)."""

@@ -77,8 +77,7 @@ def storage_call(op: str, url_arg: int = 0) -> Callable[[F], F]:
                             f"command once the storage answers") from err
                     print(f"storage: {op} {url} failed ({short_error(err)}); retry {tries} in {delay:.0f}s",
                           file=sys.stderr, flush=True)
-                    preemption.check()
-                    time.sleep(delay)
+                    preemption.pause(delay)
                     delay = min(delay * 2, MAX_DELAY_S)
 
         return call  # type: ignore[return-value]
