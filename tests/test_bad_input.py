@@ -149,6 +149,9 @@ def break_model(case: str, folder: Path) -> str:
         (folder / "tokenizer.json").unlink()
         (folder / "tokenizer_config.json").unlink()
         return f"model.path {folder} has no tokenizer"
+    if case == "no tokenizer.json":  # tokenizer_config.json alone: no fast tokenizer to build
+        (folder / "tokenizer.json").unlink()
+        return f"model.path {folder}: could not load a tokenizer (tokenizer.json / tokenizer_config.json missing or invalid)"
     if case == "config.json not JSON":
         (folder / "config.json").write_text('{"model_type": "llama",')
         return f"{folder}/config.json is not valid JSON"
@@ -183,7 +186,7 @@ def break_model(case: str, folder: Path) -> str:
 
 
 CONFIG_CASES = ["no config.json", "wrong architecture", "unsupported model_type", "pickle weights only", "no weights",
-                "no tokenizer"]
+                "no tokenizer", "no tokenizer.json"]
 DATA_CASES = ["config.json not JSON", "corrupt header length", "corrupt header JSON", "truncated", "too short",
               "missing tensor", "shape disagrees with config.json", "index names a missing shard",
               "index escapes the folder"]

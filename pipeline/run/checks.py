@@ -2,7 +2,7 @@
 
 Owns the up-front checks of a run: the prompt files `prompts.path` names exist and are of a type
 tokenize reads (a chat template where prompts ask for one), `model.path` is a
-checkpoint we can run (engine/checkpoint.py, headers only), a prompt of `max_prompt_tokens` plus
+checkpoint we can run (engine/checkpoint.py, headers only) whose tokenizer loads (where tokenize runs), a prompt of `max_prompt_tokens` plus
 `max_new_tokens` fits the checkpoint's positions, the stop token ids are the checkpoint's, the
 engine settings fit this host's devices, `run.root` can be written, and an online W&B
 run has a key. Each failure is a ConfigError naming the key (exit 2), and nothing is written: a
@@ -43,6 +43,8 @@ def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: 
         check_prompts(cfg)
     if steps & {"tokenize", "generate"}:
         check_model(cfg, positions="generate" in steps)
+    if "tokenize" in steps and is_leader:
+        check_tokenizer(cfg)
     if "generate" in steps and devices:
         check_engine(cfg)
     if "upload" in steps and is_leader:
@@ -133,6 +135,21 @@ def prompt_file_format(url: str, options: PromptsConfig) -> str:
         raise ConfigError(f"prompts.id_field is {options.id_field!r} but {url} is a .txt file (one prompt "
                           f"per line, no fields): set prompts.id_field=null or use JSONL/Parquet")
     return kind
+
+
+def check_tokenizer(cfg: Config) -> None:
+    """The tokenizer at model.path loads (tokenize would load it first thing): a folder with
+    tokenizer_config.json but no tokenizer.json passed the file check, then failed tokenize after
+    its folder was made. Loaded once a process: tokenize gets the same one."""
+    from engine.checkpoint import BrokenCheckpoint, load_tokenizer
+
+    try:
+        with checkpoint_errors(cfg.model.path):
+            load_tokenizer(cfg.model.path)
+    except StepFailed as err:
+        if not isinstance(err.__cause__, BrokenCheckpoint):
+            raise
+        raise ConfigError(str(err)) from err
 
 
 def check_model(cfg: Config, positions: bool) -> None:
