@@ -117,10 +117,14 @@ def merge(cfg: Config, out: StepOutput, *, file_rows: int = FILE_ROWS, file_byte
     first = _check_coverage(keys, accepted, n, generate_url)
     _check_duplicates(keys, first, accepted, n, parts, generate_url, file_rows)
 
-    for old in storage.list_files(out.url, suffix=".parquet"):
-        if old.rsplit("/", 1)[-1].startswith(FILE_PREFIX):
-            storage.remove(old)  # a partial earlier attempt; this one rewrites every file
+    # Each file replaces the one of its name, and the earlier files this run did not rewrite (an
+    # attempt cut into more files) go last: a stop before the first write, in a forced rerun of a
+    # complete merge, leaves its result as it was (removing them first lost it to a Ctrl-C).
+    earlier = {url.rsplit("/", 1)[-1]: url for url in storage.list_files(out.url, suffix=".parquet")
+               if url.rsplit("/", 1)[-1].startswith(FILE_PREFIX)}
     files, finish_reasons, logprobs = _write_merged(out, parts, keys, first, file_rows, file_bytes)
+    for name in earlier.keys() - {_file_name(i) for i in range(len(files))}:
+        storage.remove(earlier[name])
     rows = sum(f["rows"] for f in files)
     if rows != len(accepted) * n:  # the rows in must be the rows out, whatever happened above
         raise StepFailed(f"merge wrote {rows} rows to {out.url}, expected {len(accepted) * n} (a bug)")
@@ -457,8 +461,12 @@ def _gather(loaded: dict[int, pa.Table], part: np.ndarray, row: np.ndarray) -> p
     return pa.concat_tables(tables).combine_chunks().take(pa.array(index))
 
 
+def _file_name(index: int) -> str:
+    return f"{FILE_PREFIX}{index:05d}.parquet"
+
+
 def _write_file(out: StepOutput, index: int, table: pa.Table) -> dict[str, Any]:
-    entry = storage.write_parquet(out.path(f"{FILE_PREFIX}{index:05d}.parquet"), table)
+    entry = storage.write_parquet(out.path(_file_name(index)), table)
     return {
         **entry,
         "prompt_tokens": int(pc.sum(table["num_prompt_tokens"]).as_py() or 0),

@@ -319,6 +319,32 @@ def test_a_merged_file_deleted_by_hand_is_not_named_as_the_result_and_the_next_r
     assert pq.read_table(merged).to_pylist() == rows
 
 
+def test_a_stop_in_a_forced_merge_before_it_writes_leaves_the_result_as_it_was(make_config, monkeypatch):
+    """Ctrl-C while `run merge --force` checked the parts (before it wrote a file): merge had
+    removed the merged files first, so the result was gone and merge partial."""
+    from pipeline.pod import preemption
+    from steps import merge
+
+    config = make_config(sampling={"n": 2, "max_new_tokens": 4})
+    assert invoke("run", "all", "--config", config).exit_code == 0
+    before = status(config)
+    merged = os.path.join(before["merge"]["output"], "merged-00000.parquet")
+    written = os.stat(merged).st_mtime_ns
+    checked = merge._check_duplicates
+
+    def stopped_while_checking(*args, **kwargs):
+        checked(*args, **kwargs)
+        preemption.request_stop("SIGINT")  # as the signal handler does
+
+    monkeypatch.setattr(merge, "_check_duplicates", stopped_while_checking)
+    result = invoke("run", "merge", "--force", "--config", config)
+    assert result.exit_code == 75, result.output
+    assert (f"[merge] failed before it changed any of its files: still complete, as it was "
+            f"({before['merge']['rows']} rows)") in result.stderr
+    assert status(config)["merge"] == before["merge"] and os.stat(merged).st_mtime_ns == written
+    assert invoke("show", "--config", config).exit_code == 0  # the result is still there to read
+
+
 def test_a_stop_signal_after_the_result_line_leaves_the_exit_code_as_it_was(make_config, start_pipeline):
     """A scheduler's SIGTERM that lands while a finished command shuts down (Python puts the
     default handlers back there) ended it by the signal, exit 143, after it had printed its
