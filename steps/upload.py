@@ -52,7 +52,8 @@ from pipeline import storage
 from pipeline.run import status, steplog
 from pipeline.run.config import Config
 from pipeline.run.result import MERGED_FIX, logprob_sum_and_mean
-from pipeline.errors import StepFailed
+from pipeline.errors import Interrupted, StepFailed
+from pipeline.pod import preemption
 from pipeline.run.step import StepOutput, StepResult
 from steps.generate import LOGPROBS, PROMPT_LOGPROBS, TOP_LOGPROBS, TOP_TOKEN_IDS, per_host
 from steps.merge import MergeSummary
@@ -123,6 +124,7 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
     if mode == "offline":
         for earlier in glob.glob(os.path.join(wandb_dir, f"offline-run-*-{run_id}")):
             shutil.rmtree(earlier)
+    preemption.check()  # the merged files are read: a stop asked meanwhile is heard before W&B starts
     steps = _upstream_steps(out)
     generate = steps["generate"][1] if "generate" in steps else None
     config = {**cfg.to_dict(), "pipeline": {
@@ -145,6 +147,7 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
         truncated = table_rows < merged.rows
         # Two Table objects: an artifact given a Table already logged to the run stores a reference only.
         run.log({TABLE_NAME: wandb.Table(columns=columns, data=data)})
+        preemption.check()  # the last place to stop: from the artifact on, W&B's calls run to their end
         artifact = _artifact(wandb, cfg, run_id, merged, out.upstream["merge"].hash, paths,
                              wandb.Table(columns=columns, data=data), table_rows)
         run.summary.update({"rows": merged.rows, "table_rows": table_rows, "table_truncated": truncated,
@@ -161,6 +164,9 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
         # finish() can return before W&B's service has flushed the offline run's record log; the
         # marker is written after every file of the step, so wait for the service to close it.
         wandb.teardown()
+    except Interrupted:
+        run.finish(exit_code=preemption.EXIT_INTERRUPTED)  # the rerun resumes this W&B run (resume="allow")
+        raise
     except Exception as err:
         try:
             run.finish(exit_code=1)

@@ -345,6 +345,28 @@ def test_a_stop_in_a_forced_merge_before_it_writes_leaves_the_result_as_it_was(m
     assert invoke("show", "--config", config).exit_code == 0  # the result is still there to read
 
 
+def test_a_stop_as_the_last_step_finishes_is_said_and_the_complete_job_exits_0(make_config, monkeypatch):
+    """A Ctrl-C during upload's W&B calls (past its last place to stop) went unsaid: the command
+    printed its result and exited 0 as if no signal had come."""
+    from pipeline.pod import preemption
+    from steps import upload
+
+    config = make_config(sampling={"n": 2, "max_new_tokens": 4})
+    assert invoke("run", "all", "--config", config).exit_code == 0
+    attach = upload._attach_logs
+
+    def stopped_meanwhile(*args, **kwargs):
+        preemption.request_stop("SIGINT")  # as the signal handler does
+        return attach(*args, **kwargs)
+
+    monkeypatch.setattr(upload, "_attach_logs", stopped_meanwhile)
+    result = invoke("run", "upload", "--force", "--config", config)
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[-2] == "SIGINT came as the last step was finishing: every step is complete, nothing was stopped"
+    assert lines[-1].startswith("result: ") and status(config)["upload"]["state"] == "complete"
+
+
 def test_a_stop_signal_after_the_result_line_leaves_the_exit_code_as_it_was(make_config, start_pipeline):
     """A scheduler's SIGTERM that lands while a finished command shuts down (Python puts the
     default handlers back there) ended it by the signal, exit 143, after it had printed its

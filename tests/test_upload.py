@@ -139,6 +139,38 @@ def test_a_damaged_run_record_resumes_the_same_run_and_is_written_again(merged_r
     assert storage.read_json(record)["run_id"] == first.summary.run_id
 
 
+@pytest.mark.parametrize("heard", ["reading", "logging"])
+def test_a_stop_during_upload_is_heard_and_the_rerun_resumes_the_same_run(merged_run, read_wandb_run, monkeypatch,
+                                                                          heard):
+    """A Ctrl-C during upload was never looked at: the upload ran to its end and exited 0. Now it is
+    heard once the merged files are read (before W&B starts) or before the artifact is logged (the
+    W&B run ended as interrupted); the rerun resumes the same W&B run and logs the artifact once."""
+    from pipeline.errors import Interrupted
+    from pipeline.pod import preemption
+    from steps import upload
+
+    run = merged_run()
+    slow = upload._table_data if heard == "reading" else upload._log_metrics
+
+    def stopped_meanwhile(*args, **kwargs):
+        preemption.request_stop("SIGINT")  # as the signal handler does
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(upload, slow.__name__, stopped_meanwhile)
+    preemption.reset()
+    try:
+        with pytest.raises(Interrupted, match="stopped by SIGINT"):
+            run.run("upload")
+    finally:
+        preemption.reset()
+    assert len(offline_dirs(run)) == (0 if heard == "reading" else 1)
+    monkeypatch.undo()
+    again = run.run("upload")
+    assert offline_dirs(run) == [again.summary.offline_run_dir]  # the interrupted run's folder made again
+    recorded = read_wandb_run(again.summary.offline_run_dir)
+    assert recorded["run_id"] == again.summary.run_id and generations(recorded)["metadata"]["rows"] == 20
+
+
 def test_table_is_capped_at_table_max_rows_and_parquet_keeps_every_row(merged_run, read_wandb_run):
     run = merged_run(table_max_rows=5)
     result = run.run("upload")

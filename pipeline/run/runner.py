@@ -251,6 +251,9 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
         by_name[planned.name] = dataclasses.replace(planned, state="complete", rows=result.rows if result else None)
     hosts.barrier("end", "every host to finish")  # nobody leaves while the leader still works
     if hosts.is_leader():
+        if preemption.stop_requested():  # heard after the last place a step could stop: its work stands
+            say(f"{preemption.stop_reason()} came as the last step was finishing: every step is complete, "
+                f"nothing was stopped")
         _say_result(by_name, say)
     return plan
 
