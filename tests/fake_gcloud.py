@@ -9,7 +9,8 @@ appends each call's argv to `calls.jsonl`, and answers the `compute tpus tpu-vm`
      "node": ["READY"],                      # states for successive describes; the last one stays
      "after_create": ["CREATING", "READY"],  # what the node plays after a create
      "queued": ["ACTIVE"], "queued_after_create": ["WAITING_FOR_RESOURCES", "ACTIVE"],
-     "ssh": {"0": [0, {"exit": 255, "say": "Connection closed", "then": "PREEMPTED"}]}}
+     "ssh": {"0": [0, {"exit": 255, "say": "Connection closed", "then": "PREEMPTED"}]},
+     "describe_fails": ["ERROR: ... UNAVAILABLE"]}  # what the first describes print, exit 1
 
 An ssh outcome is an exit code or {"exit", "say" (a line printed), "then" (the node's state
 afterwards: a preemption), "exec": true (run the remote command with bash, as worker i of
@@ -66,6 +67,10 @@ def main(argv: list[str]) -> int:
     with world() as (scenario, state):
         key = "node" if kind == "tpu-vm" else "queued"
         if verb == "describe":
+            failures = state.setdefault("describe_fails", scenario.get("describe_fails", []))
+            if failures:  # gcloud's own error, one describe each
+                print(failures.pop(0), file=sys.stderr)
+                return 1
             current = play(state, key)
             if current == "MISSING":
                 print(f"ERROR: (gcloud.compute.tpus.{kind}.describe) NOT_FOUND: {name} was not found", file=sys.stderr)

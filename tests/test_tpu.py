@@ -258,6 +258,30 @@ def test_capacity_errors_on_create_use_the_budget(gcloud):
     assert "RESOURCE_EXHAUSTED: no capacity" in attempts()[0]["reason"]
 
 
+PROJECT_NOT_SET = ("ERROR: (gcloud.compute.tpus.tpu-vm.describe) The required property [project] is not currently set.\n"
+                   "It can be set on a per-command basis by re-running your command with the [--project] flag.")
+
+
+def test_a_gcloud_that_is_not_set_up_is_not_retried(gcloud):
+    """A project not set (or no login, no permission) was retried as a preemption: with the
+    defaults about half an hour of attempts, then exit 75 saying to rerun."""
+    gcloud.play(node=["READY"], describe_fails=[PROJECT_NOT_SET] * 3)
+    result = tpu_run("--spot", "--retries", "2")
+    assert result.exit_code == 2, result.output
+    assert last_line(result) == (
+        "error: gcloud could not describe my-tpu (exit 1): ERROR: (gcloud.compute.tpus.tpu-vm.describe) The required "
+        "property [project] is not currently set.: set the project: --project ID, or `gcloud config set project ID`, "
+        "then rerun (not retried: waiting does not fix it)")
+    assert gcloud.story() == ["tpu-vm describe"] and len(attempts()) == 1
+
+
+def test_a_gcloud_error_that_may_pass_is_retried(gcloud):
+    gcloud.play(node=["READY"], describe_fails=["ERROR: (gcloud.compute.tpus.tpu-vm.describe) UNAVAILABLE: try again"])
+    result = tpu_run("--spot", "--retries", "2")
+    assert result.exit_code == 0, result.output
+    assert "UNAVAILABLE: try again" in attempts()[0]["reason"] and attempts()[1]["outcome"] == "done"
+
+
 def test_queued_resource_is_waited_for_then_recreated_after_preemption(gcloud):
     gcloud.play(queued=["MISSING"], node=["MISSING"], queued_after_create=["WAITING_FOR_RESOURCES", "ACTIVE"],
                 after_create=["READY"], ssh={"0": [0, {"exit": 255, "then": "PREEMPTED"}]})

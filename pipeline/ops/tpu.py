@@ -311,15 +311,44 @@ def describe(tpu: Tpu) -> Node:
     if tpu.queued:
         done = _run(tpu.queued_describe_argv())
         if done.returncode:
-            return _failed(done)
+            return _failed(done, tpu.name)
         state = parse_queued_state(done.stdout)
         if state != ACTIVE:
             return Node(state)
     done = _run(tpu.describe_argv())
-    return _failed(done) if done.returncode else parse_node(done.stdout)
+    return _failed(done, tpu.name) if done.returncode else parse_node(done.stdout)
 
 
-def _failed(done: subprocess.CompletedProcess) -> Node:
+_SETUP_PROBLEMS = (
+    (("property [project] is not currently set", "core/project"),
+     "set the project: --project ID, or `gcloud config set project ID`"),
+    (("do not currently have an active account", "gcloud auth login", "Reauthentication"),
+     "log in: `gcloud auth login`, or activate a service account"),
+    (("PERMISSION_DENIED",), "give this account the Cloud TPU permission the error names"),
+    (("SERVICE_DISABLED", "has not been used in project"), "enable the Cloud TPU API in the project"),
+    (("INVALID_ARGUMENT", "unrecognized arguments", "Invalid value for"),
+     "check --zone, --accelerator-type and --runtime-version"),
+)
+"""gcloud's answers that no wait fixes, each with what does: retried as a preemption, a project not
+set ran through the whole retry budget (half an hour) to an exit 75."""
+
+
+def _setup_problem(done: subprocess.CompletedProcess, what: str) -> ConfigError | None:
+    """A ConfigError (exit 2, not retried) where gcloud failed for its own setup, else None."""
+    text = f"{done.stderr}\n{done.stdout}"
+    for needles, fix in _SETUP_PROBLEMS:
+        if any(needle in text for needle in needles):
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            said = next((line for line in lines if line.startswith("ERROR:")), lines[0] if lines else "no output")
+            return ConfigError(f"gcloud could not {what} (exit {done.returncode}): {said}: {fix}, then rerun "
+                               f"(not retried: waiting does not fix it)")
+    return None
+
+
+def _failed(done: subprocess.CompletedProcess, name: str) -> Node:
+    problem = _setup_problem(done, f"describe {name}")
+    if problem:
+        raise problem
     if "NOT_FOUND" in done.stderr or "not found" in done.stderr.lower():
         return Node(MISSING)
     lines = (done.stderr or done.stdout).strip().splitlines()
@@ -357,6 +386,9 @@ def _gcloud(argv: list[str], what: str, say: Callable[[str], None]) -> None:
     say(f"[tpu] {shlex.join(argv)}")
     done = _run(argv)
     if done.returncode:
+        problem = _setup_problem(done, what)
+        if problem:
+            raise problem
         lines = (done.stderr or done.stdout).strip().splitlines()
         raise _Retry(f"gcloud could not {what} (exit {done.returncode}): {lines[-1] if lines else 'no output'}")
 
