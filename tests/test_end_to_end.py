@@ -310,6 +310,8 @@ def test_a_merged_file_deleted_by_hand_is_not_named_as_the_result_and_the_next_r
 
     shown = invoke("status", "--config", config, "--json")
     assert json.loads(shown.output)["result"] is None  # it named the missing file, for scripts to fail on later
+    assert invoke("status", "--config", config).output.strip().splitlines()[-1] == (
+        "result: none now (a merged file is gone: the next `run all` writes it again)")  # not "merge is not complete"
     assert status(config)["merge"]["why"] == ("complete, but its file merged-00000.parquet is gone: write the merged "
                                               "files again: the next `run all` runs it")
     again = invoke("run", "all", "--config", config)

@@ -88,5 +88,8 @@ def report_text(rows: list[dict[str, Any]], result: MergedResult | None = None) 
         extra = f" ({r['rejected']} rejected)" if r.get("rejected") else ""
         lines.append(f"{r['name']:<9} {r['hash'][:12]:<12} {r['state']:<9} {count:>9}  {r['output']}{extra}")
         lines.append(f"{'':<9} {'':<12} {'':<9} {'':>9}  {r['why']}")
-    lines.append(f"result: {result.describe()}" if result else "result: none yet (merge is not complete)")
+    merge_complete = any(r["name"] == "merge" and r["state"] == "complete" for r in rows)
+    lines.append(f"result: {result.describe()}" if result else
+                 "result: none now (a merged file is gone: the next `run all` writes it again)" if merge_complete else
+                 "result: none yet (merge is not complete)")
     return "\n".join(lines)
