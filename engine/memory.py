@@ -215,12 +215,15 @@ def plan_batch(
         prefill_tokens = prefill_budget(devices[0].platform, prefill_chunk_tokens, fits)
     weights, row, working = per_device(prefill_tokens)
     plan = BatchPlan(0, "", weights, row, limit, working, prefill_tokens)
-    where = f"{memory_fraction:.0%} of {devices[0].platform} device memory ({device_bytes / GiB:.1f} GiB) is {limit / GiB:.2f} GiB"
+    where = (f"engine.memory_fraction {memory_fraction:g} of {devices[0].platform} device memory "
+             f"({device_bytes / GiB:.1f} GiB) is {_size(limit)}")
     if weights + working + row > limit:
         raise InvalidConfig(
-            f"the weights alone need {weights / GiB:.2f} GiB per device and one row {row / GiB:.3f} GiB, but {where} "
-            + ("(use more devices, bfloat16, or shorter prompts)" if weight_shards > 1 else
-               "(shard the model over the pod with engine.mode: global_mesh, or use bfloat16 or shorter prompts)")
+            f"one row needs {_size(weights + working + row)} per device (weights {_size(weights)}, prefill and decode "
+            f"working memory {_size(working)}, the row's KV cache {_size(row)}), but {where} "
+            + ("(raise engine.memory_fraction, or use more devices, bfloat16, or shorter prompts)" if weight_shards > 1 else
+               "(raise engine.memory_fraction, shard the model over the pod with engine.mode: global_mesh, or use "
+               "bfloat16 or shorter prompts)")
         )
     if batch_size == "auto":
         cap = AUTO_CAP_CPU if devices[0].platform == "cpu" else AUTO_CAP_ACCELERATOR * n
@@ -257,6 +260,14 @@ def plan_batch(
             " lower engine.batch_size or use auto"
         )
     return dataclasses.replace(plan, batch_size=batch_size, reason="explicit")
+
+
+def _size(count: int) -> str:
+    """Bytes for a message, in the unit that shows them (a tiny model's weights were 0.00 GiB)."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20)):
+        if count >= size / 10:
+            return f"{count / size:.2f} {unit}" if unit == "GiB" else f"{count / size:.1f} {unit}"
+    return f"{count / 1024:.1f} KiB"
 
 
 def plan_staging(plan: BatchPlan, overlap_prefill: bool | str, *, platform: str, prefill_chunk_tokens: int, samples: int,

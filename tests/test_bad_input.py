@@ -9,6 +9,7 @@ marked complete. Model folders are checked by engine/checkpoint.py before tokeni
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import struct
@@ -303,6 +304,7 @@ def test_missing_prompt_file_exits_2_and_a_bad_prompt_line_exits_1(config_for, t
     ({"batch_size": 3, "lanes": 2}, "error: engine.batch_size=3 must be a multiple of engine.lanes=2 times the 1 "
                                     "data-parallel devices (2): each lane takes an equal share of the rows"),
     ({"batch_size": 100_000_000}, "error: engine.batch_size=100000000 needs ~"),
+    ({"memory_fraction": 0.000001}, "error: one row needs "),  # it said "0.00 GiB", not naming the setting
     ({"mode": "global_mesh", "mesh": {"data": 2, "model": 1}}, "error: engine.mesh {data: 2, model: 1} needs 2 devices, but the pod has 1"),
 ])
 def test_an_engine_setting_that_does_not_fit_the_devices_stops_the_run_before_any_step(config_for, tmp_path, engine,
@@ -313,6 +315,9 @@ def test_an_engine_setting_that_does_not_fit_the_devices_stops_the_run_before_an
         result = run_all(config_for(engine=engine), *extra)
         assert result.exit_code == 2, result.output
         assert error_line(result).startswith(message), error_line(result)
+        if "memory_fraction" in engine:
+            assert re.search(r"\(weights 0\.7 MiB, .* but engine\.memory_fraction 1e-06 of cpu device memory \(.* GiB\) is "
+                             r"\d+\.\d KiB \(raise engine\.memory_fraction, ", error_line(result)), error_line(result)
         assert "Traceback" not in result.stderr
         assert not (tmp_path / "runs").exists()
 
