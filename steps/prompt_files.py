@@ -210,6 +210,8 @@ def _fields(number: int, text: Any, raw_id: Any, raw: str, options: PromptsConfi
             hint = " (integer ids with nulls become floats in pandas: store them as Int64 or as strings)" \
                 if raw_id.is_integer() else ""
             id_problem = ("bad id", f"{id_field!r} is {raw_id!r}, a float, expected a non-empty string or an integer{hint}")
+        elif raw_id == "":
+            id_problem = ("bad id", f"{id_field!r} is an empty string, expected a non-empty string or an integer")
         else:
             id_problem = ("bad id", f"{id_field!r} is {_type_name(raw_id)}, expected a non-empty string or an integer")
     if text is _MISSING or text is None:

@@ -387,6 +387,7 @@ BAD_ROWS = {
     "too long": (json.dumps({"id": "b", "prompt": "many words " * 100}).encode(), "too long"),
     "missing id": (b'{"prompt": "No id."}', "missing id"),
     "float id": (b'{"id": 1.5, "prompt": "A float id."}', "bad id"),
+    "empty id": (b'{"id": "", "prompt": "An empty id."}', "bad id"),
     # An id no Parquet string holds: a traceback before, at the shards' or rejected.parquet's write.
     "lone surrogate in the id": (b'{"id": "b\\ud800", "prompt": "A good prompt, a bad id."}', "invalid UTF-8"),
     "lone surrogate in the id, empty prompt": (b'{"id": "b\\ud800", "prompt": " "}', "empty prompt"),
@@ -403,6 +404,8 @@ def test_a_bad_row_fails_the_step_naming_file_line_and_reason(tmp_path, demo_mod
     assert result.exit_code == 1
     message = error_line(result)
     assert message.startswith(f"error: prompts file {path} line 2: {kind}")
+    if case == "empty id":  # it said "'id' is a string, expected a non-empty string"
+        assert message.startswith(f"error: prompts file {path} line 2: bad id: 'id' is an empty string, expected"), message
     assert "more bad rows" not in message and "prompts.on_invalid=skip" in message
     planned = tokenize_step(config)
     assert [f for f in output_files(planned.url) if f.endswith(".parquet")] == []
