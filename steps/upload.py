@@ -32,6 +32,7 @@ W&B's own terminal output is silenced: the pipeline prints where the run is.
 from __future__ import annotations
 
 import glob
+import hashlib
 import itertools
 import json
 import os
@@ -191,7 +192,8 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
 
 
 def _run_id(cfg: Config, out: StepOutput) -> str:
-    """`{run.name as a slug}-{merge hash12}`: one W&B run per result (an earlier attempt's id if recorded)."""
+    """`{run.name as a slug}-{merge hash12}`: one W&B run per result (an earlier attempt's id if recorded).
+    A name the slug changes gets 6 characters of its own hash after the slug."""
     earlier = out.path(RUN_FILE)
     if storage.exists(earlier):
         try:
@@ -199,6 +201,8 @@ def _run_id(cfg: Config, out: StepOutput) -> str:
         except (ValueError, KeyError, TypeError):  # damaged since: the id below, which is rewritten there
             pass
     slug = re.sub(r"[^a-z0-9_-]+", "-", cfg.run.name.lower()).strip("-")[:40] or "run"
+    if slug != cfg.run.name:  # lossy ("My Run", "ééé", a long name): names that slug alike keep runs apart
+        slug += "-" + hashlib.sha256(cfg.run.name.encode()).hexdigest()[:6]
     return f"{slug}-{out.upstream['merge'].hash[:storage.HASH_CHARS]}"
 
 

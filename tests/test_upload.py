@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import re
@@ -339,14 +340,24 @@ def test_one_run_per_result_grouped_by_run_name(merged_run, read_wandb_run):
 
     run = merged_run()
     result = run.run("upload")
-    assert result.summary.run_id == f"test-run-{run.HASHES['merge']}"
+    named = hashlib.sha256(b"test run").hexdigest()[:6]  # "test run" is not its own slug
+    assert result.summary.run_id == f"test-run-{named}-{run.HASHES['merge']}"
     recorded = read_wandb_run(result.summary.offline_run_dir)
     assert recorded["group"] == "test run" and recorded["run_id"] == result.summary.run_id
 
     out = run.out("upload")  # another result of the same run.name: merge's hash differs
     other = dataclasses.replace(out, hash="0b1d0000000e", url=out.url + "x",
                                 upstream={"merge": dataclasses.replace(out.upstream["merge"], hash="3e7e0000000f")})
-    assert _run_id(run.cfg, other) == "test-run-3e7e0000000f"
+    assert _run_id(run.cfg, other) == f"test-run-{named}-3e7e0000000f"
+
+    def run_id(name: str) -> str:
+        return _run_id(dataclasses.replace(run.cfg, run=dataclasses.replace(run.cfg.run, name=name)), other)
+
+    # Names that slug alike got one id, so their uploads of one result resumed one W&B run.
+    alike = ["Test Run", "test-run", "test run!", "ééé", "ààà"] + ["x" * 40 + tail for tail in ("a", "b")]
+    assert len({run_id(name) for name in alike}) == len(alike)
+    assert run_id("test-run") == "test-run-3e7e0000000f"  # a name that is its own slug keeps the plain id
+    assert max(len(run_id(name)) for name in alike) <= 64
 
 
 def test_the_table_is_logged_to_the_run_and_every_steps_metrics_and_logs_are_there(merged_run, read_wandb_run):
