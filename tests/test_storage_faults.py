@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -422,3 +424,30 @@ def test_a_stop_during_a_storage_back_off_is_heard_at_once():
     finally:
         stop.cancel()
         preemption.reset()
+
+
+def test_a_stop_signal_ends_a_pause_every_time():
+    """`pause` waited on the stop event, which the signal handler sets: a SIGTERM that came while
+    the wait held the event's lock blocked the handler on it for good (3 of 5 tries hung)."""
+    script = ("import sys\n"
+              "from pipeline.errors import Interrupted\n"
+              "from pipeline.pod import preemption\n"
+              "preemption.install()\n"
+              "print('pausing', flush=True)\n"
+              "try:\n"
+              "    while True:\n"
+              "        preemption.pause(0)\n"
+              "except Interrupted as err:\n"
+              "    print(err, flush=True)\n"
+              "    sys.exit(75)\n")
+    for _ in range(8):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "pausing\n"
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError("a SIGTERM did not end the pause")
+        assert code == 75 and proc.stdout.read().startswith("stopped by SIGTERM")

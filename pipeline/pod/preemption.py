@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 from pipeline.errors import Interrupted, exit_now
 
@@ -77,12 +78,21 @@ def check() -> None:
         raise Interrupted(f"stopped by {_reason[0]}: finished work is committed; rerun the same command to resume")
 
 
+PAUSE_SLICE_S = 0.1
+
+
 def pause(seconds: float) -> None:
-    """Sleep `seconds` between two tries, but raise Interrupted as soon as a stop is asked: a
-    SIGTERM while storage retries waited out a 30 s back-off before it was heard."""
-    check()
-    _stop.wait(seconds)
-    check()
+    """Sleep `seconds` between two tries, but raise Interrupted within PAUSE_SLICE_S of a stop
+    being asked: a SIGTERM while storage retries waited out a 30 s back-off before it was heard.
+    Short sleeps, not `_stop.wait`: the signal handler sets `_stop`, and Event.set from a handler
+    that interrupted Event.wait in the same thread can block on the event's own lock for good."""
+    end = time.monotonic() + seconds
+    while True:
+        check()
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, PAUSE_SLICE_S))
 
 
 def reset() -> None:
