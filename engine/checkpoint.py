@@ -188,7 +188,7 @@ def _load_tokenizer(url: str, stamps: tuple):
     def load(local: str):
         try:
             return AutoTokenizer.from_pretrained(local, use_fast=True, trust_remote_code=False)
-        except (OSError, ValueError) as err:
+        except Exception as err:  # the tokenizers library raises bare Exceptions, KeyErrors, ... on bad files
             raise BrokenCheckpoint(f"model.path {url}: could not load a tokenizer "
                                    f"(tokenizer.json / tokenizer_config.json missing or invalid): {err}") from err
 

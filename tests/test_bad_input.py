@@ -150,8 +150,11 @@ def break_model(case: str, folder: Path) -> str:
         (folder / "tokenizer.json").unlink()
         (folder / "tokenizer_config.json").unlink()
         return f"model.path {folder} has no tokenizer"
-    if case == "no tokenizer.json":  # tokenizer_config.json alone: no fast tokenizer to build
-        (folder / "tokenizer.json").unlink()
+    if case in ("no tokenizer.json", "tokenizer.json of no known model"):  # no fast tokenizer to build
+        if case == "no tokenizer.json":
+            (folder / "tokenizer.json").unlink()
+        else:  # the tokenizers library raises a bare Exception for it
+            (folder / "tokenizer.json").write_text('{"version": "1.0", "added_tokens": [], "model": {"type": "Nope"}}')
         return f"model.path {folder}: could not load a tokenizer (tokenizer.json / tokenizer_config.json missing or invalid)"
     if case == "config.json not JSON":
         (folder / "config.json").write_text('{"model_type": "llama",')
@@ -187,7 +190,7 @@ def break_model(case: str, folder: Path) -> str:
 
 
 CONFIG_CASES = ["no config.json", "wrong architecture", "unsupported model_type", "pickle weights only", "no weights",
-                "no tokenizer", "no tokenizer.json"]
+                "no tokenizer", "no tokenizer.json", "tokenizer.json of no known model"]
 DATA_CASES = ["config.json not JSON", "corrupt header length", "corrupt header JSON", "truncated", "too short",
               "missing tensor", "shape disagrees with config.json", "index names a missing shard",
               "index escapes the folder"]
@@ -201,6 +204,9 @@ def test_a_bad_model_folder_fails_before_tokenize(config_for, demo_model, tmp_pa
     assert result.exit_code == (2 if case in CONFIG_CASES else 1), result.output
     assert error_line(result).startswith(f"error: {expected}"), error_line(result)
     assert not (tmp_path / "runs").exists()  # nothing started: no step folder, no marker
+    if "tokenizer.json" in case:  # status does not load the tokenizer: it reports, as before the check
+        shown = CliRunner().invoke(app, ["status", "--config", config_for(model=str(folder))])
+        assert shown.exit_code == 0 and "tokenize" in shown.stdout, shown.output
 
 
 def test_a_missing_model_path_is_a_config_error(config_for, tmp_path):

@@ -29,13 +29,14 @@ from pipeline.run.config import Config, PromptsConfig
 
 
 def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: bool = False,
-                 devices: bool = True) -> None:
+                 devices: bool = True, tokenizer: bool = True) -> None:
     """Raise ConfigError for the first input of `steps` that cannot work.
 
     Leader-only steps' inputs (prompts for tokenize, the W&B key for upload) are checked on the
     leader only: the other hosts never read them. A dry run does not probe `run.root` (it writes).
     devices=False leaves out the engine settings against this host's devices (`status` must not
-    take a TPU a running job holds).
+    take a TPU a running job holds); tokenizer=False the tokenizer's load (`status` would import
+    transformers and read a remote tokenizer each time).
     """
     if not steps:
         return
@@ -43,7 +44,7 @@ def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: 
         check_prompts(cfg)
     if steps & {"tokenize", "generate"}:
         check_model(cfg, positions="generate" in steps)
-    if "tokenize" in steps and is_leader:
+    if "tokenize" in steps and is_leader and tokenizer:
         check_tokenizer(cfg)
     if "generate" in steps and devices:
         check_engine(cfg)
@@ -55,9 +56,9 @@ def check_inputs(cfg: Config, steps: set[str], is_leader: bool = True, dry_run: 
 
 def input_problem(cfg: Config, steps: set[str]) -> str | None:
     """What `run all` would stop on before any step (a missing prompt file, a model folder that is
-    not there, no W&B key: `check_inputs`, without probing run.root or the devices), or None."""
+    not there, no W&B key: `check_inputs`, without probing run.root, the devices or the tokenizer), or None."""
     try:
-        check_inputs(cfg, steps, is_leader=True, dry_run=True, devices=False)
+        check_inputs(cfg, steps, is_leader=True, dry_run=True, devices=False, tokenizer=False)
     except Interrupted:
         raise
     except PipelineError as err:
