@@ -83,8 +83,10 @@ def main(argv: list[str]) -> int:
                                   "schedulingConfig": scenario.get("scheduling", {})}))
             return 0
         if verb == "create":
-            if scenario.get("create_fails"):
-                print("ERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: no capacity", file=sys.stderr)
+            if scenario.get("create_fails"):  # true, or what gcloud says
+                said = scenario["create_fails"]
+                print(said if isinstance(said, str) else "ERROR: (gcloud.compute.tpus.tpu-vm.create) RESOURCE_EXHAUSTED: "
+                      "no capacity", file=sys.stderr)
                 return 1
             state[key] = scenario.get(f"{key}_after_create" if key == "queued" else "after_create", ["READY"])
             if key == "queued":

@@ -275,11 +275,30 @@ def test_a_gcloud_that_is_not_set_up_is_not_retried(gcloud):
     assert gcloud.story() == ["tpu-vm describe"] and len(attempts()) == 1
 
 
-def test_a_gcloud_error_that_may_pass_is_retried(gcloud):
-    gcloud.play(node=["READY"], describe_fails=["ERROR: (gcloud.compute.tpus.tpu-vm.describe) UNAVAILABLE: try again"])
+REFRESH_DROPPED = ("ERROR: (gcloud.compute.tpus.tpu-vm.describe) There was a problem refreshing your current auth tokens: "
+                   "('Connection aborted.', ConnectionResetError(104, 'Connection reset by peer'))\n"
+                   "Please run:\n\n  $ gcloud auth login\n\nto obtain new credentials.")
+
+
+@pytest.mark.parametrize("said", ["ERROR: (gcloud.compute.tpus.tpu-vm.describe) UNAVAILABLE: try again", REFRESH_DROPPED])
+def test_a_gcloud_error_that_may_pass_is_retried(gcloud, said):
+    """A dropped connection while gcloud refreshed its token ends with "gcloud auth login" too: retried."""
+    gcloud.play(node=["READY"], describe_fails=[said])
     result = tpu_run("--spot", "--retries", "2")
     assert result.exit_code == 0, result.output
-    assert "UNAVAILABLE: try again" in attempts()[0]["reason"] and attempts()[1]["outcome"] == "done"
+    assert [a["outcome"] for a in attempts()] == ["retry", "done"]
+    assert attempts()[0]["reason"].startswith("gcloud could not describe my-tpu (exit 1: ")
+
+
+def test_a_create_gcloud_refuses_for_its_setup_is_not_retried(gcloud):
+    gcloud.play(node=["MISSING"], create_fails="ERROR: (gcloud.compute.tpus.tpu-vm.create) PERMISSION_DENIED: "
+                                              "Permission 'tpu.nodes.create' denied on 'projects/p/locations/z'")
+    result = tpu_run("--spot", "--accelerator-type", "v5p-16", "--runtime-version", "v2-alpha-tpuv5", "--retries", "2")
+    assert result.exit_code == 2, result.output
+    assert last_line(result).startswith("error: gcloud could not create my-tpu (exit 1): ERROR: (gcloud.compute.tpus."
+                                        "tpu-vm.create) PERMISSION_DENIED: Permission 'tpu.nodes.create' denied")
+    assert "give this account the Cloud TPU permission the error names" in last_line(result)
+    assert gcloud.story() == ["tpu-vm describe", "tpu-vm create"] and len(attempts()) == 1
 
 
 def test_queued_resource_is_waited_for_then_recreated_after_preemption(gcloud):

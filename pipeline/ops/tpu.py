@@ -322,7 +322,7 @@ def describe(tpu: Tpu) -> Node:
 _SETUP_PROBLEMS = (
     (("property [project] is not currently set", "core/project"),
      "set the project: --project ID, or `gcloud config set project ID`"),
-    (("do not currently have an active account", "gcloud auth login", "Reauthentication"),
+    (("do not currently have an active account", "Reauthentication", "invalid_grant"),
      "log in: `gcloud auth login`, or activate a service account"),
     (("PERMISSION_DENIED",), "give this account the Cloud TPU permission the error names"),
     (("SERVICE_DISABLED", "has not been used in project"), "enable the Cloud TPU API in the project"),
@@ -330,12 +330,19 @@ _SETUP_PROBLEMS = (
      "check --zone, --accelerator-type and --runtime-version"),
 )
 """gcloud's answers that no wait fixes, each with what does: retried as a preemption, a project not
-set ran through the whole retry budget (half an hour) to an exit 75."""
+set ran through the whole retry budget (half an hour) to an exit 75. Not "gcloud auth login" alone:
+gcloud adds it to every failed token refresh, a dropped connection's too."""
+
+_PASSING = ("Connection", "connection", "timed out", "Timeout", "UNAVAILABLE", "DEADLINE_EXCEEDED", "metadata",
+            "Internal Server Error", "Service Unavailable")
+"""Words of a failure that may pass, whatever else gcloud says with them: retried."""
 
 
 def _setup_problem(done: subprocess.CompletedProcess, what: str) -> ConfigError | None:
     """A ConfigError (exit 2, not retried) where gcloud failed for its own setup, else None."""
     text = f"{done.stderr}\n{done.stdout}"
+    if any(word in text for word in _PASSING):
+        return None
     for needles, fix in _SETUP_PROBLEMS:
         if any(needle in text for needle in needles):
             lines = [line.strip() for line in text.splitlines() if line.strip()]
