@@ -122,10 +122,10 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
     columns, data = _table_data(copies, min(cfg.wandb.table_max_rows, wandb.Table.MAX_ARTIFACT_ROWS))
     paths = list(copies.values())
     wandb_dir = os.path.join(local, "wandb")
+    preemption.check()  # the merged files are read: a stop asked meanwhile is heard before anything changes
     if mode == "offline":
         for earlier in glob.glob(os.path.join(wandb_dir, f"offline-run-*-{run_id}")):
             shutil.rmtree(earlier)
-    preemption.check()  # the merged files are read: a stop asked meanwhile is heard before W&B starts
     steps = _upstream_steps(out)
     generate = steps["generate"][1] if "generate" in steps else None
     config = {**cfg.to_dict(), "pipeline": {
@@ -166,7 +166,10 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
         # marker is written after every file of the step, so wait for the service to close it.
         wandb.teardown()
     except Interrupted:
-        run.finish(exit_code=preemption.EXIT_INTERRUPTED)  # the rerun resumes this W&B run (resume="allow")
+        try:
+            run.finish(exit_code=preemption.EXIT_INTERRUPTED)  # the rerun resumes this W&B run (resume="allow")
+        except Exception:  # noqa: BLE001 - W&B unreachable as well: the stop is still what ended the step
+            pass
         raise
     except Exception as err:
         try:
