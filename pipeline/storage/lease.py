@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import json
 import os
 import secrets
@@ -287,18 +288,26 @@ class _FileLease:
         self._lock.release()
 
 
+@functools.lru_cache(maxsize=2)
+def _gcs_client(endpoint: str | None):
+    """One client a process (per endpoint: tests move the emulator): the plan looks at each
+    unfinished step's lease, and each client looked its credentials and project up again."""
+    from google.cloud import storage as gcs
+
+    return gcs.Client()
+
+
 class _GcsLease:
     """gs://: the record is the lock, guarded by generation-match preconditions."""
 
     def __init__(self, url: str):
-        from google.cloud import storage as gcs
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         # Conditional writes are safe to retry; bound the client's retries by ours.
         self._calls = {"retry": DEFAULT_RETRY.with_timeout(min(retry_budget_s(), 120.0)), "timeout": 30}
         bucket, _, name = url[len("gs://"):].partition("/")
         self.blob_name = name
-        self.bucket = gcs.Client().bucket(bucket)
+        self.bucket = _gcs_client(os.environ.get("STORAGE_EMULATOR_HOST")).bucket(bucket)
         self.timeout = timeout_s()
         self.poll_s = min(5.0, max(0.2, self.timeout / 10))
         self.takeover_rule = (f"taken over if not renewed for {self.timeout:.0f}s ({ENV_TIMEOUT}), at once if its "
