@@ -116,11 +116,11 @@ class _Folder:
         if not fs.isdir(root):
             if fs.exists(root):
                 raise NotACheckpoint(f"model.path {url} is a file, not a folder ({HINT})")
-            if HUB_ID.fullmatch(url):
+            if HUB_ID.fullmatch(url) and not os.path.isdir(url.split("/")[0]):  # not a folder here's subfolder
                 raise NotACheckpoint(
-                    f"model.path {url} does not exist; it reads like a Hugging Face Hub id, and the pipeline downloads "
-                    f"nothing: fetch it first (`hf download {url} --local-dir models/{url.split('/')[1]}`) and set "
-                    f"model.path to that folder (or to a gs:// copy of it){relative_hint(url)}")
+                    f"model.path {url} does not exist{relative_hint(url)}; if it is a Hugging Face Hub id, the "
+                    f"pipeline downloads nothing: fetch it first (`hf download {url} --local-dir "
+                    f"models/{url.split('/')[1]}`) and set model.path to that folder (or to a gs:// copy of it)")
             raise NotACheckpoint(f"model.path {url} does not exist ({HINT}{relative_hint(url)})")
         names = frozenset(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
         return _Folder(url.rstrip("/"), fs, root, names)

@@ -222,11 +222,16 @@ def test_a_hub_id_as_model_path_says_to_download_it_first(config_for, tmp_path, 
     result = run_all(config_for(model="some-org/Some-Model-1B"))
     assert result.exit_code == 2
     assert error_line(result) == (
-        "error: model.path some-org/Some-Model-1B does not exist; it reads like a Hugging Face Hub id, and the pipeline "
-        "downloads nothing: fetch it first (`hf download some-org/Some-Model-1B --local-dir models/Some-Model-1B`) and "
-        f"set model.path to that folder (or to a gs:// copy of it); a relative path is read from the current "
-        f"directory, {tmp_path}")
+        f"error: model.path some-org/Some-Model-1B does not exist; a relative path is read from the current directory, "
+        f"{tmp_path}; if it is a Hugging Face Hub id, the pipeline downloads nothing: fetch it first (`hf download "
+        f"some-org/Some-Model-1B --local-dir models/Some-Model-1B`) and set model.path to that folder (or to a gs:// "
+        f"copy of it)")
     assert not (tmp_path / "runs").exists()
+    (tmp_path / "checkpoints").mkdir()  # a folder of ours, its model not there: no Hub advice
+    result = run_all(config_for(model="checkpoints/Qwen2.5-7B-Instruct"))
+    assert result.exit_code == 2 and error_line(result) == (
+        f"error: model.path checkpoints/Qwen2.5-7B-Instruct does not exist (expected a Hugging Face checkpoint folder: "
+        f"config.json, *.safetensors, tokenizer files; a relative path is read from the current directory, {tmp_path})")
 
 
 def test_relative_paths_run_from_another_folder_name_it_in_run_and_status(demo_model, tmp_path, monkeypatch):
