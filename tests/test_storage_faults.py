@@ -451,3 +451,23 @@ def test_a_stop_signal_ends_a_pause_every_time():
             proc.kill()
             raise AssertionError("a SIGTERM did not end the pause")
         assert code == 75 and proc.stdout.read().startswith("stopped by SIGTERM")
+
+
+def test_a_delete_whose_answer_was_lost_counts_as_done(monkeypatch):
+    """The emulator deleted the run.root probe, its answer was lost, and gcsfs's retry got a 404:
+    `remove` raised FileNotFoundError and the checks called run.root not writable (exit 2)."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from pipeline import storage
+
+    storage.write_bytes("memory://lost-answer/probe", b"")
+    served = MemoryFileSystem.rm
+
+    def served_then_lost(self, path, *args, **kwargs):
+        served(self, path, *args, **kwargs)  # done, but the client is told otherwise and asks again
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(MemoryFileSystem, "rm", served_then_lost)
+    storage.remove("memory://lost-answer/probe")
+    monkeypatch.undo()
+    assert not storage.exists("memory://lost-answer/probe")

@@ -272,7 +272,10 @@ def files_under(url: str) -> dict[str, tuple[str, ...]]:
 def remove(url: str, recursive: bool = False) -> None:
     fs, path = _looked_at_afresh(url)
     if fs.exists(path):
-        fs.rm(path, recursive=recursive)
+        try:
+            fs.rm(path, recursive=recursive)
+        except FileNotFoundError:  # a delete whose answer was lost, retried by gcsfs: the first one did it
+            pass
 
 
 @storage_call("read")
