@@ -116,7 +116,7 @@ class _Folder:
         if not fs.isdir(root):
             if fs.exists(root):
                 raise NotACheckpoint(f"model.path {url} is a file, not a folder ({HINT})")
-            if HUB_ID.fullmatch(url) and not os.path.isdir(url.split("/")[0]):  # not a folder here's subfolder
+            if HUB_ID.fullmatch(url) and not os.path.isdir(url.split("/")[0]):  # its first folder is not here either
                 raise NotACheckpoint(
                     f"model.path {url} does not exist{relative_hint(url)}; if it is a Hugging Face Hub id, the "
                     f"pipeline downloads nothing: fetch it first (`hf download {url} --local-dir "
