@@ -3,7 +3,8 @@
 Starts N processes of `pipeline ARGS...` with the PIPELINE_* variables that make them join
 one `jax.distributed` pod on 127.0.0.1 (CPU collectives through gloo), prefixes each line
 of their output with the host index (a host's stdout to ours, its stderr to ours), forwards
-SIGTERM/SIGINT to all of them, and returns the worst exit code. It refuses nothing the hosts would accept: every check happens in the hosts.
+SIGTERM/SIGINT to all of them, and returns the worst exit code. It refuses nothing the hosts
+would accept: every check happens in the hosts.
 
     code = launch(["run", "all", "--config", "demo/config.yaml"], hosts=2)
 """
