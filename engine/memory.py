@@ -264,9 +264,10 @@ def plan_batch(
 
 def _size(count: int) -> str:
     """Bytes for a message, in the unit that shows them (a tiny model's weights were 0.00 GiB)."""
-    for unit, size in (("GiB", GiB), ("MiB", 2**20)):
-        if count >= size / 10:
-            return f"{count / size:.2f} {unit}" if unit == "GiB" else f"{count / size:.1f} {unit}"
+    if count >= GiB / 10:
+        return f"{count / GiB:.2f} GiB"
+    if count >= 2**20 / 10:
+        return f"{count / 2**20:.1f} MiB"
     return f"{count / 1024:.1f} KiB"
 
 

@@ -338,24 +338,21 @@ _PASSING = ("Connection", "connection", "timed out", "Timeout", "UNAVAILABLE", "
 """Words of a failure that may pass, whatever else gcloud says with them: retried."""
 
 
-def _setup_problem(done: subprocess.CompletedProcess, what: str) -> ConfigError | None:
-    """A ConfigError (exit 2, not retried) where gcloud failed for its own setup, else None."""
+def _refuse_setup_problem(done: subprocess.CompletedProcess, what: str) -> None:
+    """Raise a ConfigError (exit 2, not retried) where gcloud failed for its own setup."""
     text = f"{done.stderr}\n{done.stdout}"
     if any(word in text for word in _PASSING):
-        return None
+        return
     for needles, fix in _SETUP_PROBLEMS:
         if any(needle in text for needle in needles):
             lines = [line.strip() for line in text.splitlines() if line.strip()]
             said = next((line for line in lines if line.startswith("ERROR:")), lines[0] if lines else "no output")
-            return ConfigError(f"gcloud could not {what} (exit {done.returncode}): {said}: {fix}, then rerun "
-                               f"(not retried: waiting does not fix it)")
-    return None
+            raise ConfigError(f"gcloud could not {what} (exit {done.returncode}): {said}: {fix}, then rerun "
+                              f"(not retried: waiting does not fix it)")
 
 
 def _failed(done: subprocess.CompletedProcess, name: str) -> Node:
-    problem = _setup_problem(done, f"describe {name}")
-    if problem:
-        raise problem
+    _refuse_setup_problem(done, f"describe {name}")
     if "NOT_FOUND" in done.stderr or "not found" in done.stderr.lower():
         return Node(MISSING)
     lines = (done.stderr or done.stdout).strip().splitlines()
@@ -393,9 +390,7 @@ def _gcloud(argv: list[str], what: str, say: Callable[[str], None]) -> None:
     say(f"[tpu] {shlex.join(argv)}")
     done = _run(argv)
     if done.returncode:
-        problem = _setup_problem(done, what)
-        if problem:
-            raise problem
+        _refuse_setup_problem(done, what)
         lines = (done.stderr or done.stdout).strip().splitlines()
         raise _Retry(f"gcloud could not {what} (exit {done.returncode}): {lines[-1] if lines else 'no output'}")
 

@@ -142,15 +142,13 @@ def check_tokenizer(cfg: Config) -> None:
     """The tokenizer at model.path loads (tokenize would load it first thing): a folder with
     tokenizer_config.json but no tokenizer.json passed the file check, then failed tokenize after
     its folder was made. Loaded once a process: tokenize gets the same one."""
-    from engine.checkpoint import BrokenCheckpoint, load_tokenizer
+    from engine.checkpoint import BrokenCheckpoint, NotACheckpoint, load_tokenizer
 
-    try:
-        with checkpoint_errors(cfg.model.path):
+    with checkpoint_errors(cfg.model.path):
+        try:
             load_tokenizer(cfg.model.path)
-    except StepFailed as err:
-        if not isinstance(err.__cause__, BrokenCheckpoint):
-            raise
-        raise ConfigError(str(err)) from err
+        except BrokenCheckpoint as err:  # found before any step: not a checkpoint we run (exit 2)
+            raise NotACheckpoint(str(err)) from err
 
 
 def check_model(cfg: Config, positions: bool) -> None:
