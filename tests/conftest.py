@@ -127,6 +127,25 @@ def write_config(folder: Path, demo_model: str, name: str = "config.yaml", **sec
 
 
 @pytest.fixture
+def stop_when_called(monkeypatch):
+    """stop_when_called(module, name): from now on a call of `module.name` first asks a stop, as
+    the handler of a SIGINT arriving at that moment does, then runs as before (until the test's
+    monkeypatch is undone)."""
+    from pipeline.pod import preemption
+
+    def patch(module, name: str) -> None:
+        real = getattr(module, name)
+
+        def stopped_then_called(*args, **kwargs):
+            preemption.request_stop("SIGINT")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, stopped_then_called)
+
+    return patch
+
+
+@pytest.fixture
 def config_for(tmp_path, demo_model):
     """config_for(model=None, prompts_text=None, **sections) -> a config path; the model defaults to the demo's."""
 

@@ -321,10 +321,9 @@ def test_a_merged_file_deleted_by_hand_is_not_named_as_the_result_and_the_next_r
     assert pq.read_table(merged).to_pylist() == rows
 
 
-def test_a_stop_in_a_forced_merge_before_it_writes_leaves_the_result_as_it_was(make_config, monkeypatch):
+def test_a_stop_in_a_forced_merge_before_it_writes_leaves_the_result_as_it_was(make_config, stop_when_called):
     """Ctrl-C while `run merge --force` checked the parts (before it wrote a file): merge had
     removed the merged files first, so the result was gone and merge partial."""
-    from pipeline.pod import preemption
     from steps import merge
 
     config = make_config(sampling={"n": 2, "max_new_tokens": 4})
@@ -332,13 +331,7 @@ def test_a_stop_in_a_forced_merge_before_it_writes_leaves_the_result_as_it_was(m
     before = status(config)
     merged = os.path.join(before["merge"]["output"], "merged-00000.parquet")
     written = os.stat(merged).st_mtime_ns
-    checked = merge._check_duplicates
-
-    def stopped_while_checking(*args, **kwargs):
-        checked(*args, **kwargs)
-        preemption.request_stop("SIGINT")  # as the signal handler does
-
-    monkeypatch.setattr(merge, "_check_duplicates", stopped_while_checking)
+    stop_when_called(merge, "_check_duplicates")  # a Ctrl-C while it checks the parts
     result = invoke("run", "merge", "--force", "--config", config)
     assert result.exit_code == 75, result.output
     assert (f"[merge] failed before it changed any of its files: still complete, as it was "
@@ -347,21 +340,14 @@ def test_a_stop_in_a_forced_merge_before_it_writes_leaves_the_result_as_it_was(m
     assert invoke("show", "--config", config).exit_code == 0  # the result is still there to read
 
 
-def test_a_stop_as_the_last_step_finishes_is_said_and_the_complete_job_exits_0(make_config, monkeypatch):
+def test_a_stop_as_the_last_step_finishes_is_said_and_the_complete_job_exits_0(make_config, stop_when_called):
     """A Ctrl-C during upload's W&B calls (past its last place to stop) went unsaid: the command
     printed its result and exited 0 as if no signal had come."""
-    from pipeline.pod import preemption
     from steps import upload
 
     config = make_config(sampling={"n": 2, "max_new_tokens": 4})
     assert invoke("run", "all", "--config", config).exit_code == 0
-    attach = upload._attach_logs
-
-    def stopped_meanwhile(*args, **kwargs):
-        preemption.request_stop("SIGINT")  # as the signal handler does
-        return attach(*args, **kwargs)
-
-    monkeypatch.setattr(upload, "_attach_logs", stopped_meanwhile)
+    stop_when_called(upload, "_attach_logs")  # past upload's last place to stop
     result = invoke("run", "upload", "--force", "--config", config)
     assert result.exit_code == 0, result.output
     lines = result.stderr.strip().splitlines()

@@ -142,7 +142,7 @@ def test_a_damaged_run_record_resumes_the_same_run_and_is_written_again(merged_r
 
 @pytest.mark.parametrize("heard", ["reading", "logging"])
 def test_a_stop_during_upload_is_heard_and_the_rerun_resumes_the_same_run(merged_run, read_wandb_run, monkeypatch,
-                                                                          heard):
+                                                                          stop_when_called, heard):
     """A Ctrl-C during upload was never looked at: the upload ran to its end and exited 0. Now it is
     heard once the merged files are read (before W&B starts) or before the artifact is logged (the
     W&B run ended as interrupted); the rerun resumes the same W&B run and logs the artifact once."""
@@ -152,13 +152,7 @@ def test_a_stop_during_upload_is_heard_and_the_rerun_resumes_the_same_run(merged
 
     run = merged_run()
     first = run.run("upload")  # what `--force` reruns
-    slow = upload._table_data if heard == "reading" else upload._log_metrics
-
-    def stopped_meanwhile(*args, **kwargs):
-        preemption.request_stop("SIGINT")  # as the signal handler does
-        return slow(*args, **kwargs)
-
-    monkeypatch.setattr(upload, slow.__name__, stopped_meanwhile)
+    stop_when_called(upload, "_table_data" if heard == "reading" else "_log_metrics")
     preemption.reset()
     try:
         with pytest.raises(Interrupted, match="stopped by SIGINT"):
