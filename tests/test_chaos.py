@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -60,6 +61,7 @@ def storm(start_pipeline, config: str, root: Path, kills: int, seed: int) -> tup
         wanted = PHASES[done % len(PHASES)]
         phase = wanted if wanted in left else rng.choice(left)
         pod = launch(start_pipeline, config)
+        killed = None  # the host this round's SIGKILL ended
         if pod.wait_for(f"[{phase}]"):
             time.sleep(rng.uniform(0, DELAY_S[phase]))
             victims = pod.hosts()
@@ -70,11 +72,15 @@ def storm(start_pipeline, config: str, root: Path, kills: int, seed: int) -> tup
                     os.kill(victims[victim], how)
                     done += 1
                     log.append(f"kill {done}: {how.name} to host {victim} during {phase}")
+                    killed = victim if how == signal.SIGKILL else None
                 except ProcessLookupError:
                     log.append(f"{phase}: host {victim} was already gone")
         code = pod.finish()
         log.append(f"  pod exited {code}")
         assert code in (0, 75), "\n".join(log) + "\n" + pod.output[-4000:]
+        if killed is not None:  # the survivors name the host killed, no other
+            named = set(re.findall(r"host (\d+) stopped responding", pod.output))
+            assert named <= {str(killed)}, "\n".join(log) + "\n" + pod.output[-4000:]
     return log, done
 
 

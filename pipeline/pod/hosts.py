@@ -158,12 +158,24 @@ def aborted() -> dict[str, Any] | None:
 
 
 def raise_if_aborted(doing: str) -> None:
-    """Raise (with the failed host's exit code: 75 stays 75) if another host has aborted."""
+    """Raise (with the failed host's exit code: 75 stays 75) if another host has aborted. A host
+    that stopped because it found a peer dead is not the news: the dead peer is named."""
     record = aborted()
-    if record is not None:
-        code = record.get("code", 1)
-        what = "was stopped" if code == Interrupted.exit_code else "failed"
-        raise failure(code, f"{describe()}: {doing}: host {record['host']} {what}: {record['error']}")
+    if record is None:
+        return
+    code = record.get("code", 1)
+    what = "was stopped" if code == Interrupted.exit_code else "failed"
+    raise _relayed(code, record["host"], doing,
+                   f"{describe()}: {doing}: host {record['host']} {what}: {record['error']}")
+
+
+def _relayed(code: int, host: int, doing: str, message: str) -> PipelineError:
+    """The error this host raises for `host`'s (exit `code`, its `message` here); a host that
+    stopped because it found a peer dead is not the news: that peer is named."""
+    lost = _try_get("lost") if code == Interrupted.exit_code else None
+    if lost is not None and lost["by"] == host and lost["host"] != process_index():
+        return Interrupted(_lost_message(doing, lost["host"], f"host {host} noticed first"))
+    return failure(code, message)
 
 
 def check_peers(doing: str, cause: str = "") -> None:
@@ -172,8 +184,14 @@ def check_peers(doing: str, cause: str = "") -> None:
     raise_if_aborted(doing)
     dead = _dead_hosts()
     if dead:
-        raise Interrupted(f"{describe()}: {doing}: host {dead[0]} stopped responding (killed or lost"
-                          f"{'; ' + cause if cause else ''}); rerun the same command to resume")
+        with contextlib.suppress(Exception):  # the first host to notice a death is recorded
+            _state["client"].key_value_set("pipeline/lost", json.dumps({"host": dead[0], "by": process_index()}))
+        raise Interrupted(_lost_message(doing, dead[0], cause))
+
+
+def _lost_message(doing: str, host: int, detail: str) -> str:
+    return (f"{describe()}: {doing}: host {host} stopped responding (killed or lost"
+            f"{'; ' + detail if detail else ''}); rerun the same command to resume")
 
 
 def abort(error: str, code: int = 1) -> None:
@@ -344,14 +362,16 @@ def run_and_report(key: str, fn: Callable[[], T]) -> T:
     return result
 
 
-def await_report(key: str, what: str, who: str) -> Any:
-    """Wait for another host's `run_and_report(key, ...)`: its JSON value, or raise naming `who`
-    failed (an interruption stays an interruption, exit 75)."""
+def await_report(key: str, what: str, host: int) -> Any:
+    """Wait for `host`'s `run_and_report(key, ...)`: its JSON value, or raise naming it failed (an
+    interruption stays an interruption, exit 75)."""
     outcome = wait_for(key, what)
     if not outcome["ok"]:
         code = outcome.get("code", 1)
         ended = "was stopped in" if code == Interrupted.exit_code else "failed"
-        raise failure(code, f"{describe()}: {who} {ended} {what}: {outcome['error']}")
+        who = "the leader" if host == 0 else f"host {host}"
+        raise _relayed(code, host, f"stopped waiting for {what}",
+                       f"{describe()}: {who} {ended} {what}: {outcome['error']}")
     return outcome.get("value")
 
 
@@ -366,7 +386,7 @@ def on_leader(tag: str, fn: Callable[[], T], what: str) -> T | None:
         return fn()
     if is_leader():
         return run_and_report(f"{tag}/outcome", fn)
-    return await_report(f"{tag}/outcome", what, "the leader")
+    return await_report(f"{tag}/outcome", what, 0)
 
 
 def agree(tag: str, value: Any, what: str) -> Any:

@@ -352,7 +352,7 @@ def _begin(cfg: Config, planned: PlannedStep, out: StepOutput, lease: Lease, wai
 def _finish(cfg: Config, step: Step, out: StepOutput, tag: str) -> StepResult:
     """Leader, for an every-host step: wait for every host's report, then the step's finish."""
     for index in range(1, hosts.process_count()):
-        hosts.await_report(f"{tag}/host-{index}", step.name, f"host {index}")
+        hosts.await_report(f"{tag}/host-{index}", step.name, index)
     return step.finish(cfg, out)
 
 
