@@ -2,9 +2,12 @@
 
 Owns the per-host work split, the part files and resume. Shards are assigned round-robin
 by shard number (shard i -> host i % hosts), and output is keyed by shard, never by host:
-`{out}/shard-00003/part-<time>-<rand>.parquet`. On start a host reads which
-(prompt_index, sample_index) pairs its shards already committed and asks the engine only for
-the missing ones, so a rerun with another host count resumes the same output. A part is one
+`{out}/shard-00003/part-<time>-<rand>-of<K>.parquet`, K the number of tokenize's shards it was
+made from. On start a host reads which (prompt_index, sample_index) pairs its shards already
+committed and asks the engine only for the missing ones, so a rerun with another host count
+resumes the same output. A tokenize rerun (`--force`) that cut the same prompts into another
+number of shards leaves parts of K shards beside the new ones: every host reads those parts'
+pairs as well, so rows already made are kept, not made again. A part is one
 atomic write of at most `engine.part_rows` rows (or 60 s of work, or fewer rows when the
 buffered rows hold many list entries: BUFFER_MAX_VALUES): a hard kill loses at most
 the rows not yet committed; SIGTERM stops taking new work, commits what finished, exits 75.
@@ -129,6 +132,8 @@ class HostMetrics:
 class GenerateSummary:
     rows: int
     """(prompt, sample) rows committed, over every shard."""
+    prompts: int
+    """Prompts with a committed row (the hosts' `prompts` add up a prompt once per run it was in)."""
     parts: int
     hosts: list[dict[str, Any]]
     """Each host's HostMetrics of each run of the step (a resumed step has a host's earlier runs too)."""
@@ -154,7 +159,9 @@ def generate(cfg: Config, out: StepOutput) -> None:
     shards = every if lockstep else mine
     if not lockstep and hosts.is_leader():
         _say_idle_hosts(len(every), hosts.process_count())
-    todo = [_ShardTodo.read(out, name, cfg.sampling.n, sha256[name]) for name in shards]
+    other_cut = [url for url in _parts(out) if _cut_of(url) not in (None, len(every))]
+    done_elsewhere = _committed_keys(other_cut, cfg.sampling.n)
+    todo = [_ShardTodo.read(out, name, cfg.sampling.n, sha256[name], len(every), done_elsewhere) for name in shards]
     if lockstep:
         _agree_on_todo(out, todo)
     n_missing = sum(t.missing for t in todo)
@@ -164,7 +171,7 @@ def generate(cfg: Config, out: StepOutput) -> None:
     prompts = 0
     if n_missing:
         engine = _load_engine(cfg, todo)
-        writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine), schema=schema(cfg))
+        writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine), schema=schema(cfg), shards=len(every))
         watch = hosts.watchdog("generating on the global mesh") if lockstep else contextlib.nullcontext()
         n_total = sum(t.wanted.size for t in todo)  # every (prompt, sample) of these shards
         try:
@@ -226,20 +233,20 @@ def _write_metrics(out: StepOutput, metrics: HostMetrics) -> None:
 
 def finish(cfg: Config, out: StepOutput) -> StepResult:
     """Leader: check every shard holds every (prompt, sample); sum per-host metrics."""
-    files: list[dict[str, Any]] = []
+    n = cfg.sampling.n
+    parts = _parts(out)  # every part, those of another cut of the prompts (`_cut_of`) too
+    committed = _committed_keys(parts, n)
     missing_total, rows_total, examples = 0, 0, []
     for shard in _shard_names(out):  # names, in order
-        shard_keys = read_shard(_shard_url(out, shard), columns=["prompt_index"])
-        expected = len(shard_keys) * cfg.sampling.n
-        parts = storage.list_files(out.path(shard), suffix=".parquet")
-        got = len(_committed_keys(parts, cfg.sampling.n))
+        prompt_index = read_shard(_shard_url(out, shard), columns=["prompt_index"])["prompt_index"].to_numpy()
+        expected = len(prompt_index) * n
+        got = int(np.isin(prompt_index[:, None] * n + np.arange(n)[None, :], committed).sum())
         rows_total += got
         if got < expected:
             missing_total += expected - got
             examples.append(f"{shard}: {expected - got} of {expected}")
-        for url in parts:
-            files.append({"path": url[len(out.url) + 1:], "bytes": storage.size(url),
-                          "checksum": storage.fingerprint(url)})
+    files = [{"path": url[len(out.url) + 1:], "bytes": storage.size(url), "checksum": storage.fingerprint(url)}
+             for url in parts]
     if missing_total:
         raise StepFailed(
             f"generate output {out.url} is missing {missing_total} (prompt, sample) rows ({'; '.join(examples[:3])}"
@@ -248,7 +255,7 @@ def finish(cfg: Config, out: StepOutput) -> StepResult:
     tokens = sum(m["generated_tokens"] for m in host_metrics)
     wall_s = max((m["wall_s"] for m in host_metrics), default=0.0)
     return StepResult(rows=rows_total, files=files, summary=GenerateSummary(
-        rows=rows_total, parts=len(files), hosts=host_metrics, generated_tokens=tokens, wall_s=wall_s,
+        rows=rows_total, prompts=len(np.unique(committed // n)), parts=len(files), hosts=host_metrics, generated_tokens=tokens, wall_s=wall_s,
         compile_s=max((m["compile_s"] for m in host_metrics), default=0.0), tokens_per_s=_pod_rate(host_metrics),
     ))
 
@@ -373,11 +380,15 @@ class _ShardTodo:
     """The shard's, as tokenize's marker records it: the bytes generated from are checked (`_batches`)."""
 
     @classmethod
-    def read(cls, out: StepOutput, name: str, n: int, sha256: str | None = None) -> "_ShardTodo":
+    def read(cls, out: StepOutput, name: str, n: int, sha256: str | None, shards: int,
+             done_elsewhere: np.ndarray) -> "_ShardTodo":
+        """shards: how many tokenize cut; done_elsewhere: the keys of the parts made from another
+        cut of the prompts (`_cut_of`), read once for every shard."""
         url = _shard_url(out, name)
         table = read_shard(url, columns=["prompt_index", "num_tokens"])
         prompt_index = table["prompt_index"].to_numpy()
-        done = _committed_keys(storage.list_files(out.path(name), suffix=".parquet"), n)
+        own = [u for u in storage.list_files(out.path(name), suffix=".parquet") if _cut_of(u) in (None, shards)]
+        done = np.union1d(_committed_keys(own, n), done_elsewhere)
         every = prompt_index[:, None] * n + np.arange(n)[None, :]
         return cls(name, url, prompt_index, table["num_tokens"].to_numpy(), ~np.isin(every, done), sha256)
 
@@ -461,6 +472,18 @@ def _committed_keys(part_urls: list[str], n: int) -> np.ndarray:
         check_part_keys(t, url)
         keys.append(t["prompt_index"].to_numpy() * n + t["sample_index"].to_numpy())
     return np.unique(np.concatenate(keys))
+
+
+def _parts(out: StepOutput) -> list[str]:
+    """Every part of the step, of every shard folder."""
+    return storage.expand(storage.join(out.url, "shard-*", "part-*.parquet"))
+
+
+def _cut_of(part_url: str) -> int | None:
+    """How many shards tokenize had cut the prompts into when this part was made: its name's
+    `-of<K>` (None for a part named before parts said so: taken to be of the present cut)."""
+    last = part_url.rsplit("/", 1)[-1].removesuffix(".parquet").rsplit("-", 1)[-1]
+    return int(last[2:]) if last.startswith("of") and last[2:].isdigit() else None
 
 
 def _agree_on_todo(out: StepOutput, todo: list[_ShardTodo]) -> None:
@@ -595,9 +618,11 @@ class _PartWriter:
     """Buffers finished rows per shard and commits each buffer as one atomic part; rows of shards
     this host does not own are dropped (global_mesh: their owner writes the same rows)."""
 
-    def __init__(self, out: StepOutput, part_rows: int, owned: set[str], schema: pa.Schema,
+    def __init__(self, out: StepOutput, part_rows: int, owned: set[str], schema: pa.Schema, shards: int,
                  clock: Callable[[], float] = time.monotonic):
         self.out = out
+        self.shards = shards
+        """How many shards tokenize cut (each part's name says it: `_cut_of`)."""
         self.schema = schema
         self.part_rows = part_rows
         self.owned = owned
@@ -634,7 +659,7 @@ class _PartWriter:
             rows.sort(key=lambda r: (r["prompt_index"], r["sample_index"]))
             table = pa.Table.from_pylist(rows, schema=self.schema)
             self.out.check_lease()  # a runner that lost its lease must not add parts
-            storage.write_parquet(self.out.path(shard, f"part-{_stamp()}.parquet"), table)
+            storage.write_parquet(self.out.path(shard, f"part-{_stamp()}-of{self.shards}.parquet"), table)
 
     def flush_all(self) -> None:
         for shard in list(self.rows):

@@ -303,7 +303,8 @@ def _log_metrics(wandb: Any, run: Any, generate: dict[str, Any], finish_reasons:
     for h in hosts:
         run.log({"host": h.get("host", 0), **{f"host/{k}": v for k, v in h.items() if _is_number(v) and k != "host"}})
     totals = {k: v for k, v in generate.items() if _is_number(v)}
-    totals["prompts"] = sum(h.get("prompts", 0) for h in hosts)
+    if "prompts" not in totals:  # a generate marker from before its summary held them: the hosts' count
+        totals["prompts"] = sum(h.get("prompts", 0) for h in hosts)
     totals["samples"] = sum(h.get("samples", 0) for h in hosts)
     run.summary.update({f"generate/{k}": v for k, v in totals.items()})
 

@@ -367,3 +367,39 @@ def test_a_stop_signal_after_the_result_line_leaves_the_exit_code_as_it_was(make
         time.sleep(delay)
         process.send_signal(signal.SIGTERM)
         assert process.finish() == 0, (delay, process.output[-2000:])
+
+
+def test_prompts_cut_into_other_shards_keep_the_rows_already_made(make_config, tmp_path, monkeypatch, stop_when_called):
+    """generate stopped, then tokenize rerun (`--force`) into another number of shards under the
+    same hash, as `run all --force` on a pod of another size does: generate read only the parts of
+    its new shards' folders, so it made most rows again (duplicates merge dropped) and counted the
+    folders' old rows as its rows (1,136 rows and 301 prompts for 600 and 300)."""
+    from pipeline import storage
+    from tests.conftest import generated_rows
+
+    def config(name: str, root: str) -> str:
+        return make_config(name, run={"root": str(tmp_path / root)}, prompts={"num_shards": 2},
+                           engine={"batch_size": 4, "part_rows": 4})
+
+    clean = config("clean.yaml", "clean")
+    assert invoke("run", "all", "--config", clean).exit_code == 0
+    config = config("config.yaml", "runs")
+    assert invoke("run", "tokenize", "--config", config).exit_code == 0
+    stop_when_called(storage, "write_parquet")  # a Ctrl-C as generate commits its first part
+    assert invoke("run", "generate", "--config", config).exit_code == 75
+    monkeypatch.undo()
+    committed = generated_rows(tmp_path / "runs")
+    assert 0 < len(committed) < 24
+    assert invoke("run", "tokenize", "--force", "--config", config, "--set", "prompts.num_shards=3").exit_code == 0
+    result = invoke("run", "all", "--config", config, "--set", "prompts.num_shards=3")
+    assert result.exit_code == 0, result.output
+    assert f": 24/24 samples ({len(committed)} resumed), " in result.stderr
+    assert len(generated_rows(tmp_path / "runs")) == 24  # and none twice
+    steps = status(config)
+    summary = json.load(open(os.path.join(steps["generate"]["output"], "_SUCCESS.json")))["summary"]
+    assert (summary["rows"], summary["prompts"]) == (24, 12)
+    merged = json.load(open(os.path.join(steps["merge"]["output"], "_SUCCESS.json")))["summary"]
+    assert merged["duplicates_dropped"] == 0
+    (expected,) = glob.glob(f"{tmp_path}/clean/merge-*/merged-00000.parquet")
+    assert (pq.read_table(os.path.join(steps["merge"]["output"], "merged-00000.parquet")).to_pylist()
+            == pq.read_table(expected).to_pylist())

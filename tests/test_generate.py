@@ -375,7 +375,7 @@ def test_a_shards_last_rows_are_committed_within_the_part_age_while_other_shards
 
     now = [0.0]
     out = StepOutput("generate", "0" * 64, storage.join(str(tmp_path), "generate-0"))
-    writer = _PartWriter(out, part_rows=100, owned={"shard-00000", "shard-00001"}, schema=SCHEMA,
+    writer = _PartWriter(out, part_rows=100, owned={"shard-00000", "shard-00001"}, schema=SCHEMA, shards=2,
                          clock=lambda: now[0])
 
     def row(prompt_index: int) -> dict:
