@@ -403,3 +403,36 @@ def test_prompts_cut_into_other_shards_keep_the_rows_already_made(make_config, t
     (expected,) = glob.glob(f"{tmp_path}/clean/merge-*/merged-00000.parquet")
     assert (pq.read_table(os.path.join(steps["merge"]["output"], "merged-00000.parquet")).to_pylist()
             == pq.read_table(expected).to_pylist())
+
+
+def test_a_finished_result_stays_reachable_after_its_prompts_and_model_are_deleted(make_config, tmp_path, demo_model):
+    """Prompt files and a checkpoint cleaned up after a finished run gave every step another hash:
+    `status` said `result: none yet`, `show` exited 1 and `run upload` (the README's fix for W&B
+    being unreachable) could not run. The output made from them, when they were there under the
+    same path, now stands in; a step that must read them still says they are gone."""
+    import shutil
+
+    model = shutil.copytree(demo_model, tmp_path / "model")
+    config = make_config(model={"path": str(model)})
+    prompts = tmp_path / "prompts.jsonl"
+    assert invoke("run", "all", "--config", config).exit_code == 0
+    before = status(config)
+    prompts.unlink()
+    shutil.rmtree(model)
+
+    after = status(config)
+    assert {name: (s["hash"], s["state"]) for name, s in after.items()} == {
+        name: (s["hash"], "complete") for name, s in before.items()}
+    text = invoke("status", "--config", config).output
+    assert f"made from prompts.path {prompts}, which matches no files and model.path {model}, which holds no files now" in text
+    assert "result: " + os.path.join(before["merge"]["output"], "merged-00000.parquet") in text
+    assert invoke("show", "--config", config).exit_code == 0
+    result = invoke("run", "upload", "--force", "--config", config)
+    assert result.exit_code == 0, result.output
+    assert "[upload] complete: 24 rows" in result.stderr
+
+    # Only by the same path: a typo in model.path is not taken for the model that was deleted.
+    typo = invoke("status", "--config", config, "--set", f"model.path={model}-typo", "--json")
+    assert [s["state"] for s in json.loads(typo.output)["steps"]] == ["missing"] * 4
+    forced = invoke("run", "tokenize", "--force", "--config", config)
+    assert forced.exit_code == 2 and f"error: prompts.path {prompts} matched no files" in forced.stderr

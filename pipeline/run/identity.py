@@ -68,6 +68,9 @@ CONTENT_INPUTS: dict[str, tuple[str, ...]] = {
 }
 """Input files whose content (not location) changes each step's output."""
 
+INPUT_KEYS = {"prompts": "prompts.path", "tokenizer": "model.path", "model": "model.path"}
+"""The config key naming each CONTENT_INPUTS kind's files."""
+
 RECHECKED = ("prompts", "tokenizer")
 """Inputs read again before a step is marked complete (`changed_input`): prompt files are edited
 and appended to while runs go on; a model's weights are gigabytes to read again, and are not."""
@@ -97,7 +100,7 @@ def what_changed(step: str, version: str, cfg: Config, content: dict[str, Any], 
     if record.version != version:
         changes.append(f"the {step} step's code changed (version {record.version}, now {version})")
     for key in (*SEMANTIC_KEYS[step], *ADDED_KEYS.get(step, {})):
-        then, now = _at(record.config, key, ADDED_KEYS.get(step, {}).get(key)), cfg.get(key)
+        then, now = at(record.config, key, ADDED_KEYS.get(step, {}).get(key)), cfg.get(key)
         if canonical_json(then) != canonical_json(now):
             changes.append(f"{key} changed from {canonical_json(then)} to {canonical_json(now)}")
     for kind in CONTENT_INPUTS[step]:
@@ -109,7 +112,14 @@ def what_changed(step: str, version: str, cfg: Config, content: dict[str, Any], 
     return "; ".join(changes[:3]) + ("; ..." if len(changes) > 3 else "") if changes else None
 
 
-def _at(tree: dict[str, Any], key: str, default: Any) -> Any:
+def describe_gone(cfg: Config, kinds: list[str]) -> str:
+    """Inputs whose files are gone (`content_fingerprints` found none), in words."""
+    prompts = f"prompts.path {cfg.prompts.path}, which matches no files" if "prompts" in kinds else None
+    model = f"model.path {cfg.model.path}, which holds no files" if {"model", "tokenizer"} & set(kinds) else None
+    return " and ".join(what for what in (prompts, model) if what)
+
+
+def at(tree: dict[str, Any], key: str, default: Any) -> Any:
     for part in key.split("."):
         if not isinstance(tree, dict) or part not in tree:
             return default
@@ -127,6 +137,8 @@ def _changed_files(cfg: Config, kind: str, then: Any, now: Any, urls: list[str] 
             return f"prompts.path {cfg.prompts.path} matched {len(then)} file(s) {when} and {len(now)} now"
         changed = [url for url, a, b in zip(urls or [], now, then) if a != b]
         return f"prompts file {changed[0]} changed" if changed else None
+    if not now:
+        return f"model.path {cfg.model.path} holds no files now"
     names = sorted(name for name in set(then) | set(now) if then.get(name) != now.get(name))
     what = "the tokenizer file" if kind == "tokenizer" else "model file"
     if not names:
@@ -165,7 +177,7 @@ def semantic_values(step: str, cfg: Config) -> dict[str, Any]:
 
 def content_fingerprints(step: str, cfg: Config) -> dict[str, Any]:
     """Checksums of the input files a step reads, keyed by name relative to their input."""
-    return {kind: _read(cfg, "prompts.path" if kind == "prompts" else "model.path", lambda: _FINGERPRINTERS[kind](cfg))
+    return {kind: _read(cfg, INPUT_KEYS[kind], lambda: _FINGERPRINTERS[kind](cfg))
             for kind in CONTENT_INPUTS[step]}
 
 

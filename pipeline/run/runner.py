@@ -53,6 +53,9 @@ class PlannedStep:
     """Where there is no output for the hash: what changed since the step's output made last."""
     running: str | None = None
     """Who holds the lease on the step's output now (`Holder.describe`), where it is not complete."""
+    made_from: str | None = None
+    """Where the output is complete but an input it was made from is gone now (`_made_from_gone`):
+    that input, in words."""
 
     @property
     def name(self) -> str:
@@ -72,17 +75,21 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
     by_name: dict[str, PlannedStep] = {}
     for step in in_order(graph):
         content = identity.content_fingerprints(step.name, cfg)
-        step_hash = identity.step_hash(
-            step.name, step.version,
-            semantic=identity.semantic_values(step.name, cfg),
-            content=content,
-            upstream={s.name: by_name[s.name].hash for s in step.inputs},
-        )
+        semantic = identity.semantic_values(step.name, cfg)
+        upstream = {s.name: by_name[s.name].hash for s in step.inputs}
+        gone = [kind for kind, fingerprints in content.items() if not fingerprints]
+        made_from_gone = _made_from_gone(cfg, step, content, semantic, upstream) if gone else None
+        if made_from_gone is not None:
+            content = made_from_gone.content
+        step_hash = identity.step_hash(step.name, step.version, semantic, content, upstream)
         url = storage.step_url(cfg.run.root, step.name, step_hash)
         state, record, damaged = status.inspect(url)
         rows = record.rows if record else None
-        since = _since_last(cfg, step, content, {s.name: by_name[s.name].hash for s in step.inputs}) if state == "missing" else None
+        since = _since_last(cfg, step, content, upstream) if state == "missing" else None
         action, reason = _decide(step, state, rows, step.name in targets, force, by_name, again, since)
+        made_from = f"made from {identity.describe_gone(cfg, gone)} now" if made_from_gone and state == "complete" else None
+        if made_from:
+            reason += f"; {made_from}"
         redo = step.redo(cfg, record, url) if action == "skip" and state == "complete" and step.redo else None
         if redo:
             action, reason = "run", redo
@@ -92,10 +99,27 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
         running = holder.describe() if holder is not None else None
         if running and action == "run":  # the run waits for it (or, with --no-wait, exits 75)
             reason = f"being run by {running}: wait for it ({reason})"
-        planned = PlannedStep(step, step_hash, url, state, rows, action, reason, damaged, record, content, since, running)
+        planned = PlannedStep(step, step_hash, url, state, rows, action, reason, damaged, record, content, since, running,
+                              made_from)
         plan.append(planned)
         by_name[step.name] = planned
     return plan
+
+
+def _made_from_gone(cfg: Config, step: Step, content: dict[str, Any], semantic: dict[str, Any],
+                    upstream: dict[str, str]) -> status.StepRecord | None:
+    """Where an input of `step` is gone (prompt files deleted, a model folder moved), the record of
+    its complete output made from that input while it was there, with everything else as now (the
+    newest such), or None. Its hash stands in, so a finished result stays reachable (`show`,
+    `run upload`) after its inputs are cleaned up; a step that must read the input still fails."""
+    # Named by the same path then, or a typo in model.path would find another model's rows.
+    paths = {identity.INPUT_KEYS[kind] for kind, value in content.items() if not value}
+    for _, record in status.complete_outputs(cfg.run.root, step.name):
+        if all(identity.at(record.config, key, None) == cfg.get(key) for key in paths) and \
+                all(record.content.get(kind) == value for kind, value in content.items() if value) and \
+                identity.step_hash(step.name, step.version, semantic, record.content, upstream) == record.hash:
+            return record
+    return None
 
 
 def _since_last(cfg: Config, step: Step, content: dict[str, Any], upstream: dict[str, str]) -> str | None:

@@ -16,7 +16,7 @@ import dataclasses
 import importlib.metadata
 import platform
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 from pipeline import storage
 
@@ -114,18 +114,26 @@ def inspect(out_url: str) -> tuple[State, StepRecord | None, str | None]:
 def latest_complete(root: str, step: str) -> tuple[str, StepRecord] | None:
     """The output of `step` under `root` that was finished last, with its record, whatever its hash;
     None where there is none (or the root cannot be listed: this only explains, never decides)."""
+    return next(complete_outputs(root, step), None)
+
+
+def complete_outputs(root: str, step: str) -> Iterator[tuple[str, StepRecord]]:
+    """The complete outputs of `step` under `root`, whatever their hash, with their records, the
+    one finished last first; none where the root cannot be listed."""
     try:
         fs, path = storage.filesystem(root)
         markers = fs.glob(f"{path.rstrip('/')}/{step}-*/{MARKER}", detail=True)
-        # Newest first by the listing's time (local mtime, GCS updated), so that one marker is read.
-        newest = sorted(markers, key=lambda m: markers[m].get("mtime") or markers[m].get("updated") or 0, reverse=True)
-        for marker in newest:
-            out_url = storage.join(root, marker.rstrip("/").split("/")[-2])
-            if (record := read_marker(out_url)) is not None:
-                return out_url, record
     except Exception:  # noqa: BLE001 - a hint lost, not a run
-        pass
-    return None
+        return
+    # Newest first by the listing's time (local mtime, GCS updated): a marker is read only when asked for.
+    for marker in sorted(markers, key=lambda m: markers[m].get("mtime") or markers[m].get("updated") or 0, reverse=True):
+        out_url = storage.join(root, marker.rstrip("/").split("/")[-2])
+        try:
+            record = read_marker(out_url)
+        except Exception:  # noqa: BLE001 - as above
+            continue
+        if record is not None:
+            yield out_url, record
 
 
 def output_state(out_url: str) -> State:

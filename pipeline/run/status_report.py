@@ -53,7 +53,7 @@ def _why(p: Any, progress: str | None = None, failed: str | None = None) -> str:
     if p.state == "complete" and p.action == "run":  # the step asks for it again (`Step.redo`)
         return f"{p.reason}: the next `run all` runs it"
     if p.state == "complete":
-        return "complete: `run all` skips it (--force reruns it)"
+        return "complete: `run all` skips it (--force reruns it)" + (f"; {p.made_from}" if p.made_from else "")
     if p.action == "blocked":
         return p.reason
     if p.state == "partial":
