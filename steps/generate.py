@@ -7,7 +7,8 @@ made from. On start a host reads which (prompt_index, sample_index) pairs its sh
 committed and asks the engine only for the missing ones, so a rerun with another host count
 resumes the same output. A tokenize rerun (`--force`) that cut the same prompts into another
 number of shards leaves parts of K shards beside the new ones: every host reads those parts'
-pairs as well, so rows already made are kept, not made again. A part is one
+pairs as well (and those of parts named before they said their K), so rows already made are
+kept, not made again. A part is one
 atomic write of at most `engine.part_rows` rows (or 60 s of work, or fewer rows when the
 buffered rows hold many list entries: BUFFER_MAX_VALUES): a hard kill loses at most
 the rows not yet committed; SIGTERM stops taking new work, commits what finished, exits 75.
@@ -159,9 +160,8 @@ def generate(cfg: Config, out: StepOutput) -> None:
     shards = every if lockstep else mine
     if not lockstep and hosts.is_leader():
         _say_idle_hosts(len(every), hosts.process_count())
-    other_cut = [url for url in _parts(out) if _cut_of(url) not in (None, len(every))]
-    done_elsewhere = _committed_keys(other_cut, cfg.sampling.n)
-    todo = [_ShardTodo.read(out, name, cfg.sampling.n, sha256[name], len(every), done_elsewhere) for name in shards]
+    made = _Made.read(out, len(every), cfg.sampling.n)
+    todo = [_ShardTodo.read(out, name, cfg.sampling.n, sha256[name], made) for name in shards]
     if lockstep:
         _agree_on_todo(out, todo)
     n_missing = sum(t.missing for t in todo)
@@ -234,19 +234,18 @@ def _write_metrics(out: StepOutput, metrics: HostMetrics) -> None:
 def finish(cfg: Config, out: StepOutput) -> StepResult:
     """Leader: check every shard holds every (prompt, sample); sum per-host metrics."""
     n = cfg.sampling.n
-    parts = _parts(out)  # every part, those of another cut of the prompts (`_cut_of`) too
-    committed = _committed_keys(parts, n)
-    missing_total, rows_total, examples = 0, 0, []
-    for shard in _shard_names(out):  # names, in order
-        prompt_index = read_shard(_shard_url(out, shard), columns=["prompt_index"])["prompt_index"].to_numpy()
-        expected = len(prompt_index) * n
-        got = int(np.isin(prompt_index[:, None] * n + np.arange(n)[None, :], committed).sum())
-        rows_total += got
+    names = list(_shard_names(out))  # in order
+    made = _Made.read(out, len(names), n)
+    missing_total, rows_total, prompts, examples = 0, 0, 0, []
+    for shard in names:
+        done = made.done(shard, read_shard(_shard_url(out, shard), columns=["prompt_index"])["prompt_index"].to_numpy())
+        got, expected = int(done.sum()), done.size
+        rows_total, prompts = rows_total + got, prompts + int(done.any(axis=1).sum())
         if got < expected:
             missing_total += expected - got
             examples.append(f"{shard}: {expected - got} of {expected}")
     files = [{"path": url[len(out.url) + 1:], "bytes": storage.size(url), "checksum": storage.fingerprint(url)}
-             for url in parts]
+             for url in made.parts]  # every part: merge reads those of another cut too
     if missing_total:
         raise StepFailed(
             f"generate output {out.url} is missing {missing_total} (prompt, sample) rows ({'; '.join(examples[:3])}"
@@ -255,7 +254,7 @@ def finish(cfg: Config, out: StepOutput) -> StepResult:
     tokens = sum(m["generated_tokens"] for m in host_metrics)
     wall_s = max((m["wall_s"] for m in host_metrics), default=0.0)
     return StepResult(rows=rows_total, files=files, summary=GenerateSummary(
-        rows=rows_total, prompts=len(np.unique(committed // n)), parts=len(files), hosts=host_metrics, generated_tokens=tokens, wall_s=wall_s,
+        rows=rows_total, prompts=prompts, parts=len(files), hosts=host_metrics, generated_tokens=tokens, wall_s=wall_s,
         compile_s=max((m["compile_s"] for m in host_metrics), default=0.0), tokens_per_s=_pod_rate(host_metrics),
     ))
 
@@ -380,17 +379,11 @@ class _ShardTodo:
     """The shard's, as tokenize's marker records it: the bytes generated from are checked (`_batches`)."""
 
     @classmethod
-    def read(cls, out: StepOutput, name: str, n: int, sha256: str | None, shards: int,
-             done_elsewhere: np.ndarray) -> "_ShardTodo":
-        """shards: how many tokenize cut; done_elsewhere: the keys of the parts made from another
-        cut of the prompts (`_cut_of`), read once for every shard."""
+    def read(cls, out: StepOutput, name: str, n: int, sha256: str | None, made: "_Made") -> "_ShardTodo":
         url = _shard_url(out, name)
         table = read_shard(url, columns=["prompt_index", "num_tokens"])
         prompt_index = table["prompt_index"].to_numpy()
-        own = [u for u in storage.list_files(out.path(name), suffix=".parquet") if _cut_of(u) in (None, shards)]
-        done = np.union1d(_committed_keys(own, n), done_elsewhere)
-        every = prompt_index[:, None] * n + np.arange(n)[None, :]
-        return cls(name, url, prompt_index, table["num_tokens"].to_numpy(), ~np.isin(every, done), sha256)
+        return cls(name, url, prompt_index, table["num_tokens"].to_numpy(), ~made.done(name, prompt_index), sha256)
 
     @property
     def missing(self) -> int:
@@ -474,14 +467,39 @@ def _committed_keys(part_urls: list[str], n: int) -> np.ndarray:
     return np.unique(np.concatenate(keys))
 
 
-def _parts(out: StepOutput) -> list[str]:
-    """Every part of the step, of every shard folder."""
-    return storage.expand(storage.join(out.url, "shard-*", "part-*.parquet"))
+@dataclass(frozen=True)
+class _Made:
+    """The rows committed so far, from one listing of every part: a shard folder's parts made from
+    the present cut of the prompts are read shard by shard (`done`); the others, made from another
+    cut (a tokenize `--force` into another number of shards) or named before parts said theirs
+    (`_cut_of`), can hold any shard's rows, and their keys are read once."""
+
+    n: int
+    own: dict[str, list[str]]
+    """Shard name -> its parts of the present cut."""
+    elsewhere: np.ndarray
+    """prompt_index * n + sample_index of every row of the other parts."""
+    parts: list[str]
+
+    @classmethod
+    def read(cls, out: StepOutput, shards: int, n: int) -> "_Made":
+        parts = storage.expand(storage.join(out.url, "shard-*", "part-*.parquet"))
+        own: dict[str, list[str]] = defaultdict(list)
+        for url in parts:
+            if _cut_of(url) == shards:
+                own[url.rsplit("/", 2)[-2]].append(url)
+        present = {url for urls in own.values() for url in urls}
+        return cls(n, dict(own), _committed_keys([url for url in parts if url not in present], n), parts)
+
+    def done(self, shard: str, prompt_index: np.ndarray) -> np.ndarray:
+        """[rows, n] bool: which samples of the shard's prompts are committed."""
+        every = prompt_index[:, None] * self.n + np.arange(self.n)[None, :]
+        return np.isin(every, _committed_keys(self.own.get(shard, []), self.n)) | np.isin(every, self.elsewhere)
 
 
 def _cut_of(part_url: str) -> int | None:
     """How many shards tokenize had cut the prompts into when this part was made: its name's
-    `-of<K>` (None for a part named before parts said so: taken to be of the present cut)."""
+    `-of<K>`; None for a part named before parts said so."""
     last = part_url.rsplit("/", 1)[-1].removesuffix(".parquet").rsplit("-", 1)[-1]
     return int(last[2:]) if last.startswith("of") and last[2:].isdigit() else None
 

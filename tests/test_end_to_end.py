@@ -369,11 +369,14 @@ def test_a_stop_signal_after_the_result_line_leaves_the_exit_code_as_it_was(make
         assert process.finish() == 0, (delay, process.output[-2000:])
 
 
-def test_prompts_cut_into_other_shards_keep_the_rows_already_made(make_config, tmp_path, monkeypatch, stop_when_called):
+@pytest.mark.parametrize("named_before", [False, True])
+def test_prompts_cut_into_other_shards_keep_the_rows_already_made(make_config, tmp_path, monkeypatch, stop_when_called,
+                                                                   named_before):
     """generate stopped, then tokenize rerun (`--force`) into another number of shards under the
     same hash, as `run all --force` on a pod of another size does: generate read only the parts of
     its new shards' folders, so it made most rows again (duplicates merge dropped) and counted the
-    folders' old rows as its rows (1,136 rows and 301 prompts for 600 and 300)."""
+    folders' old rows as its rows (1,136 rows and 301 prompts for 600 and 300). named_before: the
+    parts were named before they said how many shards they were made from."""
     from pipeline import storage
     from tests.conftest import generated_rows
 
@@ -389,6 +392,11 @@ def test_prompts_cut_into_other_shards_keep_the_rows_already_made(make_config, t
     assert invoke("run", "generate", "--config", config).exit_code == 75
     monkeypatch.undo()
     committed = generated_rows(tmp_path / "runs")
+    if named_before:
+        parts = glob.glob(f"{tmp_path}/runs/generate-*/shard-*/part-*-of2.parquet")
+        assert parts
+        for part in parts:
+            os.rename(part, part.replace("-of2.parquet", ".parquet"))
     assert 0 < len(committed) < 24
     assert invoke("run", "tokenize", "--force", "--config", config, "--set", "prompts.num_shards=3").exit_code == 0
     result = invoke("run", "all", "--config", config, "--set", "prompts.num_shards=3")
@@ -412,6 +420,8 @@ def test_a_finished_result_stays_reachable_after_its_prompts_and_model_are_delet
     same path, now stands in; a step that must read them still says they are gone."""
     import shutil
 
+    from tests.conftest import write_prompts
+
     model = shutil.copytree(demo_model, tmp_path / "model")
     config = make_config(model={"path": str(model)})
     prompts = tmp_path / "prompts.jsonl"
@@ -424,7 +434,9 @@ def test_a_finished_result_stays_reachable_after_its_prompts_and_model_are_delet
     assert {name: (s["hash"], s["state"]) for name, s in after.items()} == {
         name: (s["hash"], "complete") for name, s in before.items()}
     text = invoke("status", "--config", config).output
-    assert f"made from prompts.path {prompts}, which matches no files and model.path {model}, which holds no files now" in text
+    assert (f"made from prompts.path {prompts}, which matches no files and the tokenizer files of model.path {model}, "
+            f"which holds none now") in text  # tokenize's
+    assert f"made from model.path {model}, which holds no files now" in text  # generate's
     assert "result: " + os.path.join(before["merge"]["output"], "merged-00000.parquet") in text
     assert invoke("show", "--config", config).exit_code == 0
     result = invoke("run", "upload", "--force", "--config", config)
@@ -436,3 +448,10 @@ def test_a_finished_result_stays_reachable_after_its_prompts_and_model_are_delet
     assert [s["state"] for s in json.loads(typo.output)["steps"]] == ["missing"] * 4
     forced = invoke("run", "tokenize", "--force", "--config", config)
     assert forced.exit_code == 2 and f"error: prompts.path {prompts} matched no files" in forced.stderr
+
+    # Two outputs made from other files at that path: which one the config means is unknown.
+    shutil.copytree(demo_model, model)
+    write_prompts(prompts, ["Another prompt."])
+    assert invoke("run", "tokenize", "--config", config).exit_code == 0
+    prompts.unlink()
+    assert status(config)["tokenize"]["state"] == "missing"

@@ -114,9 +114,10 @@ def what_changed(step: str, version: str, cfg: Config, content: dict[str, Any], 
 
 def describe_gone(cfg: Config, kinds: list[str]) -> str:
     """Inputs whose files are gone (`content_fingerprints` found none), in words."""
-    prompts = f"prompts.path {cfg.prompts.path}, which matches no files" if "prompts" in kinds else None
-    model = f"model.path {cfg.model.path}, which holds no files" if {"model", "tokenizer"} & set(kinds) else None
-    return " and ".join(what for what in (prompts, model) if what)
+    said = {"prompts": f"prompts.path {cfg.prompts.path}, which matches no files",
+            "tokenizer": f"the tokenizer files of model.path {cfg.model.path}, which holds none",
+            "model": f"model.path {cfg.model.path}, which holds no files"}
+    return " and ".join(said[kind] for kind in kinds)
 
 
 def at(tree: dict[str, Any], key: str, default: Any) -> Any:
@@ -138,7 +139,7 @@ def _changed_files(cfg: Config, kind: str, then: Any, now: Any, urls: list[str] 
         changed = [url for url, a, b in zip(urls or [], now, then) if a != b]
         return f"prompts file {changed[0]} changed" if changed else None
     if not now:
-        return f"model.path {cfg.model.path} holds no files now"
+        return f"model.path {cfg.model.path} holds no {'tokenizer ' if kind == 'tokenizer' else ''}files now"
     names = sorted(name for name in set(then) | set(now) if then.get(name) != now.get(name))
     what = "the tokenizer file" if kind == "tokenizer" else "model file"
     if not names:

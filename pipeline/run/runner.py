@@ -109,17 +109,17 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
 def _made_from_gone(cfg: Config, step: Step, content: dict[str, Any], semantic: dict[str, Any],
                     upstream: dict[str, str]) -> status.StepRecord | None:
     """Where an input of `step` is gone (prompt files deleted, a model folder moved), the record of
-    its complete output made from that input while it was there, with everything else as now (the
-    newest such), or None. Its hash stands in, so a finished result stays reachable (`show`,
-    `run upload`) after its inputs are cleaned up; a step that must read the input still fails."""
+    its complete output made from that input while it was there, with everything else as now, or
+    None. Its hash stands in, so a finished result stays reachable (`show`, `run upload`) after its
+    inputs are cleaned up; a step that must read the input still fails. Only where one output
+    matches: of two made from other files at that path, which one the config means is unknown."""
     # Named by the same path then, or a typo in model.path would find another model's rows.
     paths = {identity.INPUT_KEYS[kind] for kind, value in content.items() if not value}
-    for _, record in status.complete_outputs(cfg.run.root, step.name):
-        if all(identity.at(record.config, key, None) == cfg.get(key) for key in paths) and \
-                all(record.content.get(kind) == value for kind, value in content.items() if value) and \
-                identity.step_hash(step.name, step.version, semantic, record.content, upstream) == record.hash:
-            return record
-    return None
+    matching = {record.hash: record for _, record in status.complete_outputs(cfg.run.root, step.name)
+                if all(identity.at(record.config, key, None) == cfg.get(key) for key in paths)
+                and all(record.content.get(kind) == value for kind, value in content.items() if value)
+                and identity.step_hash(step.name, step.version, semantic, record.content, upstream) == record.hash}
+    return next(iter(matching.values())) if len(matching) == 1 else None
 
 
 def _since_last(cfg: Config, step: Step, content: dict[str, Any], upstream: dict[str, str]) -> str | None:

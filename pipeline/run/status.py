@@ -123,10 +123,13 @@ def complete_outputs(root: str, step: str) -> Iterator[tuple[str, StepRecord]]:
     try:
         fs, path = storage.filesystem(root)
         markers = fs.glob(f"{path.rstrip('/')}/{step}-*/{MARKER}", detail=True)
+        # Newest first by the listing's time (local mtime, GCS updated: an ISO string), compared as
+        # text so that an entry with neither sorts last, not raises; a marker is read only when asked for.
+        newest = sorted(markers, key=lambda m: str(markers[m].get("mtime") or markers[m].get("updated") or ""),
+                        reverse=True)
     except Exception:  # noqa: BLE001 - a hint lost, not a run
         return
-    # Newest first by the listing's time (local mtime, GCS updated): a marker is read only when asked for.
-    for marker in sorted(markers, key=lambda m: markers[m].get("mtime") or markers[m].get("updated") or 0, reverse=True):
+    for marker in newest:
         out_url = storage.join(root, marker.rstrip("/").split("/")[-2])
         try:
             record = read_marker(out_url)
