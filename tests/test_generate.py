@@ -110,6 +110,11 @@ def test_a_pod_with_its_run_root_in_a_bucket_makes_the_same_rows(make_config, tm
                                                      r["num_prompt_tokens"]) for r in rows} == reference
     metrics = [storage.read_json(url) for url in storage.expand(f"{root}/generate-*/metrics/host-*.json")]
     assert sorted(m["host"] for m in metrics if m["samples"]) == [0, 1]  # both hosts generated rows
+    # Its prompts deleted since, the result is still found from the bucket's markers.
+    os.remove(many_prompts)
+    steps = json.loads(pipeline("status", "--config", config, "--json").stdout)["steps"]
+    assert [s["state"] for s in steps] == ["complete"] * 4
+    assert "which matches no files now" in steps[0]["why"]
 
 
 PARTS = "generate-*/shard-*/part-*.parquet"
