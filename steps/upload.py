@@ -92,9 +92,20 @@ class UploadSummary:
 
 def redo(cfg: Config, record: status.StepRecord, url: str) -> str | None:
     """A result uploaded with `wandb.mode: disabled` logged nothing: with W&B on, it is uploaded
-    (the mode is in no hash: online and offline make the same run)."""
+    (the mode is in no hash: online and offline make the same run). One logged to its W&B run
+    before another upload of the same result did (other `wandb.table_max_rows`, the same run) is
+    logged again, or the run's latest table and artifact would stay that other upload's."""
     if record.summary.get("mode") == "disabled" and cfg.wandb.mode != "disabled":
         return f"complete, but with wandb.mode disabled (nothing was logged): log it, {cfg.wandb.mode}"
+    run = {key: record.summary.get(key) for key in ("run_id", "project", "entity")}
+    folder = url.rstrip("/").rsplit("/", 1)[-1]
+    for other_url, other in status.complete_outputs(cfg.run.root, "upload"):  # the one finished last first
+        other_folder = other_url.rstrip("/").rsplit("/", 1)[-1]
+        if other_folder == folder or run["run_id"] is None:
+            return None
+        if {key: other.summary.get(key) for key in run} == run:
+            return (f"complete, but {other_folder} logged to the same W&B run ({run['run_id']}) since: log this "
+                    f"result again, so that the run's latest table and artifact are this config's")
     return None
 
 

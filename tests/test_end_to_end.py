@@ -455,3 +455,18 @@ def test_a_finished_result_stays_reachable_after_its_prompts_and_model_are_delet
     assert invoke("run", "tokenize", "--config", config).exit_code == 0
     prompts.unlink()
     assert status(config)["tokenize"]["state"] == "missing"
+
+
+def test_an_upload_of_the_same_w_and_b_run_since_makes_a_switch_back_log_again(make_config):
+    """`wandb.table_max_rows` 5, then back to the default: the same result's W&B run had the 5-row
+    table logged last, yet the default's upload was complete and skipped, so the run's latest table
+    and artifact stayed the other config's."""
+    config = make_config()
+    assert invoke("run", "all", "--config", config).exit_code == 0
+    assert invoke("run", "upload", "--config", config, "--set", "wandb.table_max_rows=5").exit_code == 0
+    steps = status(config)
+    assert steps["upload"]["state"] == "complete" and "logged to the same W&B run" in steps["upload"]["why"]
+    again = invoke("run", "all", "--config", config)
+    assert again.exit_code == 0
+    assert "[upload] complete: 24 rows" in again.stderr and "table_rows=24" in again.stderr
+    assert "[upload]" not in invoke("run", "all", "--config", config).stderr  # now the last: skipped
