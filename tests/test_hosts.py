@@ -77,7 +77,7 @@ def test_launch_on_a_port_in_use_is_a_usage_error_before_any_host_starts(make_co
         busy.listen()
         port = busy.getsockname()[1]
         result = pipeline("launch", "--hosts", "2", "--port", str(port), "--", "preflight", "--config", make_config(),
-                          timeout=60)
+                          timeout=240)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: launch: --port {port} is not free on 127.0.0.1")
     assert "[host " not in result.stdout + result.stderr
@@ -241,3 +241,34 @@ def test_what_a_hosts_parent_says_of_a_child_ended_by_a_signal():
     assert _ended_by(signal.SIGUSR1, pod) == ("host 1: stopped by SIGTERM as it started", 75)
     assert _ended_by(signal.SIGKILL, pod) == ("host 1: it was ended by SIGKILL", 75)
     assert _ended_by(40, {}) == ("this host: it was ended by signal 40", 75)  # a real-time signal: no name
+
+
+BLIND_LEADER = """
+import os
+
+if os.environ.get("PIPELINE_PROCESS_ID") == "0":  # its listing of the steps' markers finds none
+    import pipeline.run.status as status
+
+    status.complete_outputs = lambda root, step: iter(())
+"""
+
+
+def test_a_host_whose_look_at_the_storage_differs_does_what_the_leaders_plan_does(make_config, tmp_path):
+    """The leader's listing of the upload markers failed (here: found none), so its plan skipped
+    the upload that host 1's plan ran again (`Step.redo`): host 1 waited for the leader in the
+    step while the leader waited for it at the end, and the pod hung. Every host now does what
+    the leader's plan does."""
+    from tests.conftest import _sitecustomize
+
+    config = make_config(sampling={"max_new_tokens": 4})
+    assert pipeline("run", "all", "--config", config).returncode == 0
+    assert pipeline("run", "upload", "--config", config, "--set", "wandb.table_max_rows=5").returncode == 0
+    hook = _sitecustomize(tmp_path / "blind-hook", BLIND_LEADER)
+    result = pipeline("launch", "--hosts", "2", "--", "run", "all", "--config", config, env={"PYTHONPATH": hook},
+                      timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[upload]" not in result.stderr and "[host 0] result: " in result.stderr  # as the leader planned
+    # Without the hook both hosts see the later upload: the default's is logged again.
+    result = pipeline("launch", "--hosts", "2", "--", "run", "all", "--config", config, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[host 0] [upload] complete: 24 rows" in result.stderr and "table_rows=24" in result.stderr

@@ -242,6 +242,7 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
     plan = make_plan(cfg, graph, targets, force, again)
     hosts.agree("plan", {"run.root": storage.normalize(cfg.run.root), **{p.name: p.hash for p in plan}},
                 "the plan (run root and step hashes)")
+    plan = _leaders_actions(plan)
     if hosts.is_leader():
         everything = set(targets) == {p.name for p in plan}
         command = f"pipeline run {'all' if everything else ' '.join(targets)}"
@@ -280,6 +281,16 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
                 f"nothing was stopped")
         _say_result(by_name, say)
     return plan
+
+
+def _leaders_actions(plan: list[PlannedStep]) -> list[PlannedStep]:
+    """On a pod, what the leader's plan does with each step, on every host. A host's own look at the
+    storage, a moment apart from the leader's, can differ (a step another runner finished meanwhile,
+    a listing that failed for a `Step.redo`): a host that skipped a step the leader runs went on to
+    the end, while the leader waited for it in the step, and the pod hung."""
+    leaders = hosts.on_leader("plan/actions", lambda: {p.name: [p.action, p.reason] for p in plan},
+                              "the leader's plan")
+    return [dataclasses.replace(p, action=leaders[p.name][0], reason=leaders[p.name][1]) for p in plan]
 
 
 def _say_result(by_name: dict[str, PlannedStep], say: Callable[[str], None]) -> None:
