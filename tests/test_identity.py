@@ -185,3 +185,24 @@ def test_a_large_local_file_is_read_for_its_fingerprint_once_until_it_changes(tm
     (tmp_path / "cache").rename(tmp_path / "elsewhere")
     (tmp_path / "cache").write_text("a file where the cache folder would be")
     assert storage.fingerprint(str(weights)) == f"md5:{hashlib.md5(changed).hexdigest()}:{len(changed)}"
+
+
+def test_prompt_files_renamed_into_another_order_are_said_to_be(base, tmp_path):
+    """A rename that changes the files' order renumbers the prompts (a rerun is right), but was
+    reported as `prompts file .../0b.jsonl changed`: neither file had."""
+    from pipeline.run.identity import what_changed
+    from pipeline.run.status import StepRecord
+
+    folder = tmp_path / "pdir"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"prompt": "first"}\n')
+    (folder / "b.jsonl").write_text('{"prompt": "second"}\n')
+    cfg = build_config({**base, "prompts": {"path": str(folder)}})
+    before = make_plan(cfg, PIPELINE)[0]
+    (folder / "b.jsonl").rename(folder / "0b.jsonl")
+    after = make_plan(cfg, PIPELINE)[0]
+    assert after.hash != before.hash
+    record = StepRecord(step="tokenize", hash=before.hash, version=before.step.version, files=[], summary={}, rows=2,
+                        started_at="", finished_at="", wall_s=0.0, config=cfg.to_dict(), upstream={}, content=before.content)
+    assert what_changed("tokenize", before.step.version, cfg, after.content, {}, record) == (
+        f"the files prompts.path {folder} matches are the same but in another order (by name: it numbers the prompts)")

@@ -136,6 +136,9 @@ def _changed_files(cfg: Config, kind: str, then: Any, now: Any, urls: list[str] 
     if kind == "prompts":
         if len(then) != len(now):
             return f"prompts.path {cfg.prompts.path} matched {len(then)} file(s) {when} and {len(now)} now"
+        if sorted(then) == sorted(now) and then != now:
+            return (f"the files prompts.path {cfg.prompts.path} matches are the same but in another order (by "
+                    f"name: it numbers the prompts)")
         changed = [url for url, a, b in zip(urls or [], now, then) if a != b]
         return f"prompts file {changed[0]} changed" if changed else None
     if not now:
