@@ -286,8 +286,9 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
 def _leaders_actions(plan: list[PlannedStep]) -> list[PlannedStep]:
     """On a pod, what the leader's plan does with each step, on every host. A host's own look at the
     storage, a moment apart from the leader's, can differ (a step another runner finished meanwhile,
-    a listing that failed for a `Step.redo`): a host that skipped a step the leader runs went on to
-    the end, while the leader waited for it in the step, and the pod hung."""
+    a listing that failed for a `Step.redo`): a host that ran a step the leader skipped waited for
+    the leader in it while the leader waited at the end (one that skipped a generate the leader ran
+    would leave the leader waiting for its report), and the pod hung."""
     leaders = hosts.on_leader("plan/actions", lambda: {p.name: [p.action, p.reason] for p in plan},
                               "the leader's plan")
     return [dataclasses.replace(p, action=leaders[p.name][0], reason=leaders[p.name][1]) for p in plan]
