@@ -85,6 +85,26 @@ def test_local_lease_busy_names_the_holder_and_frees_on_release(tmp_path):
     second.release()
 
 
+def test_a_lease_taken_after_a_wait_says_since_when_it_is_held(tmp_path):
+    """A runner's record said `since` the moment it began to wait, so `status` overstated how long
+    the step had been run by it (by the whole wait)."""
+    import datetime as dt
+    import threading
+
+    first = Lease.for_step(str(tmp_path), "merge", "ef" * 32)
+    second = Lease.for_step(str(tmp_path), "merge", "ef" * 32)
+    first.acquire(wait=False, say=print)
+    waiter = threading.Thread(target=second.acquire, kwargs={"wait": True, "say": print})
+    waiter.start()
+    time.sleep(3)
+    released = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+    first.release()
+    waiter.join(timeout=30)
+    assert dt.datetime.fromisoformat(second.holder.since) >= released
+    assert second.current_holder().since == second.holder.since  # as its record says
+    second.release()
+
+
 def test_a_look_at_a_free_local_lease_leaves_its_lock_alone(tmp_path, monkeypatch):
     """Every plan looks at the leases of the steps it would run (`current_holder`): a look that
     took the lock for a moment made a runner starting with --no-wait at that moment exit 75, as if
@@ -242,3 +262,28 @@ def test_a_file_or_memory_root_runs_a_step_under_its_lease(make_config, tmp_path
         assert tokenize["state"] == "complete" and tokenize["output"].startswith(f"{tmp_path}/runs/tokenize-")
         assert not os.listdir(tmp_path / "runs" / ".leases") or all(
             name.endswith(".lock") for name in os.listdir(tmp_path / "runs" / ".leases"))
+
+
+def test_status_of_a_generate_being_run_says_how_far_it_got(make_config, tmp_path, start_process):
+    """While a runner held generate, `status` said only `being run by HOST pid N (since ...)`:
+    the rows committed so far were in `--json` alone, when an operator asks most."""
+    import glob
+
+    import pyarrow.parquet as pq
+
+    config = make_config(engine={"batch_size": 4, "part_rows": 4})
+    assert pipeline("run", "tokenize", "--config", config).returncode == 0
+    assert pipeline("run", "generate", "--config", config).returncode == 0
+    (folder,) = glob.glob(f"{tmp_path}/runs/generate-*")
+    os.remove(f"{folder}/_SUCCESS.json")  # as a run still going leaves it
+    parts = sorted(glob.glob(f"{folder}/shard-*/part-*.parquet"))
+    gone = pq.read_metadata(parts[0]).num_rows
+    os.remove(parts[0])
+    holder = hold_lease(start_process, str(tmp_path / "runs"), "generate", step_hash(config, "generate"))
+    try:
+        text = pipeline("status", "--config", config).stdout
+    finally:
+        holder.kill()
+    (why,) = [line.strip() for line in text.splitlines() if "being run by" in line]
+    assert why.startswith(f"being run by {socket.gethostname()} pid {holder.pid} (since ")
+    assert why.endswith(f": {24 - gone} of 24 rows committed in {len(parts) - 1} part(s) so far"), why

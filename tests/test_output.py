@@ -7,6 +7,8 @@ import io
 import subprocess
 import sys
 
+import pytest
+
 from pipeline.run.progress import Progress
 
 
@@ -54,6 +56,22 @@ def test_a_step_log_keeps_clean_whole_lines_of_this_host(tmp_path, capsys):
 
     with steplog.step_log(str(tmp_path / "merge-abc"), host=1):
         pass  # a host with nothing to say leaves no log (and no folder)
+
+
+def test_a_bar_redrawn_for_hours_is_held_as_its_last_state_only(tmp_path):
+    """On a terminal the bar is redrawn about ten times a second with a carriage return and no
+    newline until it closes: the log's tee held every redraw and split them all again on each one
+    (6.6 ms a write after an hour, 77 ms after ten, in the generating process)."""
+    from pipeline.run import steplog
+
+    with steplog.step_log(str(tmp_path / "generate-abc"), host=0):
+        tee = sys.stderr
+        for i in range(3_600):  # six minutes of redraws
+            tee.write(f"\rgenerate host 0/1: {i:,}/3,600 samples [{'#' * 80}]")
+        assert len(tee.pending) < 200
+        tee.write("\n")
+    assert open(f"{tmp_path}/generate-abc/logs/host-00000.log").read().splitlines() == [
+        f"generate host 0/1: 3,599/3,600 samples [{'#' * 80}]"]
     assert not (tmp_path / "merge-abc").exists()
 
 
@@ -145,3 +163,27 @@ def test_nothing_is_printed_after_the_error_line(capsys):
     printed = capsys.readouterr()
     assert printed.err.splitlines() == ["generate: program 1 (init): compiling, or loading it from the compile cache",
                                         "error: generate: it broke"]  # on stderr, as every line of a run
+
+
+@pytest.mark.parametrize("columns", [0, 100])
+def test_progress_on_a_terminal_that_says_it_is_0_columns_wide_is_plain_lines(columns):
+    """tqdm draws nothing on a terminal of 0 columns (some containers' pseudo-terminals): a run
+    there showed no progress at all, and its step logs got blank lines."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    main, side = pty.openpty()
+    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    with open(side, "w", closefd=True) as terminal:
+        with Progress(total=10, desc="generate host 0/1", unit="sample", file=terminal) as bar:
+            bar.update(10)
+        terminal.flush()
+        shown = os.read(main, 65536).decode()
+    os.close(main)
+    if columns:
+        assert shown.startswith("\rgenerate host 0/1:   0%|")  # a bar
+    else:
+        assert shown.startswith("generate host 0/1: 10/10 samples, "), shown

@@ -12,11 +12,19 @@ by an earlier attempt is counted too (`resumed`): a resumed bar reads
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
 
 from tqdm import tqdm
+
+
+def _columns(file: Any) -> int:
+    try:
+        return os.get_terminal_size(file.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # no file descriptor, or not a terminal after all
+        return 0
 
 
 class Progress:
@@ -29,7 +37,9 @@ class Progress:
         self.started = time.monotonic()
         self.last_log = self.started
         self.log_every_s = log_every_s
-        is_tty = hasattr(self.file, "isatty") and self.file.isatty()
+        # A terminal that says it is 0 columns wide (some containers' pseudo-terminals) gets no bar
+        # from tqdm at all: plain lines there.
+        is_tty = hasattr(self.file, "isatty") and self.file.isatty() and _columns(self.file) > 0
         label = f"{desc} ({resumed:,} resumed)" if resumed else desc
         self.bar = (tqdm(total=total, initial=resumed, desc=label, unit=unit, file=self.file, dynamic_ncols=True)
                     if is_tty else None)

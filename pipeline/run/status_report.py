@@ -41,7 +41,7 @@ def report(cfg: Config, graph: tuple[Step, ...]) -> list[dict[str, Any]]:
         row["why"] = _why(p, row.get("progress"), row.get("last_error"))
         if p.running is not None:
             row["running"] = p.running
-            row["why"] = f"being run by {p.running}"
+            row["why"] = f"being run by {p.running}" + (f": {row['progress']} so far" if "progress" in row else "")
         if problem is not None and p.action == "run":  # the first step the next run would start
             row["problem"], problem = problem, None
             row["why"] = f"{p.state}, but the next run stops before it: {row['problem']}"

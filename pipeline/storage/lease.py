@@ -41,7 +41,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -68,6 +68,10 @@ class LeaseLost(StepFailed):
     """Another runner took this runner's lease over: stop writing (exit 1)."""
 
 
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds a lease: written into the record, shown to waiting runners."""
@@ -91,8 +95,7 @@ class Holder:
 
     @classmethod
     def new(cls) -> "Holder":
-        now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        return cls(secrets.token_hex(8), socket.gethostname(), os.getpid(), now, this_machine())
+        return cls(secrets.token_hex(8), socket.gethostname(), os.getpid(), _now(), this_machine())
 
     def is_gone(self) -> bool:
         """True only when the holder is provably dead: it ran on this machine (same host name,
@@ -154,6 +157,7 @@ class Lease:
         waited_since = time.monotonic()
         reported = -REPORT_EVERY_S
         while True:
+            me = replace(me, since=_now())  # since it holds the lease, not since it began to wait
             with self._storage_errors("take"):
                 other = self._backend.try_acquire(me)
             if other is None:
