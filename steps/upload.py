@@ -82,6 +82,9 @@ class UploadSummary:
     table_rows: int = 0
     """Rows in the browsable table (at most wandb.table_max_rows)."""
     table_truncated: bool = False
+    run_table_rows: int = 0
+    """Rows of the same table logged to the run itself: W&B keeps at most wandb.Table.MAX_ROWS
+    (10,000) in a run's table, where the artifact's holds up to MAX_ARTIFACT_ROWS (200,000)."""
     logs: int = 0
     """Step logs attached to the run (every host's log of every step)."""
     offline_run_dir: str | None = None
@@ -158,12 +161,14 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
         table_rows = len(data)
         truncated = table_rows < merged.rows
         # Two Table objects: an artifact given a Table already logged to the run stores a reference only.
-        run.log({TABLE_NAME: wandb.Table(columns=columns, data=data)})
+        # W&B cuts a run's table to its MAX_ROWS with only a log line: cut here, and say so.
+        run_table_rows = min(table_rows, wandb.Table.MAX_ROWS)
+        run.log({TABLE_NAME: wandb.Table(columns=columns, data=data[:run_table_rows])})
         preemption.check()  # the last place to stop: from the artifact on, W&B's calls run to their end
         artifact = _artifact(wandb, cfg, run_id, merged, out.upstream["merge"].hash, paths,
                              wandb.Table(columns=columns, data=data), table_rows)
         run.summary.update({"rows": merged.rows, "table_rows": table_rows, "table_truncated": truncated,
-                            "merged_files": len(paths)})
+                            "run_table_rows": run_table_rows, "merged_files": len(paths)})
         logged = run.log_artifact(artifact)
         version = None
         if mode == "online":
@@ -190,10 +195,14 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
     summary = UploadSummary(
         mode=mode, rows=merged.rows, merged_rows=merged.rows, run_id=run_id, project=cfg.wandb.project,
         entity=cfg.wandb.entity, artifact=f"{ARTIFACT_TYPE}-{run_id}", artifact_version=version,
-        artifact_digest=digest, table_rows=table_rows, table_truncated=truncated, logs=logs,
+        artifact_digest=digest, table_rows=table_rows, table_truncated=truncated, run_table_rows=run_table_rows,
+        logs=logs,
         offline_run_dir=run_dir if mode == "offline" else None,
         sync_command=f"wandb sync {run_dir}" if mode == "offline" else None,
     )
+    if run_table_rows < table_rows:
+        print(f"upload: the run's own `{TABLE_NAME}` table holds the first {run_table_rows:,} rows (W&B's most for a "
+              f"run's table); the artifact's holds {table_rows:,} (wandb.table_max_rows)", file=sys.stderr, flush=True)
     if mode == "offline":
         print(f"upload: offline W&B run {run_id} written to {run_dir}; push it with: wandb sync {run_dir}",
               file=sys.stderr, flush=True)

@@ -183,6 +183,24 @@ def test_table_is_capped_at_table_max_rows_and_parquet_keeps_every_row(merged_ru
     assert pa.concat_tables([pq.read_table(p) for p in parquet]).to_pylist() == merged_rows(run)
 
 
+def test_a_table_longer_than_a_run_table_may_be_is_cut_for_the_run_alone_and_said(merged_run, read_wandb_run,
+                                                                                  monkeypatch, capsys):
+    """W&B keeps at most `Table.MAX_ROWS` (10,000) rows in a run's table, cutting it with only a
+    log line: `table_max_rows: 100000` reported `table_rows=100000` while the run held 10,000."""
+    import wandb
+
+    monkeypatch.setattr(wandb.Table, "MAX_ROWS", 3)  # W&B's own cut reads the same attribute
+    run = merged_run()
+    result = run.run("upload")
+    assert (result.summary.table_rows, result.summary.run_table_rows) == (20, 3)
+    assert ("upload: the run's own `generations` table holds the first 3 rows (W&B's most for a run's table); "
+            "the artifact's holds 20 (wandb.table_max_rows)") in capsys.readouterr().err
+    recorded = read_wandb_run(result.summary.offline_run_dir)
+    (logged,) = [h["generations"] for h in recorded["history"] if "generations" in h]
+    assert logged["nrows"] == 3 and recorded["summary"]["run_table_rows"] == 3
+    assert table_rows(generations(recorded)) == merged_rows(run)  # the artifact's, whole
+
+
 def test_api_key_is_written_to_no_file(merged_run, monkeypatch, tmp_path):
     key = "fakekey0" * 5
     monkeypatch.setenv("WANDB_API_KEY", key)
