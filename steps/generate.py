@@ -169,9 +169,17 @@ def generate(cfg: Config, out: StepOutput) -> None:
     stats = None
     samples = tokens = 0
     prompts = 0
+    metrics_url = out.path("metrics", f"host-{hosts.process_index():05d}-{_stamp()}.json")  # this run's
+
+    def save_metrics(stats: Any) -> None:
+        storage.write_json(metrics_url, _host_metrics(cfg, started, len(mine), prompts, samples, tokens, stats,
+                                                      lockstep).__dict__)
+
     if n_missing:
         engine = _load_engine(cfg, todo)
-        writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine), schema=schema(cfg), shards=len(every))
+        # Before each part, this run's figures so far: a run killed (a preemption) keeps them.
+        writer = _PartWriter(out, cfg.engine.part_rows, owned=set(mine), schema=schema(cfg), shards=len(every),
+                             before_commit=lambda: save_metrics(engine.stats))
         watch = hosts.watchdog("generating on the global mesh") if lockstep else contextlib.nullcontext()
         n_total = sum(t.wanted.size for t in todo)  # every (prompt, sample) of these shards
         try:
@@ -199,11 +207,10 @@ def generate(cfg: Config, out: StepOutput) -> None:
         except BaseException:
             if samples:  # the rows this run committed before it ended count in the step's figures too
                 with contextlib.suppress(Exception):  # never in the way of the run's own error
-                    _write_metrics(out, _host_metrics(cfg, started, len(mine), prompts, samples, tokens,
-                                                           engine.stats, lockstep))
+                    save_metrics(engine.stats)
             raise
         stats = engine.stats
-    _write_metrics(out, _host_metrics(cfg, started, len(mine), prompts, samples, tokens, stats, lockstep))
+    save_metrics(stats)
 
 
 def _host_metrics(cfg: Config, started: float, shards: int, prompts: int, samples: int, tokens: int,
@@ -225,10 +232,6 @@ def _host_metrics(cfg: Config, started: float, shards: int, prompts: int, sample
         programs_used=stats.programs_used if stats else 0,
         programs=stats.programs if stats else None, compile_wait_s=round(stats.compile_wait_s, 3) if stats else 0.0,
     )
-
-
-def _write_metrics(out: StepOutput, metrics: HostMetrics) -> None:
-    storage.write_json(out.path("metrics", f"host-{hosts.process_index():05d}-{_stamp()}.json"), metrics.__dict__)
 
 
 def finish(cfg: Config, out: StepOutput) -> StepResult:
@@ -637,7 +640,7 @@ class _PartWriter:
     this host does not own are dropped (global_mesh: their owner writes the same rows)."""
 
     def __init__(self, out: StepOutput, part_rows: int, owned: set[str], schema: pa.Schema, shards: int,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, before_commit: Callable[[], None] = lambda: None):
         self.out = out
         self.shards = shards
         """How many shards tokenize cut (each part's name says it: `_cut_of`)."""
@@ -645,6 +648,7 @@ class _PartWriter:
         self.part_rows = part_rows
         self.owned = owned
         self.clock = clock
+        self.before_commit = before_commit
         self.rows: dict[str, list[dict]] = defaultdict(list)
         self.since: dict[str, float] = {}
         self.values: dict[str, int] = defaultdict(int)
@@ -677,6 +681,7 @@ class _PartWriter:
             rows.sort(key=lambda r: (r["prompt_index"], r["sample_index"]))
             table = pa.Table.from_pylist(rows, schema=self.schema)
             self.out.check_lease()  # a runner that lost its lease must not add parts
+            self.before_commit()
             storage.write_parquet(self.out.path(shard, f"part-{_stamp()}-of{self.shards}.parquet"), table)
 
     def flush_all(self) -> None:

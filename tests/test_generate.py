@@ -159,6 +159,9 @@ def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp
     print(f"pod exited {pod.returncode} {time.monotonic() - started:.1f}s after the kill:\n{output[-1500:]}")
     partial = generated_rows(root)
     assert 0 < len(partial) < 80
+    # Its figures until its last part are kept: a killed run wrote none, so the step's counted none of its work.
+    (killed,) = [json.load(open(m)) for m in glob.glob(f"{root}/generate-*/metrics/host-00001-*.json")]
+    assert killed["samples"] > 0 and killed["generated_tokens"] > 0, killed
     steps = json.loads(pipeline("status", "--config", config, "--json").stdout)["steps"]
     assert {s["name"]: s["state"] for s in steps} == {"tokenize": "complete", "generate": "partial", "merge": "missing",
                                                      "upload": "missing"}
