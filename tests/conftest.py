@@ -237,6 +237,11 @@ if os.environ.get("PIPELINE_PROCESS_ID", "0") in os.environ["SLOW_PARTS_HOSTS"].
         time.sleep(float(os.environ["SLOW_PARTS_SECONDS"]))
 
     generate._PartWriter.flush = slow_flush
+
+if "STEP_LOG_SAVE_EVERY_S" in os.environ:  # a remote step log uploaded this often while its step runs
+    import pipeline.run.steplog as steplog
+
+    steplog.SAVE_EVERY_S = float(os.environ["STEP_LOG_SAVE_EVERY_S"])
 """
 
 

@@ -174,6 +174,26 @@ def test_sigkill_of_one_host_then_rerun_with_another_host_count(make_config, tmp
     assert generated_rows(root) == reference
 
 
+def test_a_run_killed_on_a_bucket_leaves_its_step_log_up_to_then(make_config, tmp_path, many_prompts, gcs_bucket,
+                                                                 start_pipeline, slow_parts):
+    """On a gs:// root a step's log was uploaded when the step ended: a preempted (killed) run's log,
+    the one worth reading, was lost, and none of it was in the bucket while the step ran."""
+    from pipeline import storage
+
+    root = f"{gcs_bucket}/runs"
+    config = make_config("logged.yaml", run={"root": root}, prompts={"path": many_prompts}, **GREEDY)
+    assert pipeline("run", "tokenize", "--config", config).returncode == 0
+    proc = start_pipeline("run", "generate", "--config", config,
+                          env={**slow_parts(hosts=[0], seconds=0.5), "STEP_LOG_SAVE_EVERY_S": "0.5"})
+    deadline = time.monotonic() + 120
+    while not storage.expand(f"{root}/{PARTS}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.5)
+    proc.kill()  # SIGKILL: nothing runs after it
+    (log,) = storage.expand(f"{root}/generate-*/logs/host-00000.log")
+    assert storage.read_bytes(log).decode().startswith("generate: llama "), storage.read_bytes(log)[:500]
+
+
 def test_the_leader_killed_ends_every_host_with_exit_75_and_an_error_line(make_config, tmp_path, many_prompts,
                                                                           start_pipeline, slow_parts):
     """JAX's distributed runtime ends the other hosts natively when the pod's coordinator (on the

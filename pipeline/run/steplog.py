@@ -4,8 +4,9 @@ Owns the log files' names and the tee that fills them: while a step runs, every 
 process prints (stdout and stderr: the runner's lines, progress, warnings)
 also goes to the step's log of this host, with progress bars' carriage-return redraws reduced
 to their last state and colour codes removed. On local storage the file is appended line by
-line as the step runs; on remote storage (gs://) it is uploaded when the step ends, also when
-it fails (unless storage itself failed). A failed step's log ends with its `error:` line. A log
+line as the step runs; on remote storage (gs://) it is uploaded every SAVE_EVERY_S while the step
+runs (a host killed, as a preemption does, leaves its log up to then) and when the step ends, also
+when it fails (unless storage itself failed). A failed step's log ends with its `error:` line. A log
 that cannot be written or saved is a warning, never a step failure. It refuses to capture what bypasses Python's streams (C libraries writing to fd 2).
 
     with step_log(out.url, host=hosts.process_index()):
@@ -21,6 +22,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 from typing import Iterator, TextIO
 
 from pipeline import storage
@@ -29,6 +31,9 @@ from pipeline.run.status import LOG_FOLDER
 from pipeline.storage.retrying import StorageError
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+SAVE_EVERY_S = 60.0
+"""How often a remote step log is uploaded while its step runs."""
 
 
 def log_name(host: int) -> str:
@@ -145,6 +150,11 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
     tees = _Tee(saved[0], log), _Tee(saved[1], log)
     sys.stdout, sys.stderr = tees
     failed: BaseException | None = None
+    uploading = threading.Lock()  # one upload at a time: an older copy never lands after the last
+    done = threading.Event()
+    if not local:
+        threading.Thread(target=_save_while_running, args=(path, url, uploading, done), daemon=True,
+                         name="step-log-saver").start()
     try:
         yield
     except BaseException as err:
@@ -159,11 +169,27 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
             # a host's reason is read, and a log ending at a progress bar said nothing of why.
             log.write_lines([f"error: {_said(failed)}"])
         log.close()
+        done.set()
         if not local:
             try:  # not after a storage failure: no retrying the log's upload against that storage
                 if os.path.exists(path) and not isinstance(failed, StorageError):
-                    storage.put_file(path, url)
+                    with uploading:
+                        storage.put_file(path, url)
             except Exception as err:  # noqa: BLE001 - a lost log must not fail (or hide the error of) the step
                 saved[1].write(f"warning: the step log could not be saved to {url}: {err}\n")
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def _save_while_running(path: str, url: str, uploading: threading.Lock, done: threading.Event) -> None:
+    """Upload the log every SAVE_EVERY_S while it grows, until the step ends (its end uploads it last)."""
+    size = 0
+    while not done.wait(SAVE_EVERY_S):
+        try:
+            with uploading:
+                if done.is_set() or not os.path.exists(path) or os.path.getsize(path) == size:
+                    continue
+                size = os.path.getsize(path)
+                storage.put_file(path, url)
+        except Exception:  # noqa: BLE001 - the upload at the step's end says what is wrong, once
+            pass
