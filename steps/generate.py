@@ -161,7 +161,7 @@ def generate(cfg: Config, out: StepOutput) -> None:
     if not lockstep and hosts.is_leader():
         _say_idle_hosts(len(every), hosts.process_count())
     made = _Made.read(out, len(every), cfg.sampling.n)
-    todo = [_ShardTodo.read(out, name, cfg.sampling.n, sha256[name], made) for name in shards]
+    todo = [_ShardTodo.read(out, name, sha256[name], made) for name in shards]
     if lockstep:
         _agree_on_todo(out, todo)
     n_missing = sum(t.missing for t in todo)
@@ -382,7 +382,7 @@ class _ShardTodo:
     """The shard's, as tokenize's marker records it: the bytes generated from are checked (`_batches`)."""
 
     @classmethod
-    def read(cls, out: StepOutput, name: str, n: int, sha256: str | None, made: "_Made") -> "_ShardTodo":
+    def read(cls, out: StepOutput, name: str, sha256: str | None, made: "_Made") -> "_ShardTodo":
         url = _shard_url(out, name)
         table = read_shard(url, columns=["prompt_index", "num_tokens"])
         prompt_index = table["prompt_index"].to_numpy()
