@@ -330,7 +330,7 @@ def progress(cfg: Config, url: str, upstream: dict[str, str]) -> Committed | Non
     record = status.read_marker(upstream["tokenize"])
     if record is None:
         return None
-    parts = storage.expand(storage.join(url, "shard-*", "part-*.parquet"))
+    parts = _part_urls(url)
 
     def rows(part: str) -> int:
         fs, path = storage.filesystem(part)
@@ -486,7 +486,7 @@ class _Made:
 
     @classmethod
     def read(cls, out: StepOutput, shards: int, n: int) -> "_Made":
-        parts = storage.expand(storage.join(out.url, "shard-*", "part-*.parquet"))
+        parts = _part_urls(out.url)
         own: dict[str, list[str]] = defaultdict(list)
         for url in parts:
             if _cut_of(url) == shards:
@@ -498,6 +498,11 @@ class _Made:
         """[rows, n] bool: which samples of the shard's prompts are committed."""
         every = prompt_index[:, None] * self.n + np.arange(self.n)[None, :]
         return np.isin(every, _committed_keys(self.own.get(shard, []), self.n)) | np.isin(every, self.elsewhere)
+
+
+def _part_urls(step_url: str) -> list[str]:
+    """Every part of a generate output, of every shard folder."""
+    return storage.expand(storage.join(step_url, "shard-*", "part-*.parquet"))
 
 
 def _cut_of(part_url: str) -> int | None:

@@ -101,10 +101,12 @@ def redo(cfg: Config, record: status.StepRecord, url: str) -> str | None:
     if record.summary.get("mode") == "disabled" and cfg.wandb.mode != "disabled":
         return f"complete, but with wandb.mode disabled (nothing was logged): log it, {cfg.wandb.mode}"
     run = {key: record.summary.get(key) for key in ("run_id", "project", "entity")}
+    if run["run_id"] is None:
+        return None
     folder = url.rstrip("/").rsplit("/", 1)[-1]
     for other_url, other in status.complete_outputs(cfg.run.root, "upload"):  # the one finished last first
         other_folder = other_url.rstrip("/").rsplit("/", 1)[-1]
-        if other_folder == folder or run["run_id"] is None:
+        if other_folder == folder:
             return None
         if {key: other.summary.get(key) for key in run} == run:
             return (f"complete, but {other_folder} logged to the same W&B run ({run['run_id']}) since: log this "

@@ -78,7 +78,7 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
         semantic = identity.semantic_values(step.name, cfg)
         upstream = {s.name: by_name[s.name].hash for s in step.inputs}
         gone = [kind for kind, fingerprints in content.items() if not fingerprints]
-        made_from_gone = _made_from_gone(cfg, step, content, semantic, upstream) if gone else None
+        made_from_gone = _made_from_gone(cfg, step, content, gone, semantic, upstream) if gone else None
         if made_from_gone is not None:
             content = made_from_gone.content
         step_hash = identity.step_hash(step.name, step.version, semantic, content, upstream)
@@ -106,7 +106,7 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
     return plan
 
 
-def _made_from_gone(cfg: Config, step: Step, content: dict[str, Any], semantic: dict[str, Any],
+def _made_from_gone(cfg: Config, step: Step, content: dict[str, Any], gone: list[str], semantic: dict[str, Any],
                     upstream: dict[str, str]) -> status.StepRecord | None:
     """Where an input of `step` is gone (prompt files deleted, a model folder moved), the record of
     its complete output made from that input while it was there, with everything else as now, or
@@ -114,7 +114,7 @@ def _made_from_gone(cfg: Config, step: Step, content: dict[str, Any], semantic: 
     inputs are cleaned up; a step that must read the input still fails. Only where one output
     matches: of two made from other files at that path, which one the config means is unknown."""
     # Named by the same path then, or a typo in model.path would find another model's rows.
-    paths = {identity.INPUT_KEYS[kind] for kind, value in content.items() if not value}
+    paths = {identity.INPUT_KEYS[kind] for kind in gone}
     matching = {record.hash: record for _, record in status.complete_outputs(cfg.run.root, step.name)
                 if all(identity.at(record.config, key, None) == cfg.get(key) for key in paths)
                 and all(record.content.get(kind) == value for kind, value in content.items() if value)
