@@ -4,6 +4,9 @@ counts what was already done."""
 from __future__ import annotations
 
 import io
+import os
+import re
+import socket
 import subprocess
 import sys
 
@@ -52,7 +55,12 @@ def test_a_step_log_keeps_clean_whole_lines_of_this_host(tmp_path, capsys):
         sys.stderr.write("\rbar 1/3\rbar 2/3\rbar 3/3\n\x1b[31mwarning\x1b[0m\npartial")
     assert "generate: loading" in capsys.readouterr().out  # the terminal still sees everything
     assert steplog.log_urls(step) == [f"{step}/logs/host-00001.log"]
-    assert open(f"{step}/logs/host-00001.log").read() == "generate: loading\nbar 3/3\nwarning\npartial\n"
+    begin, *lines, end = open(f"{step}/logs/host-00001.log").read().splitlines()
+    assert lines == ["generate: loading", "bar 3/3", "warning", "partial"]
+    # When and where the attempt ran: an operator reading a preempted run's log needs both.
+    assert re.fullmatch(rf"=== 20\d\d-\d\d-\d\d \d\d:\d\d:\d\d UTC: generate-abc began on host 1 "
+                        rf"\({re.escape(socket.gethostname())}, pid {os.getpid()}\) ===", begin), begin
+    assert re.fullmatch(r"=== 20\d\d-\d\d-\d\d \d\d:\d\d:\d\d UTC: ended after \d+\.\d s ===", end), end
 
     with steplog.step_log(str(tmp_path / "merge-abc"), host=1):
         pass  # a host with nothing to say leaves no log (and no folder)
@@ -70,7 +78,7 @@ def test_a_bar_redrawn_for_hours_is_held_as_its_last_state_only(tmp_path):
             tee.write(f"\rgenerate host 0/1: {i:,}/3,600 samples [{'#' * 80}]")
         assert len(tee.pending) < 200
         tee.write("\n")
-    assert open(f"{tmp_path}/generate-abc/logs/host-00000.log").read().splitlines() == [
+    assert open(f"{tmp_path}/generate-abc/logs/host-00000.log").read().splitlines()[1:-1] == [
         f"generate host 0/1: 3,599/3,600 samples [{'#' * 80}]"]
     assert not (tmp_path / "merge-abc").exists()
 
@@ -117,7 +125,10 @@ def test_a_step_log_on_remote_storage_is_uploaded_when_the_step_ends():
         for attempt in (1, 2):
             with steplog.step_log(step, host=0):
                 print(f"attempt {attempt}")
-        assert storage.read_bytes(f"{step}/logs/host-00000.log") == b"attempt 1\nattempt 2\n"
+        lines = storage.read_bytes(f"{step}/logs/host-00000.log").decode().splitlines()
+        assert [line for line in lines if not line.startswith("===")] == ["attempt 1", "attempt 2"]
+        assert [re.sub(r" \(.*| after .*", "", line.split(": ", 1)[1]) for line in lines if line.startswith("===")] == [
+            "tokenize-abc began on host 0", "ended", "tokenize-abc began on host 0", "ended"]  # each attempt, in order
     finally:
         storage.remove("memory://steplog-test", recursive=True)
 

@@ -3,7 +3,10 @@
 Owns the log files' names and the tee that fills them: while a step runs, every line this
 process prints (stdout and stderr: the runner's lines, progress, warnings)
 also goes to the step's log of this host, with progress bars' carriage-return redraws reduced
-to their last state and colour codes removed. On local storage the file is appended line by
+to their last state and colour codes removed. Each run of the step that prints begins its part of
+the log with a line saying when (UTC) and where (host, machine, pid) it began, and ends it
+with when it ended and after how long (a host killed, as a preemption does, leaves no end line: the
+next attempt's begin line follows its last output). On local storage the file is appended line by
 line as the step runs; on remote storage (gs://) it is uploaded every SAVE_EVERY_S while the step
 runs (a host killed, as a preemption does, leaves its log up to then) and when the step ends, also
 when it fails (unless storage itself failed). A failed step's log ends with its `error:` line. A log
@@ -20,9 +23,11 @@ import contextlib
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import threading
+import time
 from typing import Iterator, TextIO
 
 from pipeline import storage
@@ -59,15 +64,24 @@ def last_error(step_url: str) -> str | None:
     return lines[-1].removeprefix("error: ") if lines[-1].startswith("error: ") else None
 
 
+ATTEMPT_MARK = "==="
+"""Begins the lines the log's own (an attempt's begin and end), not the step's output."""
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
 class _LazyFile:
-    """A log file opened (appending) on its first line: a host that prints nothing during a step
-    (a non-leader waiting through tokenize) leaves no empty log behind.
+    """A log file opened (appending) on its first line, which it follows the attempt's begin line
+    with: a host that prints nothing during a step (a non-leader waiting through tokenize) leaves no
+    empty log behind.
 
     A log that cannot be written (disk full, read-only) must not fail the step, whose own writes
     report the problem with the file they were writing: the log stops, saying so once."""
 
-    def __init__(self, path: str, terminal: TextIO):
-        self.path, self.terminal, self.file, self.broken = path, terminal, None, False
+    def __init__(self, path: str, terminal: TextIO, begin: str):
+        self.path, self.terminal, self.begin, self.file, self.broken = path, terminal, begin, None, False
 
     def write_lines(self, lines: list[str]) -> None:
         if self.broken:
@@ -76,6 +90,7 @@ class _LazyFile:
             if self.file is None:
                 os.makedirs(os.path.dirname(self.path), exist_ok=True)
                 self.file = open(self.path, "a", encoding="utf-8", errors="replace")
+                lines = [self.begin, *lines]
             self.file.write("".join(line + "\n" for line in lines))
             self.file.flush()
         except OSError as err:
@@ -146,7 +161,10 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
             with open(path, "wb") as f:
                 f.write(storage.read_bytes(url))
     saved = sys.stdout, sys.stderr
-    log = _LazyFile(path, saved[1])
+    began = time.time()
+    step = step_url.rstrip("/").rsplit("/", 1)[-1]
+    log = _LazyFile(path, saved[1], f"{ATTEMPT_MARK} {_utc(began)}: {step} began on host {host} "
+                                    f"({socket.gethostname()}, pid {os.getpid()}) {ATTEMPT_MARK}")
     tees = _Tee(saved[0], log), _Tee(saved[1], log)
     sys.stdout, sys.stderr = tees
     failed: BaseException | None = None
@@ -164,6 +182,10 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
         sys.stdout, sys.stderr = saved
         for tee in tees:
             tee.close_line()
+        if log.file is not None:  # it began: say when it ended, before the error line it ends with
+            ended = time.time()
+            how = "ended" if failed is None else "stopped"
+            log.write_lines([f"{ATTEMPT_MARK} {_utc(ended)}: {how} after {ended - began:.1f} s {ATTEMPT_MARK}"])
         if failed is not None:
             # The command's last line (`cli.py` prints it after the step): on a pod the logs are where
             # a host's reason is read, and a log ending at a progress bar said nothing of why.
