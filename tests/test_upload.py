@@ -170,10 +170,14 @@ def test_a_stop_during_upload_is_heard_and_the_rerun_resumes_the_same_run(merged
     assert recorded["run_id"] == again.summary.run_id and generations(recorded)["metadata"]["rows"] == 20
 
 
-def test_table_is_capped_at_table_max_rows_and_parquet_keeps_every_row(merged_run, read_wandb_run):
+def test_table_is_capped_at_table_max_rows_and_parquet_keeps_every_row(merged_run, read_wandb_run, capsys):
     run = merged_run(table_max_rows=5)
     result = run.run("upload")
     assert result.rows == 20 and result.summary.table_rows == 5 and result.summary.table_truncated is True
+    # Said before W&B's work, which prints nothing of its own (a large result's took minutes, silent):
+    (said,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("upload: logging")]
+    assert said.startswith("upload: logging 20 rows (3 merged files, ") and said.endswith(
+        f" KiB, and a table of 5 rows) to the offline W&B run {result.summary.run_id} of project {run.cfg.wandb.project}")
     recorded = read_wandb_run(result.summary.offline_run_dir)
     assert recorded["summary"]["table_truncated"] is True
     artifact = generations(recorded)
