@@ -2,8 +2,8 @@
 
 Owns the per-host work split, the part files and resume. Shards are assigned round-robin
 by shard number (shard i -> host i % hosts), and output is keyed by shard, never by host:
-`{out}/shard-00003/part-<time>-<rand>-of<K>.parquet`, K the number of tokenize's shards it was
-made from. On start a host reads which (prompt_index, sample_index) pairs its shards already
+`{out}/shard-00003/part-<time>-<rand>-<N>rows-of<K>.parquet`, N its rows (what `status` counts,
+with no read of the part) and K the number of tokenize's shards it was made from. On start a host reads which (prompt_index, sample_index) pairs its shards already
 committed and asks the engine only for the missing ones, so a rerun with another host count
 resumes the same output. A tokenize rerun (`--force`) that cut the same prompts into another
 number of shards leaves parts of K shards beside the new ones: every host reads those parts'
@@ -32,6 +32,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import itertools
+import re
 import secrets
 import sys
 import threading
@@ -333,14 +334,16 @@ def progress(cfg: Config, url: str, upstream: dict[str, str]) -> Committed | Non
     parts = _part_urls(url)
 
     def rows(part: str) -> int:
-        fs, path = storage.filesystem(part)
+        if (named := _rows_of(part)) is not None:
+            return named
+        fs, path = storage.filesystem(part)  # a part named before parts said their rows
         try:
             with fs.open(path, "rb") as f:
                 return pq.read_metadata(f).num_rows
         except (OSError, pa.ArrowException):
             return 0  # being written, or damaged: generate names it when it reads it
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # one small read a part, on a bucket too
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # old names: one small read a part, on a bucket too
         committed = sum(pool.map(rows, parts))
     return Committed(committed, record.rows * cfg.sampling.n, len(parts))
 
@@ -505,11 +508,25 @@ def _part_urls(step_url: str) -> list[str]:
     return storage.expand(storage.join(step_url, "shard-*", "part-*.parquet"))
 
 
+_PART_NAME = re.compile(r"part-\d{8}T\d{6}-[0-9a-f]{8}(?:-(?P<rows>\d+)rows)?(?:-of(?P<cut>\d+))?\.parquet")
+"""A part's name (`_PartWriter.flush`); parts made before 2026-11-30 said neither their rows nor
+their cut, and until 2026-12-01 not their rows."""
+
+
+def _name_says(part_url: str, field: str) -> int | None:
+    match = _PART_NAME.fullmatch(part_url.rsplit("/", 1)[-1])
+    return int(match[field]) if match and match[field] is not None else None
+
+
 def _cut_of(part_url: str) -> int | None:
     """How many shards tokenize had cut the prompts into when this part was made: its name's
     `-of<K>`; None for a part named before parts said so."""
-    last = part_url.rsplit("/", 1)[-1].removesuffix(".parquet").rsplit("-", 1)[-1]
-    return int(last[2:]) if last.startswith("of") and last[2:].isdigit() else None
+    return _name_says(part_url, "cut")
+
+
+def _rows_of(part_url: str) -> int | None:
+    """The rows a part holds, as its name says (`-<N>rows`); None for a part named before names said so."""
+    return _name_says(part_url, "rows")
 
 
 def _agree_on_todo(out: StepOutput, todo: list[_ShardTodo]) -> None:
@@ -687,7 +704,8 @@ class _PartWriter:
             table = pa.Table.from_pylist(rows, schema=self.schema)
             self.out.check_lease()  # a runner that lost its lease must not add parts
             self.before_commit()
-            storage.write_parquet(self.out.path(shard, f"part-{_stamp()}-of{self.shards}.parquet"), table)
+            storage.write_parquet(self.out.path(shard, f"part-{_stamp()}-{len(rows)}rows-of{self.shards}.parquet"),
+                                  table)
 
     def flush_all(self) -> None:
         for shard in list(self.rows):

@@ -11,6 +11,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import time
 
@@ -393,10 +394,10 @@ def test_prompts_cut_into_other_shards_keep_the_rows_already_made(make_config, t
     monkeypatch.undo()
     committed = generated_rows(tmp_path / "runs")
     if named_before:
-        parts = glob.glob(f"{tmp_path}/runs/generate-*/shard-*/part-*-of2.parquet")
+        parts = glob.glob(f"{tmp_path}/runs/generate-*/shard-*/part-*rows-of2.parquet")
         assert parts
-        for part in parts:
-            os.rename(part, part.replace("-of2.parquet", ".parquet"))
+        for part in parts:  # part-<time>-<rand>.parquet, as parts were named before they said their rows and cut
+            os.rename(part, re.sub(r"-\d+rows-of2\.parquet$", ".parquet", part))
     assert 0 < len(committed) < 24
     assert invoke("run", "tokenize", "--force", "--config", config, "--set", "prompts.num_shards=3").exit_code == 0
     result = invoke("run", "all", "--config", config, "--set", "prompts.num_shards=3")
