@@ -1325,7 +1325,14 @@ class Engine:
         return Completion(row.prompt_index, row.sample_index, list(body), text, reason, logprobs, row.prompt_logprobs, *top)
 
     def _find_stop_string(self, tokens: list[int], *, whole: bool) -> tuple[list[int], str] | None:
-        """(tokens fully before the earliest stop string, text cut before it), or None."""
+        """(tokens fully before the stop string, text cut before it), or None.
+
+        The row stops at its first token whose text holds a whole stop string, as if checked after
+        every token (vLLM, transformers): of stop strings that overlap, the one completed first
+        wins. Among those that token completes, the cut is before the earliest one. It is checked
+        once per decode chunk, and the cut does not depend on the chunk's size (engine.*
+        settings change no row): the earliest start in the chunk's text did ("ExSumive" over "Sum"
+        cut before "Ex" at 16 steps a chunk, after it at 1)."""
         stops = self.sampling.stop
         if not stops or not tokens:
             return None
@@ -1336,10 +1343,23 @@ class Engine:
             if not any(stop in tail_text for stop in stops):
                 return None
         text = self._decode(tokens)
-        hits = [i for i in (text.find(stop) for stop in stops) if i >= 0]
-        if not hits:
+        ends = [i + len(stop) for stop in stops if (i := text.find(stop)) >= 0]
+        if not ends:
             return None
-        cut = min(hits)
+        # The first token whose text reaches the earliest end (decoded length grows with the tokens).
+        lo, hi = 1, len(tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self._decode(tokens[:mid])) >= min(ends):
+                hi = mid
+            else:
+                lo = mid + 1
+        then = self._decode(tokens[:lo])
+        hits = [i for i in (then.find(stop) for stop in stops) if i >= 0]
+        if hits and text.startswith(then[:min(hits)]):
+            cut = min(hits)
+        else:  # a prefix's text that is no prefix of the whole's (bytes of one character apart)
+            cut = min(i for i in (text.find(stop) for stop in stops) if i >= 0)
         # Largest k whose decoded prefix fits before the cut (decoded length grows with k).
         lo, hi = 0, len(tokens)
         while lo < hi:

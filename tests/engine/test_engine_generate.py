@@ -374,6 +374,31 @@ def test_stop_strings_cut_text_and_tokens(llama, greedy_ref, tokenizer):
     assert c.text == (tokenizer.decode(greedy_ref[:pair]) + " " if pair else "")
 
 
+def test_of_overlapping_stop_strings_the_one_completed_first_wins_at_any_chunk_size(llama, greedy_ref, tokenizer):
+    """A stop string that starts earlier but completes later than another ("ExSumive" over
+    "Sum"): the row cut before "Ex" at 16 steps a chunk and after it at 1, under one hash. It now
+    stops where a check after every token would (vLLM, transformers)."""
+    path, _ = llama
+    a = next(i for i in range(9) if greedy_ref.index(greedy_ref[i + 1]) == i + 1)
+    words = [f"x{t}y" for t in greedy_ref]
+    stops = (" ".join(words[a:a + 3]), words[a + 1])
+
+    def checked_after_every_token() -> list[int]:
+        for t in range(1, len(greedy_ref) + 1):
+            text = tokenizer.decode(greedy_ref[:t])
+            if hits := [i for i in (text.find(stop) for stop in stops) if i >= 0]:
+                return [tok for k, tok in enumerate(greedy_ref[:t]) if len(" ".join(words[:k + 1])) <= min(hits)]
+        raise AssertionError("no stop string in the reference")
+
+    expected = checked_after_every_token()
+    assert len(expected) == a + 1  # before the short one, which starts inside the long one
+    for chunk in (4, 1):
+        engine = Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=2, decode_chunk_steps=chunk),
+                             max_prompt_tokens=16, tokenizer=tokenizer, sampling=SamplingParams(max_new_tokens=12, stop=stops))
+        (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
+        assert (c.finish_reason, c.token_ids) == ("stop", expected), chunk
+
+
 def test_explicit_batch_that_cannot_fit_fails_before_compiling(llama):
     path, _ = llama
     with pytest.raises(ValueError, match=r"engine\.batch_size=100000 needs ~.* GiB .* lower engine\.batch_size or use auto"):
