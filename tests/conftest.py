@@ -66,10 +66,16 @@ def pytest_configure(config: pytest.Config) -> None:
     # tests (and the processes they start) share one temporary folder, never the user's cache.
     patch.setenv("PIPELINE_CACHE_DIR", tempfile.mkdtemp(prefix="pipeline-test-cache-"))
     patch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    # W&B's staging copies (each offline artifact's table, kept for a `wandb sync` that never
+    # comes), artifact cache and settings: in a temporary folder too, never the user's home.
+    wandb_home = tempfile.mkdtemp(prefix="pipeline-test-wandb-")
+    for var in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
+        patch.setenv(var, os.path.join(wandb_home, var.removeprefix("WANDB_").lower()))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(os.environ["PIPELINE_CACHE_DIR"], ignore_errors=True)
+    shutil.rmtree(os.path.dirname(os.environ["WANDB_DATA_DIR"]), ignore_errors=True)
     config.stash[_SESSION_ENV].undo()
 
 
