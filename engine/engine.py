@@ -1329,20 +1329,31 @@ class Engine:
 
         The row stops at its first token whose text holds a whole stop string, as if checked after
         every token (vLLM, transformers): of stop strings that overlap, the one completed first
-        wins. Among those that token completes, the cut is before the earliest one. It is checked
-        once per decode chunk, and the cut does not depend on the chunk's size (engine.*
-        settings change no row): the earliest start in the chunk's text did ("ExSumive" over "Sum"
-        cut before "Ex" at 16 steps a chunk, after it at 1)."""
+        wins, and among those that token completes the cut is before the earliest. A character
+        whose bytes are not all there yet decodes as U+FFFD: until the row is done (`whole`), a
+        text's trailing U+FFFDs are held back, as vLLM's detokenizer holds them, so they match a
+        stop string only once a later token shows them to stay. It is checked once per decode
+        chunk, and the cut does not depend on the chunk's size (engine.* settings change no row):
+        it did where the chunk's text ended in a character's first byte, and with overlapping
+        stop strings ("ExSumive" over "Sum" cut before "Ex" at 16 steps a chunk, after it at 1)."""
         stops = self.sampling.stop
         if not stops or not tokens:
             return None
         if not whole:
-            # Cheap look at the tail first: a stop string ending in the newest chunk lies within it.
-            tail = tokens[-(self.engine_config.decode_chunk_steps + 2 * max(map(len, stops)) + 8):]
+            # Cheap look at the tail first: a stop string ending in the newest chunk (or held back at
+            # the last one's end) lies within it, a token holding at least one of its bytes.
+            longest = max(len(stop.encode("utf-8")) for stop in stops)
+            tail = tokens[-(self.engine_config.decode_chunk_steps + 2 * longest + 8):]
             tail_text = self._decode(tail)
             if not any(stop in tail_text for stop in stops):
                 return None
-        text = self._decode(tokens)
+
+        def seen(k: int) -> str:
+            """The text of the first k tokens as a check after token k sees it."""
+            text = self._decode(tokens[:k])
+            return text if whole and k == len(tokens) else text.rstrip("\ufffd")
+
+        text = seen(len(tokens))
         ends = [i + len(stop) for stop in stops if (i := text.find(stop)) >= 0]
         if not ends:
             return None
@@ -1350,11 +1361,11 @@ class Engine:
         lo, hi = 1, len(tokens)
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(self._decode(tokens[:mid])) >= min(ends):
+            if len(seen(mid)) >= min(ends):
                 hi = mid
             else:
                 lo = mid + 1
-        then = self._decode(tokens[:lo])
+        then = seen(lo)
         hits = [i for i in (then.find(stop) for stop in stops) if i >= 0]
         if hits and text.startswith(then[:min(hits)]):
             cut = min(hits)

@@ -374,29 +374,39 @@ def test_stop_strings_cut_text_and_tokens(llama, greedy_ref, tokenizer):
     assert c.text == (tokenizer.decode(greedy_ref[:pair]) + " " if pair else "")
 
 
-def test_of_overlapping_stop_strings_the_one_completed_first_wins_at_any_chunk_size(llama, greedy_ref, tokenizer):
-    """A stop string that starts earlier but completes later than another ("ExSumive" over
-    "Sum"): the row cut before "Ex" at 16 steps a chunk and after it at 1, under one hash. It now
-    stops where a check after every token would (vLLM, transformers)."""
-    path, _ = llama
-    a = next(i for i in range(9) if greedy_ref.index(greedy_ref[i + 1]) == i + 1)
-    words = [f"x{t}y" for t in greedy_ref]
-    stops = (" ".join(words[a:a + 3]), words[a + 1])
+@pytest.mark.parametrize("completion, stops, kept", [
+    # Overlapping: "ExSumive" begins first, "Sum" is whole first. Cut before "Ex" at 16 steps a chunk, after it at 1.
+    (b"CExSumive and more", ("ExSumive", "Sum"), "CEx"),
+    # A character's first byte decodes as U+FFFD until its second comes: no stop there. Cut at 1 step a chunk.
+    ("ab\u00e9cd\u00e9".encode(), ("\ufffd",), None),
+    ("ab\u00e9cd".encode(), ("b\ufffd", "\ufffdc"), None),
+    # A byte that no later one completes is a U+FFFD that stays, wherever the checks fall.
+    (b"ab\xffcd", ("\ufffd",), "ab"),
+    (b"ab\xc3", ("\ufffd",), "ab"),  # the row's last token: its end shows it stays
+])
+def test_a_stop_strings_cut_does_not_depend_on_when_the_rows_text_is_checked(completion, stops, kept):
+    """The engine checks a row's text once per decode chunk: a row cut differently at another
+    `engine.decode_chunk_steps`, a setting in no hash (found by user audits). Every schedule of
+    checks must cut where a check after every token does (vLLM, transformers)."""
+    from types import SimpleNamespace
 
-    def checked_after_every_token() -> list[int]:
-        for t in range(1, len(greedy_ref) + 1):
-            text = tokenizer.decode(greedy_ref[:t])
-            if hits := [i for i in (text.find(stop) for stop in stops) if i >= 0]:
-                return [tok for k, tok in enumerate(greedy_ref[:t]) if len(" ".join(words[:k + 1])) <= min(hits)]
-        raise AssertionError("no stop string in the reference")
+    tokens = list(completion)  # one token per byte: é is two tokens
+    engine = SimpleNamespace(sampling=SimpleNamespace(stop=stops), engine_config=SimpleNamespace(decode_chunk_steps=4),
+                             _decode=lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    engine._find_stop_string = Engine._find_stop_string.__get__(engine)
 
-    expected = checked_after_every_token()
-    assert len(expected) == a + 1  # before the short one, which starts inside the long one
-    for chunk in (4, 1):
-        engine = Engine.load(path, dtype="float32", engine=EngineConfig(batch_size=2, decode_chunk_steps=chunk),
-                             max_prompt_tokens=16, tokenizer=tokenizer, sampling=SamplingParams(max_new_tokens=12, stop=stops))
-        (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
-        assert (c.finish_reason, c.token_ids) == ("stop", expected), chunk
+    def checked_every(steps: int):
+        for end in range(steps, len(tokens) + steps, steps):
+            if (cut := engine._find_stop_string(tokens[:end], whole=end >= len(tokens))) is not None:
+                return cut
+        return None
+
+    found = {steps: checked_every(steps) for steps in (1, 2, 3, 4, 16)}
+    assert all(cut == found[1] for cut in found.values()), found
+    if kept is None:
+        assert found[1] is None
+    else:
+        assert found[1] == (list(kept.encode()), kept)
 
 
 def test_explicit_batch_that_cannot_fit_fails_before_compiling(llama):
