@@ -3,7 +3,8 @@
 Owns the per-host work split, the part files and resume. Shards are assigned round-robin
 by shard number (shard i -> host i % hosts), and output is keyed by shard, never by host:
 `{out}/shard-00003/part-<time>-<rand>-<N>rows-of<K>.parquet`, N its rows (what `status` counts,
-with no read of the part) and K the number of tokenize's shards it was made from. On start a host reads which (prompt_index, sample_index) pairs its shards already
+with no read of the part) and K the number of tokenize's shards it was made from. On start a
+host reads which (prompt_index, sample_index) pairs its shards already
 committed and asks the engine only for the missing ones, so a rerun with another host count
 resumes the same output. A tokenize rerun (`--force`) that cut the same prompts into another
 number of shards leaves parts of K shards beside the new ones: every host reads those parts'
