@@ -50,6 +50,7 @@ elsewhere through the engine's own XLA operations (engine/llama.py).
 from __future__ import annotations
 
 import collections
+import collections.abc
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -282,6 +283,9 @@ class _Pending:
         self._window_rows = window_rows
         self._rows: collections.deque[_Row] = collections.deque()
         self._exhausted = False
+        self.error: ValueError | None = None
+        """A bad request's (`Engine._rows`): no request after it is read, and `generate` raises it
+        once the rows before it are done and yielded."""
         self.lock = threading.RLock()
         """Held to read or take rows: lanes share the queue (`_admit` holds it across its takes)."""
 
@@ -295,7 +299,11 @@ class _Pending:
             if request is None:
                 self._exhausted = True
                 break
-            window += self._rows_of(request)
+            try:
+                window += self._rows_of(request)
+            except ValueError as error:
+                self.error, self._exhausted = error, True
+                break
         window.sort(key=lambda row: (len(row.prompt), row.prompt_index, row.sample_index))
         self._rows.extend(window)
 
@@ -318,8 +326,8 @@ class _Pending:
         """How many of the next rows (at most `limit`) are samples of the next row's prompt (a
         window holds every requested sample of its prompts)."""
         with self.lock:
-            first = self.peek().prompt_index
-            return sum(1 for _ in itertools.takewhile(lambda row: row.prompt_index == first, itertools.islice(self._rows, limit)))
+            first = self.peek().prompt
+            return sum(1 for _ in itertools.takewhile(lambda row: row.prompt is first, itertools.islice(self._rows, limit)))
 
 
 def _shapes(tree, sharding):
@@ -345,6 +353,12 @@ class _PrefillInputs(NamedTuple):
     prompt_index: np.ndarray  # [R]
     sample_index: np.ndarray  # [R, n]
     targets: np.ndarray | None = None  # [R, C], with sampling.prompt_logprobs: each token's next in its prompt, -1: none
+
+
+def _short(value: Any) -> str:
+    """A value as an error message shows it: its repr, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class _LaneFailed(NamedTuple):
@@ -992,9 +1006,12 @@ class Engine:
     def _rows(self, request: GenerationRequest) -> list[_Row]:
         """One row per requested sample of a checked prompt (a ValueError naming the request's
         prompt_index and what is wrong: the engine's own state stays as it was)."""
+        if not isinstance(request, GenerationRequest):
+            raise ValueError(f"generate takes GenerationRequests, got a {type(request).__name__}: {_short(request)}")
         index = request.prompt_index
-        if not (isinstance(index, numbers.Integral) and 0 <= index < 2**31):
+        if not (isinstance(index, numbers.Integral) and not isinstance(index, bool) and 0 <= index < 2**31):
             raise ValueError(f"GenerationRequest.prompt_index must be an integer in [0, 2**31), got {index!r}")
+        index = int(index)  # a numpy integer comes back as the int it is
         given = np.asarray(request.input_ids)
         if given.ndim != 1 or given.size and given.dtype.kind not in "iu":
             raise ValueError(f"prompt {index}: input_ids must be one list of integer token ids, got an array of shape "
@@ -1008,17 +1025,24 @@ class Engine:
         if outside.size:
             raise ValueError(f"prompt {index} has token ids outside [0, {self.vocab_size}): {int(given[outside[0]])} at "
                              f"position {int(outside[0])}" + (f" and {outside.size - 1} more" if outside.size > 1 else ""))
-        samples = [int(s) for s in request.sample_indices]
-        if len(set(samples)) != len(samples) or not all(0 <= s < self.sampling.n for s in samples):
-            raise ValueError(f"prompt {index}: sample_indices must be distinct samples in [0, sampling.n = "
-                             f"{self.sampling.n}), got {samples}")
+        given_samples = request.sample_indices
+        samples = (list(given_samples) if isinstance(given_samples, collections.abc.Iterable) and not isinstance(given_samples, (str, bytes))
+                   else None)
+        if (samples is None or any(not isinstance(s, numbers.Integral) or isinstance(s, bool) for s in samples)
+                or len(set(samples)) != len(samples) or not all(0 <= s < self.sampling.n for s in samples)):
+            raise ValueError(f"prompt {index}: sample_indices must be a list of distinct samples in [0, sampling.n = "
+                             f"{self.sampling.n}), got {_short(given_samples)}")
+        samples = [int(s) for s in samples]
         ids = given.astype(np.int32)
         return [_Row(index, s, ids) for s in samples]
 
     def generate(self, requests: Iterable[GenerationRequest], stop: Callable[[], bool] | None = None) -> Iterator[Completion]:
         """Yields one Completion per (prompt, sample) requested, in the order rows finish.
-        Safe to abandon part way: nothing is left running on the device between yields (on a
-        global mesh every host must abandon at the same point: use `stop`).
+        Safe to abandon part way: closing the generator (or dropping it) halts the work at its
+        next compiled call. Between yields one lane runs nothing; several lanes run on until at
+        most 2 x batch_size completions wait to be taken, then wait too (on a global mesh every
+        host must abandon at the same point: use `stop`). Each request is one prompt: two
+        requests of one prompt_index are two prompts that share their samples' random draws.
 
         stop: asked before every compiled call; once it returns True on any host, every host's
         generate returns there, together, and sets `self.stopped`.
@@ -1029,37 +1053,53 @@ class Engine:
 
         Requests are read as rows are needed (a generator of a million is never held whole), so
         a bad one (`GenerationRequest`'s checks: a ValueError naming its prompt_index) is raised
-        when it is reached, after the completions before it were yielded."""
+        when it is reached, after the completions of the requests before it were yielded; no
+        request after it is read."""
         self.stopped = False
+        if isinstance(requests, GenerationRequest):
+            raise TypeError("Engine.generate takes an iterable of GenerationRequests (a list of one for one prompt), "
+                            "got one GenerationRequest")
         if not self._getting_ahead:  # engine.compile_during_load off: from the first generate
             self._get_programs_early()
         pending = _Pending(requests, self._rows, window_rows=READ_AHEAD_ROWS_PER_SLOT * self.plan.batch_size)
-        if not pending:
-            return
-        try:
-            if self._lanes == 1:
-                yield from self._lane(pending, stop, threading.Event())
-            else:
-                yield from self._side_by_side(pending, stop)
-        finally:
-            self.stats.peak_memory_bytes = peak_memory_bytes(self.devices)
+        if pending:
+            try:
+                if self._lanes == 1:
+                    yield from self._lane(pending, stop, threading.Event())
+                else:
+                    yield from self._side_by_side(pending, stop)
+            finally:
+                self.stats.peak_memory_bytes = peak_memory_bytes(self.devices)
+        if pending.error is not None and not self.stopped:
+            raise pending.error
 
     def _side_by_side(self, pending: "_Pending", stop: Callable[[], bool] | None) -> Iterator[Completion]:
         """Every lane in a thread of its own; their completions, and the first error, through a
-        queue. Leaving (done, an error, or the caller abandoning the generator) halts the lanes
-        at their next compiled call and waits for them, so nothing runs on after a yield."""
-        results: queue.SimpleQueue = queue.SimpleQueue()
+        bounded queue. Leaving (done, an error, or the caller abandoning the generator) halts the
+        lanes at their next compiled call and waits for them, so nothing runs on after it."""
+        # Bounded: a caller that stops taking completions (a generator set aside in a notebook)
+        # blocks the lanes once it is full, where they computed on into a queue that only grew.
+        results: queue.Queue = queue.Queue(maxsize=2 * self.plan.batch_size)
         halt = threading.Event()
+        left = threading.Event()  # the caller's side has returned: nothing more is taken
+
+        def put(item: Any) -> None:
+            while not left.is_set():
+                try:
+                    results.put(item, timeout=0.1)
+                    return
+                except queue.Full:
+                    pass
 
         def lane() -> None:
             try:
                 for completion in self._lane(pending, stop, halt):
-                    results.put(completion)
+                    put(completion)
             except BaseException as error:  # handed to the caller's thread, raised there
                 halt.set()
-                results.put(_LaneFailed(error))
+                put(_LaneFailed(error))
             finally:
-                results.put(_LANE_DONE)
+                put(_LANE_DONE)
 
         threads = [threading.Thread(target=lane, name=f"engine-lane-{i}", daemon=True) for i in range(self._lanes)]
         for thread in threads:
@@ -1079,6 +1119,7 @@ class Engine:
                     yield item
         finally:
             halt.set()
+            left.set()
             for thread in threads:
                 thread.join()
 
@@ -1193,7 +1234,9 @@ class Engine:
                 if not pending:
                     break
                 job = prefilling[-1] if prefilling else None
-                joins = (job is not None and job.index == pending.peek().prompt_index and job.written == 0
+                # Rows of one request share its ids array: two requests of one prompt_index (the
+                # caller's to avoid) joined one prefill, and the second got the first's prompt.
+                joins = (job is not None and job.rows[0].prompt is pending.peek().prompt and job.written == 0
                          and len(job.rows) < self._group)
                 if not joins and whole and pending.leading(self._group) > len(free) - i:
                     break

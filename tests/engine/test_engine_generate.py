@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -458,11 +459,21 @@ def test_overlong_prompt_is_refused_not_truncated(llama):
                                             "shape (2,) and dtype float64"),
     (GenerationRequest(2, [1, VOCAB, 3, VOCAB + 5], [0]), f"prompt 2 has token ids outside [0, {VOCAB}): {VOCAB} at "
                                                           "position 1 and 1 more"),
-    (GenerationRequest(3, [1, 2], [0, 0]), "prompt 3: sample_indices must be distinct samples in [0, sampling.n = 2), "
-                                           "got [0, 0]"),
-    (GenerationRequest(3, [1, 2], [2]), "prompt 3: sample_indices must be distinct samples in [0, sampling.n = 2), got [2]"),
+    (GenerationRequest(3, [1, 2], [0, 0]), "prompt 3: sample_indices must be a list of distinct samples in [0, "
+                                           "sampling.n = 2), got [0, 0]"),
+    (GenerationRequest(3, [1, 2], [2]), "prompt 3: sample_indices must be a list of distinct samples in [0, sampling.n = 2), "
+                                        "got [2]"),
+    # Ran sample 0, samples 0 and 1, or failed on `int`'s iteration without naming the prompt:
+    (GenerationRequest(3, [1, 2], [0.7]), "prompt 3: sample_indices must be a list of distinct samples in [0, sampling.n = 2), "
+                                          "got [0.7]"),
+    (GenerationRequest(3, [1, 2], "01"), "prompt 3: sample_indices must be a list of distinct samples in [0, sampling.n = 2), "
+                                         "got '01'"),
+    (GenerationRequest(3, [1, 2], 1), "prompt 3: sample_indices must be a list of distinct samples in [0, sampling.n = 2), "
+                                      "got 1"),
     (GenerationRequest(-1, [1, 2], [0]), "GenerationRequest.prompt_index must be an integer in [0, 2**31), got -1"),
     (GenerationRequest(2**31, [1, 2], [0]), "GenerationRequest.prompt_index must be an integer in [0, 2**31), got 2147483648"),
+    (GenerationRequest(True, [1, 2], [0]), "GenerationRequest.prompt_index must be an integer in [0, 2**31), got True"),
+    ((5, [1, 2], [0]), "generate takes GenerationRequests, got a tuple: (5, [1, 2], [0])"),  # was an AttributeError
 ])
 def test_a_bad_request_is_refused_naming_it_before_any_work(llama, request_, message):
     """A library user's mistakes (a tokenizer's [1, L] batch, float ids, an id past the vocabulary,
@@ -475,6 +486,35 @@ def test_a_bad_request_is_refused_naming_it_before_any_work(llama, request_, mes
         list(engine.generate([request_]))
     assert str(err.value).startswith(message), str(err.value)
     assert engine.stats.compilations == 0 and engine.stats.prompt_tokens == 0
+
+
+def test_a_bad_request_comes_after_the_completions_before_it_and_requests_after_it_are_not_read(llama):
+    """A library user's 200 good requests and a bad one got 60 completions, then the ValueError:
+    requests are read ahead, and the error left with the rows read with it."""
+    path, _ = llama
+    engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=2, n=2),
+                         engine=EngineConfig(batch_size=2), max_prompt_tokens=16)
+    read = []
+
+    def requests():
+        for i in range(7):
+            read.append(i)
+            yield GenerationRequest(i, PROMPTS[i % len(PROMPTS)], [0, 1]) if i != 5 else GenerationRequest(5, [], [0])
+
+    got = []
+    with pytest.raises(ValueError, match="prompt 5 has 0 tokens"):
+        for c in engine.generate(requests()):
+            got.append((c.prompt_index, c.sample_index))
+    assert sorted(got) == [(i, s) for i in range(5) for s in (0, 1)] and read == list(range(6))
+
+    # Two requests of one prompt_index are two prompts: the second joined the first's prefill and got its tokens.
+    other = [(t + 1) % VOCAB for t in PROMPTS[1]]
+    alone = {c.sample_index: c.token_ids for c in engine.generate([GenerationRequest(0, other, [1])])}
+    both = [(c.sample_index, c.token_ids) for c in engine.generate([GenerationRequest(0, PROMPTS[1], [0]),
+                                                                      GenerationRequest(0, other, [1])])]
+    assert dict(both)[1] == alone[1] and dict(both)[0] != alone[1]
+    with pytest.raises(TypeError, match="takes an iterable of GenerationRequests .*got one GenerationRequest"):
+        list(engine.generate(GenerationRequest(0, other, [1])))
 
 
 def test_generator_can_be_abandoned(llama, greedy_ref):
@@ -544,6 +584,13 @@ def test_lanes_stop_together_and_can_be_abandoned(llama, greedy_ref):
     requests = [GenerationRequest(i, PROMPTS[i % len(PROMPTS)], [0]) for i in range(20)]
     gen = engine.generate(requests)
     next(gen)
+    # Set aside, not closed (a notebook's): the lanes wait once 2 x batch_size completions wait to be
+    # taken; they computed on into a queue that only grew (779 decode calls in 10 s).
+    calls, deadline = -1, time.monotonic() + 30
+    while calls != engine.stats.decode_calls and time.monotonic() < deadline:
+        calls = engine.stats.decode_calls
+        time.sleep(1.0)
+    assert calls == engine.stats.decode_calls and engine.stats.generated_tokens < 12 * len(requests)
     gen.close()  # the lanes halt at their next call; none runs on
     assert not _lane_threads()
 
