@@ -143,6 +143,11 @@ def compiler_options() -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
+    """One prompt to generate for: `prompt_index` (an int in [0, 2**31), part of every sample's
+    random key), `input_ids` (its token ids, chat template and BOS already applied: a list or a
+    1-D array) and `sample_indices` (which of the n samples to make, e.g. `range(n)`; a resume
+    asks only for the missing ones)."""
+
     prompt_index: int
     """0-based position of the prompt in the input; part of every sample's random key."""
     input_ids: Sequence[int]
@@ -151,8 +156,16 @@ class GenerationRequest:
     """Which of the n samples to make (a resume asks only for the missing ones)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=True)
 class Completion:
+    """One finished (prompt, sample): `prompt_index`, `sample_index`, `token_ids` (EOS or stop
+    token left out, a stop string's tokens cut), `text` (decoded, special tokens left out, cut
+    before the stop string), `finish_reason` (eos, stop or length) and, where the sampling
+    settings ask for them, `logprobs`, `prompt_logprobs`, `top_token_ids` and `top_logprobs`
+    (None otherwise). Compared by value; not hashable (its fields are lists)."""
+
+    __hash__ = None  # type: ignore[assignment]  # frozen made one that raised on the list fields
+
     prompt_index: int
     sample_index: int
     token_ids: list[int]
