@@ -1039,8 +1039,11 @@ class Engine:
             raise ValueError(f"prompt {index} has token ids outside [0, {self.vocab_size}): {int(given[outside[0]])} at "
                              f"position {int(outside[0])}" + (f" and {outside.size - 1} more" if outside.size > 1 else ""))
         given_samples = request.sample_indices
-        samples = (list(given_samples) if isinstance(given_samples, collections.abc.Iterable) and not isinstance(given_samples, (str, bytes))
-                   else None)
+        try:
+            samples = (list(given_samples) if isinstance(given_samples, collections.abc.Iterable)
+                       and not isinstance(given_samples, (str, bytes)) else None)
+        except TypeError:  # iterable in name only: a 0-d numpy array
+            samples = None
         if (samples is None or any(not isinstance(s, numbers.Integral) or isinstance(s, bool) for s in samples)
                 or len(set(samples)) != len(samples) or not all(0 <= s < self.sampling.n for s in samples)):
             raise ValueError(f"prompt {index}: sample_indices must be a list of distinct samples in [0, sampling.n = "
@@ -1052,8 +1055,8 @@ class Engine:
     def generate(self, requests: Iterable[GenerationRequest], stop: Callable[[], bool] | None = None) -> Iterator[Completion]:
         """Yields one Completion per (prompt, sample) requested, in the order rows finish.
         Safe to abandon part way: closing the generator (or dropping it) halts the work at its
-        next compiled call. Between yields one lane runs nothing; several lanes run on until at
-        most 2 x batch_size completions wait to be taken, then wait too (on a global mesh every
+        next compiled call. Between yields one lane runs nothing; several lanes run on until
+        2 x batch_size completions (and one a lane) wait to be taken, then wait too (on a global mesh every
         host must abandon at the same point: use `stop`). Each request is one prompt: two
         requests of one prompt_index are two prompts that share their samples' random draws.
 
@@ -1391,7 +1394,11 @@ class Engine:
         stop string only once a later token shows them to stay. It is checked once per decode
         chunk, and the cut does not depend on the chunk's size (engine.* settings change no row):
         it did where the chunk's text ended in a character's first byte, and with overlapping
-        stop strings ("ExSumive" over "Sum" cut before "Ex" at 16 steps a chunk, after it at 1)."""
+        stop strings ("ExSumive" over "Sum" cut before "Ex" at 16 steps a chunk, after it at 1).
+        That holds where a prefix's text is a prefix of the longer text's, as byte-level BPE
+        decodes (GPT-2, Llama 3, Qwen); a byte-fallback tokenizer (SentencePiece: Llama 2,
+        Mistral, Gemma) decodes a character followed by a stray byte of the same run as U+FFFDs
+        only, so a stop string in such text can still be found at one chunk size and not another."""
         stops = self.sampling.stop
         if not stops or not tokens:
             return None
@@ -1427,15 +1434,12 @@ class Engine:
             cut = min(hits)
         else:  # a prefix's text that is no prefix of the whole's (bytes of one character apart)
             cut = min(i for i in (text.find(stop) for stop in stops) if i >= 0)
-        # Largest k whose decoded prefix fits before the cut (decoded length grows with k).
-        lo, hi = 0, len(tokens)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if len(self._decode(tokens[:mid])) <= cut:
-                lo = mid
-            else:
-                hi = mid - 1
-        while lo > 0 and not text.startswith(self._decode(tokens[:lo])):
-            lo -= 1
-        return tokens[:lo], text[:cut]
+        # The most tokens whose text lies wholly before the cut, from the token that completed the
+        # stop string down: a few tokens. A binary search here assumed the text grows with the
+        # tokens, which byte-fallback tokenizers break (a character cut part-way decodes as one
+        # U+FFFD per byte): it dropped tokens whose text `completion` kept, differently per schedule.
+        keep = lo
+        while keep > 0 and not (len(piece := self._decode(tokens[:keep])) <= cut and text.startswith(piece)):
+            keep -= 1
+        return tokens[:keep], text[:cut]
 

@@ -327,8 +327,9 @@ def _shard_names(out: StepOutput) -> dict[str, str | None]:
 
 def progress(cfg: Config, url: str, upstream: dict[str, str]) -> Committed | None:
     """What `status` says of a partial generate: rows committed so far, of how many (tokenize's
-    rows times sampling.n), read from the parts' footers only (a row a stalled writer committed
-    twice counts twice); None where tokenize is not complete."""
+    rows times sampling.n), from the parts' names (`-<N>rows`; the footers of parts named before
+    names said so), never their rows (a row a stalled writer committed twice counts twice);
+    None where tokenize is not complete."""
     record = status.read_marker(upstream["tokenize"])
     if record is None:
         return None

@@ -115,6 +115,14 @@ def test_an_error_of_several_lines_ends_the_log_on_one_line_that_status_reads(tm
         "error: OSError: Couldn't deserialize thrift. Deserializing page header failed.")
     assert steplog.last_error(step) == "OSError: Couldn't deserialize thrift. Deserializing page header failed."
 
+    # An attempt that fails before printing anything says it stopped too: no end line reads as a host killed.
+    step = str(tmp_path / "tokenize-abc")
+    with pytest.raises(OSError), steplog.step_log(step, host=1):
+        raise OSError("No space left on device")
+    begin, end, error = open(f"{step}/logs/host-00001.log").read().splitlines()
+    assert begin.startswith("=== ") and re.fullmatch(r"=== .* UTC: stopped after \d+\.\d s ===", end), end
+    assert error == "error: OSError: No space left on device"
+
 
 def test_a_step_log_on_remote_storage_is_uploaded_when_the_step_ends():
     from pipeline import storage

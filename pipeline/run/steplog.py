@@ -182,7 +182,8 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
         sys.stdout, sys.stderr = saved
         for tee in tees:
             tee.close_line()
-        if log.file is not None:  # it began: say when it ended, before the error line it ends with
+        if log.file is not None or failed is not None:  # say when it ended, before the error line it ends with
+            # (an attempt that failed before printing anything too: no end line reads as a host killed)
             ended = time.time()
             how = "ended" if failed is None else "stopped"
             log.write_lines([f"{ATTEMPT_MARK} {_utc(ended)}: {how} after {ended - began:.1f} s {ATTEMPT_MARK}"])

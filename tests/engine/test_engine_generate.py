@@ -375,25 +375,31 @@ def test_stop_strings_cut_text_and_tokens(llama, greedy_ref, tokenizer):
     assert c.text == (tokenizer.decode(greedy_ref[:pair]) + " " if pair else "")
 
 
-@pytest.mark.parametrize("completion, stops, kept", [
+@pytest.mark.parametrize("completion, stops, kept, decoding", [
     # Overlapping: "ExSumive" begins first, "Sum" is whole first. Cut before "Ex" at 16 steps a chunk, after it at 1.
-    (b"CExSumive and more", ("ExSumive", "Sum"), "CEx"),
+    (b"CExSumive and more", ("ExSumive", "Sum"), "CEx", "replace"),
     # A character's first byte decodes as U+FFFD until its second comes: no stop there. Cut at 1 step a chunk.
-    ("ab\u00e9cd\u00e9".encode(), ("\ufffd",), None),
-    ("ab\u00e9cd".encode(), ("b\ufffd", "\ufffdc"), None),
+    ("ab\u00e9cd\u00e9".encode(), ("\ufffd",), None, "replace"),
+    ("ab\u00e9cd".encode(), ("b\ufffd", "\ufffdc"), None, "replace"),
     # A byte that no later one completes is a U+FFFD that stays, wherever the checks fall.
-    (b"ab\xffcd", ("\ufffd",), "ab"),
-    (b"ab\xc3", ("\ufffd",), "ab"),  # the row's last token: its end shows it stays
+    (b"ab\xffcd", ("\ufffd",), "ab", "replace"),
+    (b"ab\xc3", ("\ufffd",), "ab", "replace"),  # the row's last token: its end shows it stays
+    # A byte-fallback tokenizer decodes a character cut part-way as one U+FFFD per byte, longer
+    # than the whole character: the kept ids lost the emoji and "b" whose text was kept.
+    (b"a\xf0\x9f\x98\x80bSxyz", ("S",), "a\U0001f600b", "one-per-byte"),
 ])
-def test_a_stop_strings_cut_does_not_depend_on_when_the_rows_text_is_checked(completion, stops, kept):
+def test_a_stop_strings_cut_does_not_depend_on_when_the_rows_text_is_checked(completion, stops, kept, decoding):
     """The engine checks a row's text once per decode chunk: a row cut differently at another
     `engine.decode_chunk_steps`, a setting in no hash (found by user audits). Every schedule of
     checks must cut where a check after every token does (vLLM, transformers)."""
     from types import SimpleNamespace
 
+    import codecs
+
+    codecs.register_error("one-per-byte", lambda err: ("\ufffd" * (err.end - err.start), err.end))
     tokens = list(completion)  # one token per byte: é is two tokens
     engine = SimpleNamespace(sampling=SimpleNamespace(stop=stops), engine_config=SimpleNamespace(decode_chunk_steps=4),
-                             _decode=lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+                             _decode=lambda ids: bytes(ids).decode("utf-8", errors=decoding))  # byte-level BPE's, or byte fallback's
     engine._find_stop_string = Engine._find_stop_string.__get__(engine)
 
     def checked_every(steps: int):
@@ -470,6 +476,8 @@ def test_overlong_prompt_is_refused_not_truncated(llama):
                                          "got '01'"),
     (GenerationRequest(3, [1, 2], 1), "prompt 3: sample_indices must be a list of distinct samples in [0, sampling.n = 2), "
                                       "got 1"),
+    (GenerationRequest(3, [1, 2], np.array(0)), "prompt 3: sample_indices must be a list of distinct samples in [0, "
+                                                "sampling.n = 2), got array(0)"),
     (GenerationRequest(-1, [1, 2], [0]), "GenerationRequest.prompt_index must be an integer in [0, 2**31), got -1"),
     (GenerationRequest(2**31, [1, 2], [0]), "GenerationRequest.prompt_index must be an integer in [0, 2**31), got 2147483648"),
     (GenerationRequest(True, [1, 2], [0]), "GenerationRequest.prompt_index must be an integer in [0, 2**31), got True"),
