@@ -72,6 +72,10 @@ def test_first_run_then_skip_then_dry_run_then_sampling_change(make_config, tmp_
         log = open(os.path.join(step["output"], "logs", "host-00000.log")).read()
         assert log and "\r" not in log
     assert "24/24 samples" in open(os.path.join(steps["generate"]["output"], "logs", "host-00000.log")).read()
+    # A forced generate with every row made prints nothing: its attempt is in the log all the same.
+    assert invoke("run", "generate", "--force", "--config", config).exit_code == 0
+    log = open(os.path.join(steps["generate"]["output"], "logs", "host-00000.log")).read()
+    assert log.count(" began on host 0 ") == 2 and log.count(": ended after ") == 2, log
     assert [s["state"] for s in steps.values()] == ["complete"] * 4
     assert steps["tokenize"]["rows"] == 12 and steps["merge"]["rows"] == 24
     assert not list((runs / ".leases").glob("*.json")), "every lease is released at the end"

@@ -63,7 +63,12 @@ def test_a_step_log_keeps_clean_whole_lines_of_this_host(tmp_path, capsys):
     assert re.fullmatch(r"=== 20\d\d-\d\d-\d\d \d\d:\d\d:\d\d UTC: ended after \d+\.\d s ===", end), end
 
     with steplog.step_log(str(tmp_path / "merge-abc"), host=1):
-        pass  # a host with nothing to say leaves no log (and no folder)
+        pass  # a host with nothing to say that does none of the step's work leaves no log (and no folder)
+    assert not (tmp_path / "merge-abc").exists()
+    with steplog.step_log(str(tmp_path / "merge-abc"), host=0, works=True):
+        pass  # the one doing the work: its attempt is logged whether or not it prints
+    assert [line.split(": ")[1].split(" ")[0] for line in open(f"{tmp_path}/merge-abc/logs/host-00000.log")] == [
+        "merge-abc", "ended"]
 
 
 def test_a_bar_redrawn_for_hours_is_held_as_its_last_state_only(tmp_path):

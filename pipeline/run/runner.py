@@ -320,7 +320,8 @@ def _execute(cfg: Config, planned: PlannedStep, out: StepOutput, wait: bool,
                 say(f"[{step.name}] completed by another runner while this one waited: skipped")
             return None
         out = dataclasses.replace(out, lease=lease if hosts.is_leader() else Lease.follow(lease.url, lease.what, token))
-        with steplog.step_log(out.url, hosts.process_index()):  # under the lease: one writer per log
+        with steplog.step_log(out.url, hosts.process_index(),  # under the lease: one writer per log
+                              works=step.on == "every host" or hosts.is_leader()):
             if step.on == "leader":
                 return hosts.on_leader(tag, lambda: _mark(cfg, planned, out, started, step.run(cfg, out)),
                                        f"step {step.name}")

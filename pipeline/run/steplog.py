@@ -3,8 +3,9 @@
 Owns the log files' names and the tee that fills them: while a step runs, every line this
 process prints (stdout and stderr: the runner's lines, progress, warnings)
 also goes to the step's log of this host, with progress bars' carriage-return redraws reduced
-to their last state and colour codes removed. Each run of the step that prints begins its part of
-the log with a line saying when (UTC) and where (host, machine, pid) it began, and ends it
+to their last state and colour codes removed. Each run of the step on a host that does its
+work (and on any other that prints) begins its part of the log with a line saying when (UTC) and
+where (host, machine, pid) it began, and ends it
 with when it ended and after how long (a host killed, as a preemption does, leaves no end line: the
 next attempt's begin line follows its last output). On local storage the file is appended line by
 line as the step runs; on remote storage (gs://) it is uploaded every SAVE_EVERY_S while the step
@@ -148,8 +149,11 @@ def _said(err: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def step_log(step_url: str, host: int) -> Iterator[None]:
-    """Tee this process's stdout and stderr into the step's log of `host` while the body runs."""
+def step_log(step_url: str, host: int, works: bool = False) -> Iterator[None]:
+    """Tee this process's stdout and stderr into the step's log of `host` while the body runs.
+    works: this host does the step's work, so its attempt is logged at once, whether or not it
+    prints (a generate with nothing left, a host killed while the weights load); a host that only
+    waits (a non-leader in a leader's step) gets a log once it prints something."""
     url = storage.join(step_url, LOG_FOLDER, log_name(host))
     local = storage.is_local(url)
     if local:
@@ -165,6 +169,8 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
     step = step_url.rstrip("/").rsplit("/", 1)[-1]
     log = _LazyFile(path, saved[1], f"{ATTEMPT_MARK} {_utc(began)}: {step} began on host {host} "
                                     f"({socket.gethostname()}, pid {os.getpid()}) {ATTEMPT_MARK}")
+    if works:
+        log.write_lines([])  # the begin line alone
     tees = _Tee(saved[0], log), _Tee(saved[1], log)
     sys.stdout, sys.stderr = tees
     failed: BaseException | None = None
@@ -205,9 +211,11 @@ def step_log(step_url: str, host: int) -> Iterator[None]:
 
 
 def _save_while_running(path: str, url: str, uploading: threading.Lock, done: threading.Event) -> None:
-    """Upload the log every SAVE_EVERY_S while it grows, until the step ends (its end uploads it last)."""
-    size = 0
-    while not done.wait(SAVE_EVERY_S):
+    """Upload the log at once and then every SAVE_EVERY_S while it grows, until the step ends (its
+    end uploads it last): a host killed in its first minute leaves its begin line."""
+    size, wait = 0, 0.0
+    while not done.wait(wait):
+        wait = SAVE_EVERY_S
         try:
             with uploading:
                 if done.is_set() or not os.path.exists(path) or os.path.getsize(path) == size:
