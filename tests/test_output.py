@@ -146,6 +146,31 @@ def test_a_step_log_on_remote_storage_is_uploaded_when_the_step_ends():
         storage.remove("memory://steplog-test", recursive=True)
 
 
+def test_a_remote_step_log_keeps_growing_after_an_upload_while_its_step_runs(monkeypatch):
+    """The upload while the step ran moved the local file to the bucket (`storage.put_file`
+    consumes it): lines after the first upload went to a deleted file, and the bucket's log
+    stopped there, also at the step's end."""
+    import time
+
+    from pipeline import storage
+    from pipeline.run import steplog
+
+    monkeypatch.setattr(steplog, "SAVE_EVERY_S", 0.05)
+    step = "memory://steplog-growing/runs/generate-abc"
+    url = f"{step}/logs/host-00000.log"
+    try:
+        with steplog.step_log(step, host=0, works=True):
+            print("before the first upload")
+            deadline = time.monotonic() + 10
+            while not (storage.exists(url) and b"before" in storage.read_bytes(url)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            print("after it")
+        lines = storage.read_bytes(url).decode().splitlines()
+        assert lines[1:3] == ["before the first upload", "after it"] and " ended after " in lines[3], lines
+    finally:
+        storage.remove("memory://steplog-growing", recursive=True)
+
+
 def test_a_step_log_that_cannot_be_written_does_not_fail_the_step(tmp_path, capsys):
     from pipeline.run import steplog
 

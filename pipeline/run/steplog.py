@@ -203,7 +203,7 @@ def step_log(step_url: str, host: int, works: bool = False) -> Iterator[None]:
             try:  # not after a storage failure: no retrying the log's upload against that storage
                 if os.path.exists(path) and not isinstance(failed, StorageError):
                     with uploading:
-                        storage.put_file(path, url)
+                        _upload(path, url)
             except Exception as err:  # noqa: BLE001 - a lost log must not fail (or hide the error of) the step
                 saved[1].write(f"warning: the step log could not be saved to {url}: {err}\n")
             finally:
@@ -221,6 +221,13 @@ def _save_while_running(path: str, url: str, uploading: threading.Lock, done: th
                 if done.is_set() or not os.path.exists(path) or os.path.getsize(path) == size:
                     continue
                 size = os.path.getsize(path)
-                storage.put_file(path, url)
+                _upload(path, url)
         except Exception:  # noqa: BLE001 - the upload at the step's end says what is wrong, once
             pass
+
+
+def _upload(path: str, url: str) -> None:
+    """A copy of the log as it is now: the file stays and grows (`storage.put_file` consumed it, so
+    the first upload while the step ran was also the last: the log stopped there)."""
+    with open(path, "rb") as f:
+        storage.write_bytes(url, f.read())
