@@ -156,7 +156,7 @@ class GenerationRequest:
     """Which of the n samples to make (a resume asks only for the missing ones)."""
 
 
-@dataclasses.dataclass(frozen=True, eq=True)
+@dataclasses.dataclass(frozen=True)
 class Completion:
     """One finished (prompt, sample): `prompt_index`, `sample_index`, `token_ids` (EOS or stop
     token left out, a stop string's tokens cut), `text` (decoded, special tokens left out, cut
@@ -1416,10 +1416,15 @@ class Engine:
             text = self._decode(tokens[:k])
             return text if whole and k == len(tokens) else text.rstrip("\ufffd")
 
+        def found(text: str) -> dict[str, int]:
+            """Where each stop string the text holds first begins."""
+            return {stop: i for stop in stops if (i := text.find(stop)) >= 0}
+
         text = seen(len(tokens))
-        ends = [i + len(stop) for stop in stops if (i := text.find(stop)) >= 0]
-        if not ends:
+        starts = found(text)
+        if not starts:
             return None
+        ends = [i + len(stop) for stop, i in starts.items()]
         # The first token whose text reaches the earliest end (decoded length grows with the tokens).
         lo, hi = 1, len(tokens)
         while lo < hi:
@@ -1429,11 +1434,11 @@ class Engine:
             else:
                 lo = mid + 1
         then = seen(lo)
-        hits = [i for i in (then.find(stop) for stop in stops) if i >= 0]
+        hits = found(then).values()
         if hits and text.startswith(then[:min(hits)]):
             cut = min(hits)
         else:  # a prefix's text that is no prefix of the whole's (bytes of one character apart)
-            cut = min(i for i in (text.find(stop) for stop in stops) if i >= 0)
+            cut = min(starts.values())
         # The most tokens whose text lies wholly before the cut, from the token that completed the
         # stop string down: a few tokens. A binary search here assumed the text grows with the
         # tokens, which byte-fallback tokenizers break (a character cut part-way decodes as one
