@@ -132,18 +132,18 @@ def upload(cfg: Config, out: StepOutput) -> StepResult:
     run_id = _run_id(cfg, out)
     local = _local_folder(out, run_id)
     parquet = [f for f in merged.files if f["path"].endswith(".parquet")]
-    table = min(merged.rows, cfg.wandb.table_max_rows, wandb.Table.MAX_ARTIFACT_ROWS)
+    table_cap = min(cfg.wandb.table_max_rows, wandb.Table.MAX_ARTIFACT_ROWS)
     # Nothing of W&B's own is printed: a large result's logging (online: its upload) said nothing for minutes.
     size = sum(f.get("bytes", 0) for f in parquet)
     size_text = f"{size / 2**20:,.1f} MiB" if size >= 2**20 else f"{size / 2**10:,.1f} KiB"
     print(f"upload: logging {merged.rows:,} rows ({len(parquet)} merged file{'s' if len(parquet) != 1 else ''}, "
-          f"{size_text}, and a table of {table:,} rows) to the "
+          f"{size_text}, and a table of {min(merged.rows, table_cap):,} rows) to the "
           f"{mode} W&B run {run_id} of project {cfg.wandb.project}", file=sys.stderr, flush=True)
     # Every read of the merged files comes before the W&B run begins, so a damaged one fails naming
     # itself and merge's fix, and is never logged (nor blamed on W&B).
     copies = _local_copies(merge_url, merged.files, local)
     lengths = _completion_lengths(copies)
-    columns, data = _table_data(copies, min(cfg.wandb.table_max_rows, wandb.Table.MAX_ARTIFACT_ROWS))
+    columns, data = _table_data(copies, table_cap)
     paths = list(copies.values())
     wandb_dir = os.path.join(local, "wandb")
     preemption.check()  # the merged files are read: a stop asked meanwhile is heard before anything changes
