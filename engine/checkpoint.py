@@ -153,10 +153,13 @@ def read_config(url: str) -> dict[str, Any]:
 
 
 def eos_token_ids(url: str, config: dict[str, Any]) -> list[int]:
-    """The ids that end a completion: generation_config.json's eos_token_id, else config.json's."""
+    """The ids that end a completion, as transformers' `generate` takes them: generation_config.json's
+    eos_token_id where that file exists (none if it names none), else config.json's."""
     folder = _Folder.open(url)
-    generation = folder.read_json(GENERATION_CONFIG_FILE) if GENERATION_CONFIG_FILE in folder.names else {}
-    value = generation.get("eos_token_id", config.get("eos_token_id"))
+    if GENERATION_CONFIG_FILE in folder.names:
+        value = folder.read_json(GENERATION_CONFIG_FILE).get("eos_token_id")
+    else:
+        value = config.get("eos_token_id")
     if value is None:
         return []
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
@@ -380,7 +383,7 @@ def _llama_config(folder: _Folder):
     if not isinstance(architectures, list) or any(not str(a).endswith("ForCausalLM") and
                                                   a != "Gemma3ForConditionalGeneration" for a in architectures):
         raise NotACheckpoint(f"model.path {folder.url}: architectures {architectures!r} in config.json is not a "
-                             f"causal LM (supported: LlamaForCausalLM, GraniteForCausalLM, GraniteMoeForCausalLM, "
+                             f"supported architecture (supported: LlamaForCausalLM, GraniteForCausalLM, GraniteMoeForCausalLM, "
                              f"MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, "
                              f"Qwen3MoeForCausalLM, Olmo2ForCausalLM, OlmoeForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, "
                              f"Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model)")

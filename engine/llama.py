@@ -275,13 +275,16 @@ class LlamaConfig:
                 raise refuse(key, cfg[key], "is not supported (only null)")
         if cfg.get("mlp_bias", False):
             raise refuse("mlp_bias", cfg["mlp_bias"], "is not supported (only false)")
-        if cfg.get("quantization_config"):
-            raise refuse("quantization_config", cfg["quantization_config"].get("quant_method"), "is not supported")
+        if quantization := cfg.get("quantization_config"):  # bitsandbytes' older configs name no quant_method
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+            raise refuse("quantization_config", method or quantization, "is not supported (quantized weights)")
         if model_type in ("olmo2", "olmoe") and cfg.get("attention_bias", False):
             raise refuse("attention_bias", cfg["attention_bias"], f"is not supported for {model_type} (only false)")
         if cfg.get("clip_qkv") is not None:  # OLMoE's option to clamp queries, keys and values
             raise refuse("clip_qkv", cfg["clip_qkv"], "is not supported (only null)")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        # transformers reads config.json's rope_scaling over its rope_parameters, which transformers 5
+        # writes into every config it saves: model cards tell users to add rope_scaling (Qwen's YaRN).
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         windowed_layers, local_rope_theta, linear_factor = None, None, None
         if model_type == "gemma3_text":
             rope, local_rope_theta, linear_factor = _gemma_rope(cfg, refuse)
@@ -296,7 +299,8 @@ class LlamaConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if model_type == "phi3" and rope_type in ("su", "yarn"):
             rope_type = "longrope"  # what transformers' Phi3Config reads both names as (Phi-3-128k's first configs)
-        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        default_theta = 1e6 if model_type == "mixtral" else 1e4  # transformers' MixtralConfig's default_theta
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", default_theta)))
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
         rope_llama3, longrope = None, {}

@@ -136,7 +136,7 @@ def break_model(case: str, folder: Path) -> str:
         return f"model.path {folder} has no config.json"
     if case == "wrong architecture":
         edit_config(folder, model_type="gpt2", architectures=["GPT2LMHeadModel"])
-        return f"model.path {folder}: architectures ['GPT2LMHeadModel']"
+        return f"model.path {folder}: architectures ['GPT2LMHeadModel'] in config.json is not a supported architecture"
     if case == "unsupported model_type":
         edit_config(folder, model_type="gemma", architectures=["GemmaForCausalLM"])
         return f"model.path {folder}/config.json: model_type 'gemma' is not supported"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 
 import equinox as eqx
@@ -405,11 +406,68 @@ def test_unsupported_architecture_is_refused(llama, tmp_path):
     # Phi-3's longrope belongs to Phi-3.
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [1.0]}},
      r"rope type 'longrope' is not supported for llama \(supported: default, llama3\)"),
+    # A rope_scaling added beside the rope_parameters transformers 5 saves (Qwen's cards' YaRN) is the one read.
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+      "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+     r"rope type 'yarn' is not supported for llama \(supported: default, llama3\)"),
 ])
 def test_rotations_the_engine_does_not_implement_are_refused(llama, edit, message):
     data = {**json.load(open(f"{llama[0]}/config.json")), **edit}
     with pytest.raises(UnsupportedModelError, match=f"config.json: {message}"):
         LlamaConfig.from_hf(data, source="config.json")
+
+
+@pytest.mark.parametrize("quantization, named", [
+    ({"quant_method": "awq", "bits": 4}, "'awq'"),
+    ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "{'load_in_4bit': True, "),  # bitsandbytes' older form
+])
+def test_quantized_weights_are_refused_naming_their_method(llama, quantization, named):
+    data = {**json.load(open(f"{llama[0]}/config.json")), "quantization_config": quantization}
+    with pytest.raises(UnsupportedModelError, match=f"config.json: quantization_config {re.escape(named)}.* is not supported"):
+        LlamaConfig.from_hf(data, source="config.json")
+
+
+@pytest.mark.parametrize("generation_config, expected", [({"eos_token_id": [5, 7]}, [5, 7]), ({"bos_token_id": 1}, []),
+                                                         (None, [3])])
+def test_the_eos_ids_are_those_transformers_generate_takes(llama, tmp_path, generation_config, expected):
+    """generation_config.json's where it exists, even naming none; else config.json's."""
+    import transformers
+
+    from engine import checkpoint
+
+    path = _edited_checkpoint(llama[0], tmp_path / "ckpt", eos_token_id=3)
+    (tmp_path / "ckpt" / "generation_config.json").unlink()
+    if generation_config is not None:
+        (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps(generation_config))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path).generation_config.eos_token_id
+    ours = checkpoint.eos_token_ids(path, json.load(open(f"{path}/config.json")))
+    assert ours == expected == ([] if theirs is None else [theirs] if isinstance(theirs, int) else list(theirs))
+
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("model_type, edit", [
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": _LLAMA3_ROPE}),
+    ("llama", {"rope_theta": 2.5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+               "rope_scaling": _LLAMA3_ROPE}),
+    ("llama", {"rope_theta": 2.5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}),
+    ("mixtral", {"rope_parameters": None}),  # no theta anywhere: the class's default
+])
+def test_the_rotation_read_from_a_config_is_the_one_transformers_reads(llama, tmp_path, model_type, edit):
+    import transformers
+
+    data = {**json.load(open(f"{llama[0]}/config.json")), "model_type": model_type}
+    data.pop("rope_theta", None)  # a top-level theta only where the case puts one
+    data.update(edit)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters
+    ours = LlamaConfig.from_hf(data, source="config.json")
+    assert ours.rope_theta == theirs["rope_theta"]
+    expected = (None if theirs["rope_type"] == "default" else
+                tuple(theirs[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")))
+    assert ours.rope_llama3 == expected
 
 
 @pytest.mark.parametrize("edit, message", [
