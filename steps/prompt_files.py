@@ -14,7 +14,7 @@ text, text not a string, empty prompt, bad conversation, missing id, bad id. An 
 non-empty string or an integer (any size; kept as its decimal string). With
 `prompts.chat_template` a JSONL or Parquet text may also be a conversation, a list of
 {role, content} messages: its text is then a `Conversation`. Problems with a whole file
-(unknown type, unreadable, corrupt) raise StepFailed naming the URL; a .txt file with
+(unknown type, unreadable, corrupt, UTF-16 or UTF-32 by its byte order mark) raise StepFailed naming the URL; a .txt file with
 `id_field` set is a ConfigError.
 
 Reading: text formats in READ_BYTES blocks of whole lines; a JSONL block is parsed by
@@ -85,6 +85,17 @@ def read_rows(url: str, options: PromptsConfig) -> Iterator[list[Row]]:
                 yield from _text_rows(f, options, is_jsonl=kind == "jsonl")
     except (OSError, EOFError, zlib.error, lzma.LZMAError, pa.ArrowException) as err:
         raise StepFailed(f"prompts file {url} could not be read: {type(err).__name__}: {err}") from err
+    except _NotUtf8 as err:
+        raise StepFailed(f"prompts file {url} is {err} text (it begins with a {err} byte order mark); prompts files "
+                         f"must be UTF-8: convert it, e.g. iconv -f {err} -t UTF-8") from err
+
+
+_OTHER_UNICODE = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
+"""Byte order marks of the encodings Windows tools write as 'Unicode' (longest first)."""
+
+
+class _NotUtf8(Exception):
+    """A text file in another Unicode encoding (its byte order mark says which)."""
 
 
 def _blocks(f: Any) -> Iterator[tuple[int, bytes, list[bytes]]]:
@@ -93,6 +104,8 @@ def _blocks(f: Any) -> Iterator[tuple[int, bytes, list[bytes]]]:
     while block := f.read(READ_BYTES):
         if first and block.startswith(b"\xef\xbb\xbf"):
             block = block[3:]  # a UTF-8 byte order mark is not part of the first prompt
+        elif first and (encoding := next((e for m, e in _OTHER_UNICODE.items() if block.startswith(m)), None)):
+            raise _NotUtf8(encoding)  # its lines would be read as UTF-8 with a NUL in every other byte
         first = False
         cut = block.rfind(b"\n") + 1
         if not cut:  # no line ends in this block: keep it for the next (no quadratic copying)
@@ -188,17 +201,21 @@ def _json_row(number: int, line: str, options: PromptsConfig) -> Row:
         return number, None, None, line, ("not a JSON object", f"got {_type_name(obj)}")
     id_field = options.id_field
     return _fields(number, obj.get(options.text_field, _MISSING), obj.get(id_field, _MISSING) if id_field else None,
-                   line, options)
+                   line, options, fields=("the line's fields", list(obj)))
 
 
-def _fields(number: int, text: Any, raw_id: Any, raw: str, options: PromptsConfig) -> Row:
+def _fields(number: int, text: Any, raw_id: Any, raw: str, options: PromptsConfig,
+            fields: tuple[str, list[str]]) -> Row:
     """A row from its text and id values, checked: missing/null/non-string, empty, a conversation
-    (with the chat template), bad id."""
+    (with the chat template), bad id. fields: the row's field names and whose they are, for a
+    missing field's message ("the line's fields", "the file's columns")."""
     text_field, id_field = options.text_field, options.id_field
     prompt_id, id_problem = None, None
     if id_field is not None:
-        if raw_id is _MISSING or raw_id is None:
-            id_problem = ("missing id", f"no {id_field!r} field" if raw_id is _MISSING else f"{id_field!r} is null")
+        if raw_id is _MISSING:
+            id_problem = ("missing id", _no_field(id_field, "prompts.id_field", fields, ", or to null to number the prompts"))
+        elif raw_id is None:
+            id_problem = ("missing id", f"{id_field!r} is null")
         elif isinstance(raw_id, str) and raw_id:
             if is_text(raw_id):
                 prompt_id = raw_id
@@ -215,7 +232,7 @@ def _fields(number: int, text: Any, raw_id: Any, raw: str, options: PromptsConfi
         else:
             id_problem = ("bad id", f"{id_field!r} is {_type_name(raw_id)}, expected a non-empty string or an integer")
     if text is _MISSING or text is None:
-        detail = f"no {text_field!r} field" if text is _MISSING else f"{text_field!r} is null"
+        detail = _no_field(text_field, "prompts.text_field", fields) if text is _MISSING else f"{text_field!r} is null"
         return number, None, prompt_id, raw, ("missing text", detail)
     if isinstance(text, list) and options.chat_template:
         problem = _conversation_problem(text, text_field)
@@ -230,8 +247,19 @@ def _fields(number: int, text: Any, raw_id: Any, raw: str, options: PromptsConfi
     return number, text, prompt_id, raw, id_problem
 
 
+def _no_field(name: str, key: str, fields: tuple[str, list[str]], alternative: str = "") -> str:
+    """"no 'id' field (set prompts.id_field to one of the line's fields: text, label, or to null
+    to number the prompts)": the setting to change, and what to. fields: (whose, names)."""
+    whose, names = fields
+    if not names:
+        return f"no {name!r} field ({whose}: none)"
+    shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+    return f"no {name!r} field (set {key} to one of {whose}: {shown}{alternative})"
+
+
 def _parquet_rows(f: Any, options: PromptsConfig) -> Iterator[list[Row]]:
     pf = pq.ParquetFile(f)
+    columns = ("the file's columns", [c for c in pf.schema_arrow.names if c != "__index_level_0__"])  # pandas' index
     wanted = [c for c in (options.text_field, options.id_field) if c and c in pf.schema_arrow.names]
     number = 0
     for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=wanted):
@@ -247,7 +275,7 @@ def _parquet_rows(f: Any, options: PromptsConfig) -> Iterator[list[Row]]:
                 raw_id = raw_id.raw.encode()  # a bytes id is reported as a bad id
             raw = text if isinstance(text, str) else "" if text is _MISSING else \
                 json.dumps(text, default=repr, ensure_ascii=False)  # a conversation's, if its template fails it
-            row = _fields(number, text, raw_id, raw, options)
+            row = _fields(number, text, raw_id, raw, options, fields=columns)
             if row[4] is not None:  # a bad row: what it held, as a JSONL line would show it
                 row = (*row[:3], _parquet_raw(options, text, raw_id), row[4])
             rows.append(row)

@@ -489,7 +489,8 @@ class _Rejects:
         self.path, self.keep = path, keep
         self.count = 0
         self.kinds: Counter[str] = Counter()
-        self.first: tuple[str, int, str, bool] | None = None
+        self.firsts: dict[str, tuple[str, int, str]] = {}
+        """Each kind's first bad row: (url, line, detail), in the order the kinds came."""
         self.rows: list[tuple] = []
         self.writer: pq.ParquetWriter | None = None
 
@@ -503,8 +504,7 @@ class _Rejects:
         reason = f"{kind}: {detail}" if detail else kind
         self.count += 1
         self.kinds[kind] += 1
-        if self.first is None:
-            self.first = (url, line, reason, url.lower().endswith(".parquet"))
+        self.firsts.setdefault(kind, (url, line, detail))
         if self.keep:
             if len(raw) > RAW_CHARS:
                 raw = raw[:RAW_CHARS] + f"... [{len(raw) - RAW_CHARS} more characters]"
@@ -523,19 +523,35 @@ class _Rejects:
         self.rows = []
 
     def first_and_counts(self) -> str:
-        url, line, reason, is_parquet = self.first
-        counts = ", ".join(f"{n} {kind}" for kind, n in self.kinds.most_common())
-        return f"first: {url} {'row' if is_parquet else 'line'} {line}: {reason}; by reason: {counts}"
+        kind = next(iter(self.firsts))
+        return f"first: {self._where(kind)}: {self._reason(kind)}; by reason: {self._counts(self.kinds, kind)}"
 
     def failure_message(self) -> str:
-        url, line, reason, is_parquet = self.first
+        kind = next(iter(self.firsts))
         more = ""
         if self.count > 1:
             rest = self.kinds.copy()
-            rest[reason.split(":", 1)[0]] -= 1
-            more = f"; {self.count - 1} more bad rows ({', '.join(f'{n} {k}' for k, n in rest.most_common() if n)})"
-        return (f"prompts file {url} {'row' if is_parquet else 'line'} {line}: {reason}{more}; nothing written "
+            rest[kind] -= 1
+            more = f"; {self.count - 1} more bad rows ({self._counts(rest, kind)})"
+        return (f"prompts file {self._where(kind)}: {self._reason(kind)}{more}; nothing written "
                 f"(fix the input, or set prompts.on_invalid=skip to record bad rows in {REJECTED_FILE} and go on)")
+
+    def _where(self, kind: str, named: str | None = None) -> str:
+        """"F line 3" ("line 3" where F is `named`, the file already in the message)."""
+        url, line, _ = self.firsts[kind]
+        return f"{'' if url == named else url + ' '}{'row' if url.lower().endswith('.parquet') else 'line'} {line}"
+
+    def _reason(self, kind: str) -> str:
+        detail = self.firsts[kind][2]
+        return f"{kind}: {detail}" if detail else kind
+
+    def _counts(self, counts: Counter[str], shown: str) -> str:
+        """'N kind' for each kind; the first row of each kind but `shown` (already named) with
+        where and why, as its hint may be the one that helps (pandas' float ids after a null)."""
+        named = self.firsts[shown][0]
+        return "; ".join(f"{n} {kind}" if kind == shown else
+                         f"{n} {kind}, first at {self._where(kind, named)}: {self._reason(kind)}"
+                         for kind, n in counts.most_common() if n)
 
     def commit(self, out: StepOutput) -> list[dict[str, Any]]:
         if not self.keep or not self.count:

@@ -451,7 +451,9 @@ def test_fail_counts_every_bad_row_by_reason(tmp_path, demo_model):
     assert result.exit_code == 1
     assert error_line(result).startswith(
         f"error: prompts file {path} line 2: invalid JSON: Expecting property name enclosed in double quotes: "
-        "line 1 column 2 (char 1); 3 more bad rows (2 too long, 1 duplicate prompt_id); nothing written")
+        "line 1 column 2 (char 1); 3 more bad rows (2 too long, first at line 3: too long: 602 tokens > "
+        "prompts.max_prompt_tokens=64; 1 duplicate prompt_id, first at line 4: duplicate prompt_id: 'a' is already used "
+        "by an earlier row); nothing written")
 
 
 def test_long_raw_text_is_truncated_in_rejected_parquet_only(tmp_path, demo_model):
@@ -462,6 +464,38 @@ def test_long_raw_text_is_truncated_in_rejected_parquet_only(tmp_path, demo_mode
                                        max_prompt_tokens=100))
     (rejected,) = storage.read_parquet(storage.join(url, "rejected.parquet")).to_pylist()
     assert rejected["raw"] == "z" * 1000 + "... [4000 more characters]"
+
+
+def test_a_field_no_row_has_is_named_with_the_setting_and_the_fields_there_are(tmp_path, demo_model):
+    """A dataset without the configured id (or text) field: every row says which setting to
+    change and to what, so that the fix is in the message, not in on_invalid=skip."""
+    path = put(tmp_path / "p.jsonl", jsonl({"instruction": "Say hi.", "output": "hi"}, {"instruction": "Go.", "output": "ok"}))
+    expected = {("prompt", None): "missing text: no 'prompt' field (set prompts.text_field to one of the line's fields: "
+                                  "instruction, output); 1 more bad rows (1 missing text)",
+                ("instruction", "id"): "missing id: no 'id' field (set prompts.id_field to one of the line's fields: "
+                                       "instruction, output, or to null to number the prompts); 1 more bad rows"}
+    for (text_field, id_field), message in expected.items():
+        config = write_config(tmp_path, demo_model, path=path, text_field=text_field, id_field=id_field)
+        result = cli("run", "tokenize", "--config", config)
+        assert result.exit_code == 1
+        assert error_line(result).startswith(f"error: prompts file {path} line 1: {message}")
+        result = cli("run", "tokenize", "--config", config, "--set", "prompts.on_invalid=skip")
+        assert result.exit_code == 1
+        assert error_line(result).startswith(f"error: prompts.path {path}: all 2 rows were rejected; first: {path} line 1: "
+                                             f"{message.split(';')[0]}")
+
+
+def test_each_kind_of_bad_row_is_shown_by_its_first_row(tmp_path, demo_model):
+    """pandas writes integer ids with a null among them as floats: the null row comes first, and
+    the float rows' hint still reaches the message."""
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "id": pa.array([None, 1.0, 2.0])}), path)
+    result = cli("run", "tokenize", "--config", write_config(tmp_path, demo_model, path=str(path), id_field="id"))
+    assert result.exit_code == 1
+    assert error_line(result).startswith(
+        f"error: prompts file {path} row 1: missing id: 'id' is null; 2 more bad rows (2 bad id, first at row 2: bad id: "
+        "'id' is 1.0, a float, expected a non-empty string or an integer (integer ids with nulls become floats in pandas: "
+        "store them as Int64 or as strings)); nothing written")
 
 
 def test_bad_parquet_rows(tmp_path, demo_model):
@@ -479,7 +513,8 @@ def test_bad_parquet_rows(tmp_path, demo_model):
     result = cli("run", "tokenize", "--config", write_config(tmp_path, demo_model, path=str(tmp_path / "q.parquet")))
     assert result.exit_code == 1
     assert error_line(result).startswith(f"error: prompts file {tmp_path / 'q.parquet'} row 1: missing text: "
-                                         "no 'prompt' field; 1 more bad rows (1 missing text)")
+                                         "no 'prompt' field (set prompts.text_field to one of the file's columns: other); "
+                                         "1 more bad rows (1 missing text)")
 
 
 # --- whole-input problems: both modes -------------------------------------------------------
@@ -515,6 +550,11 @@ WHOLE_INPUT = {
                      "unsupported file type (expected .jsonl, .ndjson, .txt or .parquet; text files may be compressed: "
                      "bz2, gz, lzma, xz; a .zip holds files: unpack it)"),
     "every row bad": (lambda d: put(d / "p.jsonl", b"{x\n[1]\n"), "all 2 rows were rejected"),
+    # Notepad's and PowerShell 5's 'Unicode': its lines had been read as UTF-8, a NUL in every other byte
+    "UTF-16 text": (lambda d: put(d / "p.txt", "alpha\r\nbeta\r\n".encode("utf-16")),
+                    "is UTF-16 text (it begins with a UTF-16 byte order mark); prompts files must be UTF-8"),
+    "UTF-32 JSONL": (lambda d: put(d / "p.jsonl", jsonl(GOOD_1).decode().encode("utf-32")),
+                     "is UTF-32 text (it begins with a UTF-32 byte order mark)"),
     # found while hashing the inputs, before the step starts:
     "unreachable host": (lambda d: "http://127.0.0.1:1/p.jsonl",
                          "could not be read: storage: could not list http://127.0.0.1:1/p.jsonl (ClientConnectorError"),
