@@ -141,7 +141,8 @@ class GenerateSummary:
     hosts: list[dict[str, Any]]
     """Each host's HostMetrics of each run of the step (a resumed step has a host's earlier runs too)."""
     generated_tokens: int
-    """Over every run of the step."""
+    """Over every run of the step: what the engine made, with each row's ending EOS or stop token
+    and a stop string's tokens (more than the rows' num_completion_tokens where rows end early)."""
     wall_s: float
     """The longest of the hosts' runs."""
     compile_s: float

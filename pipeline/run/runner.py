@@ -271,7 +271,7 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
             say(f"[{planned.name}] {planned.reason} -> {planned.url}")
         result = _execute(cfg, planned, out, wait, say)
         if hosts.is_leader() and result is not None:
-            say(f"[{planned.name}] complete: {result.rows} rows in {time.time() - started:.1f}s "
+            say(f"[{planned.name}] complete: {result.rows:,} rows in {time.time() - started:.1f}s "
                 f"{_summary_line(result.summary_dict())}")
         by_name[planned.name] = dataclasses.replace(planned, state="complete", rows=result.rows if result else None)
     hosts.barrier("end", "every host to finish")  # nobody leaves while the leader still works
