@@ -55,6 +55,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import atexit
 import gc
 import itertools
 import numbers
@@ -62,6 +63,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Sequence
 
 import jax
@@ -93,6 +95,22 @@ def compiling_ahead() -> bool:
     interpreter's exit waits for it (XLA cannot stop a compile it has begun): a process ending on
     an error need not (pipeline/cli.py)."""
     return any(thread.name.startswith(_AHEAD) and thread.is_alive() for thread in threading.enumerate())
+
+
+_UNFINISHED: "weakref.WeakSet[Iterator[Completion]]" = weakref.WeakSet()
+"""`generate`'s generators not yet finished or dropped: closed as the interpreter exits."""
+
+
+@atexit.register  # after jax's own (registered first, so run later)
+def _close_unfinished() -> None:
+    """Closes the generators a script left unfinished, as the interpreter exits: closing halts
+    their lanes and prefill threads and waits for them. Daemon threads still inside an XLA call
+    when the interpreter finalizes abort the process (C++ unwinding through a thread it ends)."""
+    for completions in list(_UNFINISHED):
+        try:
+            completions.close()
+        except ValueError:  # running in another thread (a daemon's): nothing to do from here
+            pass
 
 
 _paused_by = 0
@@ -296,6 +314,8 @@ class _Pending:
         self._window_rows = window_rows
         self._rows: collections.deque[_Row] = collections.deque()
         self._exhausted = False
+        self.stopped = False
+        """The call's `stop` asked (any lane saw it): `generate` returns there, its error not raised."""
         self.error: ValueError | None = None
         """A bad request's (`Engine._rows`): no request after it is read, and `generate` raises it
         once the rows before it are done and yielded."""
@@ -426,6 +446,10 @@ class _Stager:
         """The lane waits for the staging cache, or copies from it: no new prefill call starts."""
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="engine-prefill", daemon=True)
+
+    def start(self) -> None:
+        """Starts the thread; called once the lane holds the stager, so that its `close` always
+        comes (a Ctrl-C inside `Thread.start` left the thread waiting forever)."""
         self._thread.start()
 
     def _loop(self) -> None:
@@ -510,11 +534,13 @@ class _Stager:
                 self._cond.notify_all()
 
     def close(self) -> None:
-        """Stops the prefill thread after its current call and waits for it."""
+        """Stops the prefill thread after its current call and waits for it (one not started yet
+        sees `_closing` first and returns)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def _checked_arguments(model_path: Any, sampling: Any, engine: Any) -> str:
@@ -826,12 +852,12 @@ class Engine:
         with lock:
             compiled = _COMPILED.get(key)
             if compiled is None:
-                if self.on_compile is not None:
-                    self.on_compile(kind)
                 if after is not None:
                     after.wait()
                 if not used and self._closed.is_set():
                     return None  # got ahead of its call, but the run was abandoned (`close`)
+                if self.on_compile is not None:  # announced once it is sure to compile (here or from the cache)
+                    self.on_compile(kind)
                 hits = compile_cache.hits()  # this thread's
                 start = time.perf_counter()
                 with self.layout.tracing():
@@ -1060,8 +1086,9 @@ class Engine:
         host must abandon at the same point: use `stop`). Each request is one prompt: two
         requests of one prompt_index are two prompts that share their samples' random draws.
 
-        stop: asked before every compiled call; once it returns True on any host, every host's
-        generate returns there, together, and sets `self.stopped`.
+        stop: asked before every compiled call (by each lane's thread, so it must be safe to call
+        from several); once it returns True on any host, every host's generate returns there,
+        together, and sets `self.stopped` (for this call: another generate has its own).
 
         With several lanes (`engine.lanes`, host_dp only) each lane runs in a thread of its own,
         taking rows from the same queue, and their completions come back here in the order they
@@ -1070,7 +1097,13 @@ class Engine:
         Requests are read as rows are needed (a generator of a million is never held whole), so
         a bad one (`GenerationRequest`'s checks: a ValueError naming its prompt_index) is raised
         when it is reached, after the completions of the requests before it were yielded; no
-        request after it is read."""
+        request after it is read. A generator left unfinished when the interpreter exits is
+        closed then (`_close_unfinished`)."""
+        completions = self._generate(requests, stop)
+        _UNFINISHED.add(completions)
+        return completions
+
+    def _generate(self, requests: Iterable[GenerationRequest], stop: Callable[[], bool] | None) -> Iterator[Completion]:
         self.stopped = False
         if isinstance(requests, GenerationRequest):
             raise TypeError("Engine.generate takes an iterable of GenerationRequests (a list of one for one prompt), "
@@ -1085,8 +1118,9 @@ class Engine:
                 else:
                     yield from self._side_by_side(pending, stop)
             finally:
+                self.stopped = pending.stopped  # this call's: another generate of the engine has its own
                 self.stats.peak_memory_bytes = peak_memory_bytes(self.devices)
-        if pending.error is not None and not self.stopped:
+        if pending.error is not None and not pending.stopped:
             raise pending.error
 
     def _side_by_side(self, pending: "_Pending", stop: Callable[[], bool] | None) -> Iterator[Completion]:
@@ -1118,9 +1152,9 @@ class Engine:
                 put(_LANE_DONE)
 
         threads = [threading.Thread(target=lane, name=f"engine-lane-{i}", daemon=True) for i in range(self._lanes)]
-        for thread in threads:
-            thread.start()
         try:
+            for thread in threads:  # a Ctrl-C inside a start still halts the lanes started (finally)
+                thread.start()
             running = len(threads)
             while running:
                 try:
@@ -1137,7 +1171,8 @@ class Engine:
             halt.set()
             left.set()
             for thread in threads:
-                thread.join()
+                if thread.is_alive():  # one not marked started yet sees `halt` first and returns
+                    thread.join()
 
     def _lane(self, pending: "_Pending", stop: Callable[[], bool] | None, halt: threading.Event) -> Iterator[Completion]:
         """One lane's loop: its own slots, cache and calls, rows taken from `pending`; returns at
@@ -1153,7 +1188,7 @@ class Engine:
                 # The lane's cache has another shape than the staging cache: prefill calls over it
                 # would compile two more programs, so the thread prefills every row from the start
                 # (only with engine.overlap_prefill: true; auto stages as many rows as the lane's).
-                stager, staging = _Stager(self, pending, *staging), None
+                stager, staging = _Stager(self, pending, *staging), None  # started in the try below
             # Else the lane prefills its first rows itself and then starts the thread (below): a
             # job that fits the lane waits for no thread and no adopt.
         else:
@@ -1167,9 +1202,11 @@ class Engine:
             return [s for s in range(slots) if live[s] is not None and live[s].decoding]
 
         try:
+            if stager is not None:
+                stager.start()
             while pending or prefilling or any(live) or (stager is not None and stager.busy()):
                 if stop is not None and self.layout.any_host(stop()):
-                    self.stopped = True
+                    pending.stopped = True
                     halt.set()
                 if halt.is_set():
                     return
@@ -1186,6 +1223,7 @@ class Engine:
                 if staging is not None:
                     # The lane prefilled its first rows itself (see above); the thread takes the next.
                     stager, staging = _Stager(self, pending, *staging), None
+                    stager.start()
                 if prefilling:
                     # Prefill first: every taken slot joins the next decode chunk.
                     cache, state, got = self._prefill(cache, state, prefilling)  # read back

@@ -515,6 +515,14 @@ def test_a_bad_request_comes_after_the_completions_before_it_and_requests_after_
             got.append((c.prompt_index, c.sample_index))
     assert sorted(got) == [(i, s) for i in range(5) for s in (0, 1)] and read == list(range(6))
 
+    # A stop is its own generate's: another's, asked while this one is set aside, swallowed its error.
+    bad = engine.generate(requests())
+    next(bad)
+    assert list(engine.generate([GenerationRequest(0, PROMPTS[0], [0])], stop=lambda: True)) == []
+    with pytest.raises(ValueError, match="prompt 5 has 0 tokens"):
+        list(bad)
+    assert not engine.stopped
+
     # Two requests of one prompt_index are two prompts: the second joined the first's prefill and got its tokens.
     other = [(t + 1) % VOCAB for t in PROMPTS[1]]
     alone = {c.sample_index: c.token_ids for c in engine.generate([GenerationRequest(0, other, [1])])}
@@ -585,7 +593,19 @@ def test_two_lanes_make_the_same_rows_as_one(llama):
     assert not _lane_threads()
 
 
-def test_lanes_stop_together_and_can_be_abandoned(llama, greedy_ref):
+def _interrupted_start(monkeypatch, name: str) -> None:
+    """A Ctrl-C that lands inside `Thread.start` of the thread `name`, once it runs."""
+    start = threading.Thread.start
+
+    def start_then_interrupt(thread):
+        start(thread)
+        if thread.name == name:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
+
+
+def test_lanes_stop_together_and_can_be_abandoned(llama, greedy_ref, monkeypatch):
     path, _ = llama
     engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=12),
                          engine=EngineConfig(batch_size=4, lanes=2, decode_chunk_steps=2), max_prompt_tokens=16)
@@ -608,6 +628,34 @@ def test_lanes_stop_together_and_can_be_abandoned(llama, greedy_ref):
     assert not _lane_threads()
     (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
     assert c.token_ids == greedy_ref and not engine.stopped
+
+    _interrupted_start(monkeypatch, "engine-lane-1")  # the lanes started before the try that halts them
+    with pytest.raises(KeyboardInterrupt):
+        list(engine.generate(requests))
+    monkeypatch.undo()
+    assert not _lane_threads()
+
+
+def test_a_script_that_ends_with_a_generator_set_aside_exits_cleanly(llama):
+    """Two lanes still inside XLA calls as the interpreter ended aborted the process (exit 134,
+    'FATAL: exception not rethrown'): daemon threads. Unfinished generators are closed at exit."""
+    import subprocess
+    import textwrap
+
+    path, _ = llama
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+        engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(max_new_tokens=12),
+                             engine=EngineConfig(batch_size=4, lanes=2, decode_chunk_steps=1), max_prompt_tokens=16)
+        gen = engine.generate(GenerationRequest(i, {PROMPTS[1]!r}, [0]) for i in range(40))
+        next(gen)
+        print("set aside", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (0, "set aside\n"), done.stderr[-3000:]
+    assert "Exception ignored" not in done.stderr and "FATAL" not in done.stderr, done.stderr[-3000:]
 
 
 def test_an_error_in_a_lane_reaches_the_caller(llama):
@@ -733,6 +781,12 @@ def test_prefill_beside_decode_stops_with_the_lane(llama, greedy_ref, monkeypatc
         list(engine.generate(requests))
     assert not _prefill_threads()
     monkeypatch.undo()
+
+    _interrupted_start(monkeypatch, "engine-prefill")  # the thread started before the lane held it to close
+    with pytest.raises(KeyboardInterrupt):
+        list(engine.generate(requests))
+    monkeypatch.undo()
+    assert not _prefill_threads()
     (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
     assert c.token_ids == greedy_ref and not engine.stopped
 
