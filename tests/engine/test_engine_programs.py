@@ -166,7 +166,7 @@ def _join_compile_threads():
 
 
 @pytest.mark.parametrize("failing", ["prefill", "init"])
-def test_a_program_that_fails_leaves_no_thread_waiting(llama, failing):
+def test_a_program_that_fails_leaves_no_thread_waiting(llama, monkeypatch, failing):
     """The decode program's early getting waits for a prefill program to be lowered. When getting
     that one, or the init program before it, fails in Engine.load's thread, the decode thread goes
     on and ends (a thread left waiting would keep the process from exiting), and generate, asking
@@ -175,11 +175,17 @@ def test_a_program_that_fails_leaves_no_thread_waiting(llama, failing):
     engine_module._COMPILED.clear()  # so the engine gets its programs, and calls on_compile
     decode_asked = threading.Event()
     refused = []
+    program = engine_module.Engine._program
+
+    def decode_waits(self, kind, *args, after=None, **kwargs):
+        if after is not None:
+            decode_asked.set()  # the early decode thread waits for a prefill program from here on
+        return program(self, kind, *args, after=after, **kwargs)
+
+    monkeypatch.setattr(engine_module.Engine, "_program", decode_waits)
 
     def refuse(kind):  # called as each program's getting begins, in its thread
-        if kind == "decode":
-            decode_asked.set()  # the thread waits for a prefill program from here on
-        elif kind.startswith(failing):
+        if kind.startswith(failing):
             decode_asked.wait(60)
             refused.append(threading.current_thread().name)
             raise RuntimeError(f"no {failing} program today")
