@@ -49,13 +49,13 @@ elsewhere through the engine's own XLA operations (engine/llama.py).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import collections.abc
 import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import atexit
 import gc
 import itertools
 import numbers
@@ -101,7 +101,7 @@ _UNFINISHED: "weakref.WeakSet[Iterator[Completion]]" = weakref.WeakSet()
 """`generate`'s generators not yet finished or dropped: closed as the interpreter exits."""
 
 
-@atexit.register  # after jax's own (registered first, so run later)
+@atexit.register  # registered after jax's clean-up (at jax's import), so run before it
 def _close_unfinished() -> None:
     """Closes the generators a script left unfinished, as the interpreter exits: closing halts
     their lanes and prefill threads and waits for them. Daemon threads still inside an XLA call
@@ -1171,8 +1171,8 @@ class Engine:
             halt.set()
             left.set()
             for thread in threads:
-                if thread.is_alive():  # one not marked started yet sees `halt` first and returns
-                    thread.join()
+                if thread.is_alive():  # one whose start was interrupted before it was marked started
+                    thread.join()  # cannot be joined: it halts at its first check (after its first call)
 
     def _lane(self, pending: "_Pending", stop: Callable[[], bool] | None, halt: threading.Event) -> Iterator[Completion]:
         """One lane's loop: its own slots, cache and calls, rows taken from `pending`; returns at

@@ -33,7 +33,7 @@ import json
 import lzma
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import fsspec
 import fsspec.utils
@@ -201,11 +201,11 @@ def _json_row(number: int, line: str, options: PromptsConfig) -> Row:
         return number, None, None, line, ("not a JSON object", f"got {_type_name(obj)}")
     id_field = options.id_field
     return _fields(number, obj.get(options.text_field, _MISSING), obj.get(id_field, _MISSING) if id_field else None,
-                   line, options, fields=("the line's fields", list(obj)))
+                   line, options, fields=("the line's fields", obj))  # its keys, listed only for a message
 
 
 def _fields(number: int, text: Any, raw_id: Any, raw: str, options: PromptsConfig,
-            fields: tuple[str, list[str]]) -> Row:
+            fields: tuple[str, Iterable[str]]) -> Row:
     """A row from its text and id values, checked: missing/null/non-string, empty, a conversation
     (with the chat template), bad id. fields: the row's field names and whose they are, for a
     missing field's message ("the line's fields", "the file's columns")."""
@@ -247,10 +247,10 @@ def _fields(number: int, text: Any, raw_id: Any, raw: str, options: PromptsConfi
     return number, text, prompt_id, raw, id_problem
 
 
-def _no_field(name: str, key: str, fields: tuple[str, list[str]], alternative: str = "") -> str:
+def _no_field(name: str, key: str, fields: tuple[str, Iterable[str]], alternative: str = "") -> str:
     """"no 'id' field (set prompts.id_field to one of the line's fields: text, label, or to null
     to number the prompts)": the setting to change, and what to. fields: (whose, names)."""
-    whose, names = fields
+    whose, names = fields[0], list(fields[1])
     if not names:
         return f"no {name!r} field ({whose}: none)"
     shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")

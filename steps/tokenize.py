@@ -490,7 +490,7 @@ class _Rejects:
         self.count = 0
         self.kinds: Counter[str] = Counter()
         self.firsts: dict[str, tuple[str, int, str]] = {}
-        """Each kind's first bad row: (url, line, detail), in the order the kinds came."""
+        """Each kind's first bad row: (url, line, reason), in the order the kinds came."""
         self.rows: list[tuple] = []
         self.writer: pq.ParquetWriter | None = None
 
@@ -504,7 +504,7 @@ class _Rejects:
         reason = f"{kind}: {detail}" if detail else kind
         self.count += 1
         self.kinds[kind] += 1
-        self.firsts.setdefault(kind, (url, line, detail))
+        self.firsts.setdefault(kind, (url, line, reason))
         if self.keep:
             if len(raw) > RAW_CHARS:
                 raw = raw[:RAW_CHARS] + f"... [{len(raw) - RAW_CHARS} more characters]"
@@ -524,7 +524,7 @@ class _Rejects:
 
     def first_and_counts(self) -> str:
         kind = next(iter(self.firsts))
-        return f"first: {self._where(kind)}: {self._reason(kind)}; by reason: {self._counts(self.kinds, kind)}"
+        return f"first: {self._where(kind)}: {self.firsts[kind][2]}; by reason: {self._counts(self.kinds, kind)}"
 
     def failure_message(self) -> str:
         kind = next(iter(self.firsts))
@@ -533,7 +533,7 @@ class _Rejects:
             rest = self.kinds.copy()
             rest[kind] -= 1
             more = f"; {self.count - 1} more bad rows ({self._counts(rest, kind)})"
-        return (f"prompts file {self._where(kind)}: {self._reason(kind)}{more}; nothing written "
+        return (f"prompts file {self._where(kind)}: {self.firsts[kind][2]}{more}; nothing written "
                 f"(fix the input, or set prompts.on_invalid=skip to record bad rows in {REJECTED_FILE} and go on)")
 
     def _where(self, kind: str, named: str | None = None) -> str:
@@ -541,16 +541,12 @@ class _Rejects:
         url, line, _ = self.firsts[kind]
         return f"{'' if url == named else url + ' '}{'row' if url.lower().endswith('.parquet') else 'line'} {line}"
 
-    def _reason(self, kind: str) -> str:
-        detail = self.firsts[kind][2]
-        return f"{kind}: {detail}" if detail else kind
-
     def _counts(self, counts: Counter[str], shown: str) -> str:
         """'N kind' for each kind; the first row of each kind but `shown` (already named) with
         where and why, as its hint may be the one that helps (pandas' float ids after a null)."""
         named = self.firsts[shown][0]
         return "; ".join(f"{n} {kind}" if kind == shown else
-                         f"{n} {kind}, first at {self._where(kind, named)}: {self._reason(kind)}"
+                         f"{n} {kind}, first at {self._where(kind, named)}: {self.firsts[kind][2]}"
                          for kind, n in counts.most_common() if n)
 
     def commit(self, out: StepOutput) -> list[dict[str, Any]]:
