@@ -392,8 +392,12 @@ def _gemma_rope(cfg: dict[str, Any], refuse) -> tuple[dict[str, Any], float, flo
     global layers' linear factor: 8 from 4B on), from transformers 5's `rope_parameters` per
     layer type or an older config's rope_theta, rope_scaling and rope_local_base_freq."""
     params = cfg.get("rope_parameters") or {}
-    full = params.get("full_attention") or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e6)}
-    local = params.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+    # As transformers reads them: a rope_scaling updates the global layers' parameters, and a
+    # top-level base fills in only where a layer type names none.
+    full = {**(params.get("full_attention") or {}), **(cfg.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", cfg.get("rope_theta", 1e6))
+    local = {**(params.get("sliding_attention") or {})}
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 1e4))
     for part, allowed in ((full, ("default", "linear")), (local, ("default",))):
         rope_type = part.get("rope_type", part.get("type", "default"))
         if rope_type not in allowed:

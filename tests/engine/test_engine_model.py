@@ -470,6 +470,38 @@ def test_the_rotation_read_from_a_config_is_the_one_transformers_reads(llama, tm
     assert ours.rope_llama3 == expected
 
 
+_GEMMA3_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}
+
+
+@pytest.mark.parametrize("edit", [
+    {"rope_parameters": _GEMMA3_ROPE, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    {"rope_parameters": None, "rope_theta": 2.5e5, "rope_local_base_freq": 3e4,
+     "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    {"rope_parameters": None, "rope_scaling": {"rope_type": "linear", "factor": 4.0, "rope_theta": 7e5}, "rope_theta": 2.5e5},
+    {"rope_parameters": {"full_attention": {"rope_type": "default"}}, "rope_theta": 2.5e5},
+])
+def test_gemma3s_rotations_are_the_ones_transformers_reads(gemma3, tmp_path, edit):
+    """Per layer type: a rope_scaling updates the global layers' parameters, and a top-level
+    base fills in only what a layer type leaves out."""
+    import transformers
+
+    data = {**json.load(open(f"{gemma3[0]}/config.json")), **edit}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters
+    ours = LlamaConfig.from_hf(data, source="config.json")
+    full, local = theirs["full_attention"], theirs["sliding_attention"]
+    assert ours.rope_of(1) == (full["rope_theta"], full["factor"] if full["rope_type"] == "linear" else None)
+    assert ours.rope_of(0) == (local["rope_theta"], None)
+
+
+def test_gemma3s_unimplemented_rotation_beside_its_rope_parameters_is_refused(gemma3):
+    data = {**json.load(open(f"{gemma3[0]}/config.json")), "rope_parameters": _GEMMA3_ROPE,
+            "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}
+    with pytest.raises(UnsupportedModelError, match=r"config.json: rope type 'yarn' is not supported for gemma3_text"):
+        LlamaConfig.from_hf(data, source="config.json")
+
+
 @pytest.mark.parametrize("edit, message", [
     ({"clip_qkv": 8.0}, r"clip_qkv 8.0 is not supported \(only null\)"),  # the queries, keys and values clamped
     ({"attention_bias": True}, r"attention_bias True is not supported for olmoe \(only false\)"),
