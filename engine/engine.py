@@ -1132,6 +1132,11 @@ class Engine:
         results: queue.Queue = queue.Queue(maxsize=2 * self.plan.batch_size)
         halt = threading.Event()
         left = threading.Event()  # the caller's side has returned: nothing more is taken
+        # A lane passes the gate, before its first call, only while nothing has halted; the ones
+        # that did are joined on leaving, and one that comes later returns there. (A Ctrl-C inside
+        # a thread's start can leave it running but not yet marked started: not one to join.)
+        gate = threading.Lock()
+        entered: list[threading.Thread] = []
 
         def put(item: Any) -> None:
             while not left.is_set():
@@ -1143,6 +1148,10 @@ class Engine:
 
         def lane() -> None:
             try:
+                with gate:
+                    if halt.is_set():
+                        return
+                    entered.append(threading.current_thread())
                 for completion in self._lane(pending, stop, halt):
                     put(completion)
             except BaseException as error:  # handed to the caller's thread, raised there
@@ -1168,11 +1177,11 @@ class Engine:
                 else:
                     yield item
         finally:
-            halt.set()
+            with gate:
+                halt.set()
             left.set()
-            for thread in threads:
-                if thread.is_alive():  # one whose start was interrupted before it was marked started
-                    thread.join()  # cannot be joined: it halts at its first check (after its first call)
+            for thread in entered:
+                thread.join()
 
     def _lane(self, pending: "_Pending", stop: Callable[[], bool] | None, halt: threading.Event) -> Iterator[Completion]:
         """One lane's loop: its own slots, cache and calls, rows taken from `pending`; returns at

@@ -635,6 +635,36 @@ def test_lanes_stop_together_and_can_be_abandoned(llama, greedy_ref, monkeypatch
     monkeypatch.undo()
     assert not _lane_threads()
 
+    # The Ctrl-C lands while `start` waits for the thread, which runs but is not yet marked
+    # started (so not alive to `is_alive`): it must not run a call once generate has returned.
+    began = threading.Event()
+
+    class MarkedLate(threading.Event):
+        def set(self):  # the thread's own mark, held until the caller has left
+            began.wait(30)
+            super().set()
+
+        def wait(self, timeout=None):
+            raise KeyboardInterrupt
+
+    start, init, calls = threading.Thread.start, engine._init, []
+
+    def start_held(thread):
+        if thread.name == "engine-lane-1":
+            thread._started = MarkedLate()
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_held)
+    monkeypatch.setattr(engine, "_init", lambda *slots: calls.append(threading.current_thread().name) or init(*slots))
+    with pytest.raises(KeyboardInterrupt):
+        list(engine.generate(requests))
+    monkeypatch.setattr(threading.Thread, "start", start)  # `_init` still counted
+    began.set()
+    deadline = time.monotonic() + 30
+    while _lane_threads() and time.monotonic() < deadline:  # lane 1 runs to its end: what it calls
+        time.sleep(0.1)
+    assert "engine-lane-1" not in calls and not _lane_threads()
+
 
 def test_a_script_that_ends_with_a_generator_set_aside_exits_cleanly(llama):
     """Two lanes still inside XLA calls as the interpreter ended aborted the process (exit 134,
