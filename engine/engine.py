@@ -590,7 +590,9 @@ class Engine:
         self.vocab_size = config.vocab_size
         self.stats = EngineStats(batch_size=plan.batch_size)
         self.stopped = False
-        """The last `generate` ended early because its `stop` callback asked (on any host)."""
+        """The latest `generate` (the last one begun) ended early because its `stop` callback asked
+        (on any host); an earlier one that ends after it leaves this as it is."""
+        self._generate_calls = 0
         self.on_compile: Callable[[str], None] | None = None
         """Called with the program's kind ('init', 'prefill_fresh', 'prefill', 'decode') before a
         program is compiled or loaded from the persistent cache: a caller's progress line."""
@@ -1088,7 +1090,7 @@ class Engine:
 
         stop: asked before every compiled call (by each lane's thread, so it must be safe to call
         from several); once it returns True on any host, every host's generate returns there,
-        together, and sets `self.stopped` (for this call: another generate has its own).
+        together, and sets `self.stopped` (if no generate of the engine began after this one).
 
         With several lanes (`engine.lanes`, host_dp only) each lane runs in a thread of its own,
         taking rows from the same queue, and their completions come back here in the order they
@@ -1104,6 +1106,9 @@ class Engine:
         return completions
 
     def _generate(self, requests: Iterable[GenerationRequest], stop: Callable[[], bool] | None) -> Iterator[Completion]:
+        with self._stats_lock:  # generators may be driven from several threads
+            self._generate_calls += 1
+            call = self._generate_calls
         self.stopped = False
         if isinstance(requests, GenerationRequest):
             raise TypeError("Engine.generate takes an iterable of GenerationRequests (a list of one for one prompt), "
@@ -1118,7 +1123,8 @@ class Engine:
                 else:
                     yield from self._side_by_side(pending, stop)
             finally:
-                self.stopped = pending.stopped  # this call's: another generate of the engine has its own
+                if call == self._generate_calls:  # a later call's outcome is not overwritten
+                    self.stopped = pending.stopped
                 self.stats.peak_memory_bytes = peak_memory_bytes(self.devices)
         if pending.error is not None and not pending.stopped:
             raise pending.error

@@ -629,6 +629,14 @@ def test_lanes_stop_together_and_can_be_abandoned(llama, greedy_ref, monkeypatch
     (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
     assert c.token_ids == greedy_ref and not engine.stopped
 
+    # `stopped` is the latest call's: one begun before it and stopped after it ends leaves it.
+    asked = []
+    earlier = engine.generate(requests, stop=lambda: bool(asked))
+    first = next(earlier)
+    (c,) = engine.generate([GenerationRequest(1, PROMPTS[1], [0])])
+    asked.append(1)
+    assert len([first, *earlier]) < len(requests) and c.token_ids == greedy_ref and not engine.stopped
+
     _interrupted_start(monkeypatch, "engine-lane-1")  # the lanes started before the try that halts them
     with pytest.raises(KeyboardInterrupt):
         list(engine.generate(requests))
