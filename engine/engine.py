@@ -63,6 +63,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Sequence
 
@@ -99,18 +100,59 @@ def compiling_ahead() -> bool:
 
 _UNFINISHED: "weakref.WeakSet[Iterator[Completion]]" = weakref.WeakSet()
 """`generate`'s generators not yet finished or dropped: closed as the interpreter exits."""
+_RUNNING: "weakref.WeakSet[_Pending]" = weakref.WeakSet()
+"""The requests of `generate` calls begun: the exit waits for those that run in other threads."""
+
+
+_exiting = False
+"""The interpreter is exiting (`_close_unfinished`): generate's threads begin no more jax work."""
+_in_jax = 0
+"""How many of generate's threads are inside jax work (`_jax_work`), under `_in_jax_changed`."""
+_in_jax_changed = threading.Condition()
+
+
+class _Exiting(RuntimeError):
+    """Raised in a thread of generate's that would begin jax work as the interpreter exits."""
+
+
+@contextlib.contextmanager
+def _jax_work():
+    """Around generate's calls into jax (compiles, compiled calls, transfers, memory figures):
+    none begins once the interpreter exits (`_Exiting` in that thread), and the exit waits for
+    those begun."""
+    global _in_jax
+    with _in_jax_changed:
+        if _exiting:
+            raise _Exiting("Engine.generate stopped: the interpreter is exiting")
+        _in_jax += 1
+    try:
+        yield
+    finally:
+        with _in_jax_changed:
+            _in_jax -= 1
+            _in_jax_changed.notify_all()
 
 
 @atexit.register  # registered after jax's clean-up (at jax's import), so run before it
 def _close_unfinished() -> None:
     """Closes the generators a script left unfinished, as the interpreter exits: closing halts
-    their lanes and prefill threads and waits for them. Daemon threads still inside an XLA call
-    when the interpreter finalizes abort the process (C++ unwinding through a thread it ends)."""
+    their lanes and prefill threads and waits for them. One that runs in another thread (a
+    daemon's, which the exit does not wait for) cannot be closed from here: its threads begin no
+    more jax work, and the exit waits for the work they are in. Daemon threads still inside an
+    XLA call when the interpreter finalizes abort the process (C++ unwinding through a thread it
+    ends)."""
+    global _exiting
     for completions in list(_UNFINISHED):
         try:
             completions.close()
-        except ValueError:  # running in another thread (a daemon's): nothing to do from here
+        except ValueError:  # running in another thread
             pass
+    with _in_jax_changed:
+        _exiting = True
+    # Each call running in another thread raises `_Exiting` at its next jax work and frees its
+    # caches on the way out; one reading its requests runs no jax work until they come.
+    while _in_jax or any(not call.ended.is_set() and not call.reading for call in list(_RUNNING)):
+        time.sleep(0.01)
 
 
 _paused_by = 0
@@ -321,6 +363,10 @@ class _Pending:
         once the rows before it are done and yielded."""
         self.lock = threading.RLock()
         """Held to read or take rows: lanes share the queue (`_admit` holds it across its takes)."""
+        self.reading = False
+        """A thread is inside the requests' iterator."""
+        self.ended = threading.Event()
+        """`generate` has returned or raised: its threads have ended, its caches are freed."""
 
     def _read_ahead(self) -> None:
         """Once half the window is used up, read the next window's worth of requests."""
@@ -328,7 +374,11 @@ class _Pending:
             return
         window: list[_Row] = []
         while len(window) < self._window_rows:
-            request = next(self._requests, None)
+            self.reading = True  # in the caller's code, which may wait: the exit does not wait for it
+            try:
+                request = next(self._requests, None)
+            finally:
+                self.reading = False
             if request is None:
                 self._exhausted = True
                 break
@@ -999,16 +1049,17 @@ class Engine:
     def _run(self, kind: str, fn, static: tuple, *args):
         """Runs fn(model, cache, state, ...) compiled, the cache and state donated (updated in place).
         `kind` and `static` name fn: one function for each pair in an engine."""
-        call = self._call_key(kind, static, args)
-        compiled = self._by_call.get(call)
-        if compiled is None:
-            with self._waiting():
-                compiled = self._program(kind, static, self._jit(fn), args)
-            self._by_call[call] = compiled
-        start = time.perf_counter()
-        out = compiled(*args)
-        jax.block_until_ready(out)
-        seconds = time.perf_counter() - start
+        with _jax_work():
+            call = self._call_key(kind, static, args)
+            compiled = self._by_call.get(call)
+            if compiled is None:
+                with self._waiting():
+                    compiled = self._program(kind, static, self._jit(fn), args)
+                self._by_call[call] = compiled
+            start = time.perf_counter()
+            out = compiled(*args)
+            jax.block_until_ready(out)
+            seconds = time.perf_counter() - start
         with self._stats_lock:
             self.stats.decode_time_s += seconds
             entry = self.stats.programs.setdefault(kind, {"compiled": 0, "loaded": 0, "seconds": 0.0})
@@ -1020,9 +1071,10 @@ class Engine:
         (the lane's, then its staging cache's), made by one compiled program with their output
         shardings, so each device (of every host on a global mesh) allocates only its own block."""
         kind, static, jitted, _ = self._init_program(slots)
-        with self._waiting():
-            program = self._program(kind, static, jitted, ())
-        return program()
+        with _jax_work():
+            with self._waiting():
+                program = self._program(kind, static, jitted, ())
+            return jax.block_until_ready(program())
 
     @contextlib.contextmanager
     def _waiting(self):
@@ -1100,7 +1152,8 @@ class Engine:
         a bad one (`GenerationRequest`'s checks: a ValueError naming its prompt_index) is raised
         when it is reached, after the completions of the requests before it were yielded; no
         request after it is read. A generator left unfinished when the interpreter exits is
-        closed then (`_close_unfinished`)."""
+        closed then (`_close_unfinished`); one running then in another thread (a daemon's) raises
+        a RuntimeError there at its next call into jax, and the exit waits for it to end."""
         completions = self._generate(requests, stop)
         _UNFINISHED.add(completions)
         return completions
@@ -1116,18 +1169,28 @@ class Engine:
         if not self._getting_ahead:  # engine.compile_during_load off: from the first generate
             self._get_programs_early()
         pending = _Pending(requests, self._rows, window_rows=READ_AHEAD_ROWS_PER_SLOT * self.plan.batch_size)
-        if pending:
-            try:
-                if self._lanes == 1:
-                    yield from self._lane(pending, stop, threading.Event())
-                else:
-                    yield from self._side_by_side(pending, stop)
-            finally:
-                if call == self._generate_calls:  # a later call's outcome is not overwritten
-                    self.stopped = pending.stopped
-                self.stats.peak_memory_bytes = peak_memory_bytes(self.devices)
-        if pending.error is not None and not pending.stopped:
-            raise pending.error
+        _RUNNING.add(pending)
+        try:
+            if pending:
+                try:
+                    if self._lanes == 1:
+                        yield from self._lane(pending, stop, threading.Event())
+                    else:
+                        yield from self._side_by_side(pending, stop)
+                finally:
+                    if call == self._generate_calls:  # a later call's outcome is not overwritten
+                        self.stopped = pending.stopped
+                    with contextlib.suppress(_Exiting), _jax_work():
+                        self.stats.peak_memory_bytes = peak_memory_bytes(self.devices)
+            if pending.error is not None and not pending.stopped:
+                raise pending.error
+        except _Exiting as exiting:
+            # The frames it passed hold the caches: freed here, before the exit goes on (not in
+            # the caller's thread as the interpreter finalizes).
+            traceback.clear_frames(exiting.__traceback__)
+            raise
+        finally:
+            pending.ended.set()
 
     def _side_by_side(self, pending: "_Pending", stop: Callable[[], bool] | None) -> Iterator[Completion]:
         """Every lane in a thread of its own; their completions, and the first error, through a
@@ -1255,12 +1318,13 @@ class Engine:
                         stager.wait()  # for prefilled rows
                     continue  # else the queue emptied in another lane's hands
                 kind, static, fn = self._decode_program()
-                cache, state, got = self._run(
-                    kind, fn, static, self.model, cache, state, jax.device_put(kill, self._batch_sharding),
-                )
+                with _jax_work():
+                    cache, state, got = self._run(
+                        kind, fn, static, self.model, cache, state, jax.device_put(kill, self._batch_sharding),
+                    )
+                    got = _on_host(got)
                 self._count(decode_calls=1)
                 kill[:] = False
-                got = _on_host(got)
                 for s in decoding:
                     row = live[s]
                     row.add(got, s)
@@ -1283,8 +1347,9 @@ class Engine:
     def _adopt(self, cache, state, staged_cache, staged_state, to: np.ndarray):
         """One call moving staging slot i's row into the lane's slot to[i] (out of range: none)."""
         kind, static, fn = self._adopt_program()
-        cache, state, _ = self._run(kind, fn, static, self.model, cache, state, staged_cache, staged_state,
-                                    jax.device_put(to, self._batch_sharding))
+        with _jax_work():
+            cache, state, _ = self._run(kind, fn, static, self.model, cache, state, staged_cache, staged_state,
+                                        jax.device_put(to, self._batch_sharding))
         return cache, state
 
     def _count(self, **amounts: float) -> None:
@@ -1352,8 +1417,10 @@ class Engine:
         self._count(padded_prompt_tokens=R * C, prefill_calls=1, prefill_pages_read=pages)
         kind, static, fn = self._prefill_program(fresh)
         # One transfer call for the inputs.
-        cache, state, got = self._run(kind, fn, static, self.model, cache, state, *jax.device_put(inputs, self._batch_sharding))
-        got = _on_host(got)
+        with _jax_work():
+            cache, state, got = self._run(kind, fn, static, self.model, cache, state,
+                                          *jax.device_put(inputs, self._batch_sharding))
+            got = _on_host(got)
         if got.prompt_logprobs is not None:
             self._take_prompt_logprobs(pieces, inputs, got.prompt_logprobs)
         return cache, state, got

@@ -521,7 +521,7 @@ def test_a_bad_request_comes_after_the_completions_before_it_and_requests_after_
     assert list(engine.generate([GenerationRequest(0, PROMPTS[0], [0])], stop=lambda: True)) == []
     with pytest.raises(ValueError, match="prompt 5 has 0 tokens"):
         list(bad)
-    assert not engine.stopped
+    assert engine.stopped  # the latest call's (the one begun last): stopped
 
     # Two requests of one prompt_index are two prompts: the second joined the first's prefill and got its tokens.
     other = [(t + 1) % VOCAB for t in PROMPTS[1]]
@@ -694,6 +694,45 @@ def test_a_script_that_ends_with_a_generator_set_aside_exits_cleanly(llama):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert (done.returncode, done.stdout) == (0, "set aside\n"), done.stderr[-3000:]
     assert "Exception ignored" not in done.stderr and "FATAL" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_script_that_ends_while_generate_runs_in_daemon_threads_exits_cleanly(llama):
+    """A generator running in another thread cannot be closed at exit: its threads were still
+    inside XLA calls as the interpreter finalized (exit 134). One whose requests stopped coming
+    (a queue no one fills) must not hold the exit."""
+    import subprocess
+    import textwrap
+
+    path, _ = llama
+    script = textwrap.dedent(f"""
+        import sys, threading
+        sys.path.insert(0, {os.getcwd()!r})
+        from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+
+        def consume(engine, requests, first):
+            for _ in engine.generate(requests):
+                first.set()
+
+        def stalls():
+            yield GenerationRequest(0, {PROMPTS[1]!r}, [0])
+            threading.Event().wait()
+
+        flowing = []
+        for lanes in (1, 2):
+            engine = Engine.load({path!r}, dtype="float32", sampling=SamplingParams(max_new_tokens=64),
+                                 engine=EngineConfig(batch_size=4, lanes=lanes, decode_chunk_steps=1), max_prompt_tokens=16)
+            for requests in ((GenerationRequest(i, {PROMPTS[1]!r}, [0]) for i in range(400)), stalls()):
+                first = threading.Event()
+                threading.Thread(target=consume, args=(engine, requests, first), daemon=True).start()
+                flowing.append(first)
+            flowing.pop()  # the stalled one yields nothing
+        for first in flowing:
+            first.wait()
+        print("main ends", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (0, "main ends\n"), done.stderr[-3000:]
+    assert "FATAL" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
 
 
 def test_an_error_in_a_lane_reaches_the_caller(llama):
