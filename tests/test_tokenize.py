@@ -575,8 +575,8 @@ def test_whole_input_problems_fail_in_both_modes_naming_the_url(tmp_path, demo_m
         expected = "line 1: invalid JSON"  # fail mode names the first bad row
     message = error_line(result)
     assert url in message and expected in message, message
-    if "://" not in url:
-        assert not [f for f in output_files(tokenize_step(config).url) if f.endswith(".parquet")]
+    if "://" not in url:  # nothing written (a file of a refused type has no plan to look up)
+        assert not list((tmp_path / "runs").rglob("*.parquet"))
 
 
 @pytest.mark.parametrize("setting, expected", [
@@ -777,6 +777,22 @@ def test_the_same_bytes_as_txt_and_as_jsonl_hash_apart(ident, tmp_path):
         (gzipped / name).write_bytes(data)
     assert (_hash({**ident, "prompts": {**ident["prompts"], "path": str(gzipped / "p.txt.gz"), "id_field": None}})
             != _hash({**ident, "prompts": {**ident["prompts"], "path": str(gzipped / "p.jsonl.gz"), "id_field": None}}))
+
+
+def test_a_finished_input_renamed_to_a_refused_type_is_refused_not_complete(tmp_path, demo_model):
+    """The same bytes named .csv hashed as the .jsonl tokenize had finished: `run` skipped it as
+    complete (exit 0) and `status` said so, where a fresh run refuses the type."""
+    (tmp_path / "p.jsonl").write_bytes(jsonl(GOOD_1))
+    config = write_config(tmp_path, demo_model, path=str(tmp_path / "p.jsonl"), id_field="id")
+    run_tokenize(config)
+    renamed = tmp_path / "renamed" / "p.csv"
+    renamed.parent.mkdir()
+    shutil.copy(tmp_path / "p.jsonl", renamed)
+    for command in ("run", "status"):
+        result = cli(command, *(["tokenize"] if command == "run" else []), "--config", config,
+                     "--set", f"prompts.path={renamed}")
+        assert result.exit_code == 2, result.stderr
+        assert f"prompts file {renamed}: unsupported file type" in error_line(result), result.stderr
 
 
 def test_rerun_skips_and_another_root_gives_the_same_hash_and_bytes(tmp_path, demo_model):

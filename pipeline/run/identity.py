@@ -21,7 +21,7 @@ from engine.checkpoint import WEIGHT_SUFFIXES
 from pipeline import storage
 from pipeline.run import checks
 from pipeline.run.config import Config
-from pipeline.errors import Interrupted, StepFailed
+from pipeline.errors import ConfigError, Interrupted, StepFailed
 from pipeline.storage.retrying import StorageError
 
 T = TypeVar("T")
@@ -189,7 +189,7 @@ def _read(cfg: Config, key: str, read: Callable[[], T]) -> T:
     """read(), with any filesystem's error (unknown protocol, no network, ...) as one line naming `key`."""
     try:
         return read()
-    except Interrupted:  # a stop signal while the storage was retried: exit 75, not "could not be read"
+    except (Interrupted, ConfigError):  # a stop signal (exit 75), an input of the wrong kind (exit 2)
         raise
     except Exception as err:  # noqa: BLE001 - classified into one StepFailed line
         cause = str(err) if isinstance(err, StorageError) else f"{type(err).__name__}: {err}"
@@ -199,7 +199,10 @@ def _read(cfg: Config, key: str, read: Callable[[], T]) -> T:
 def _prompt_files(cfg: Config) -> list[str]:
     # Order matters (prompt_index follows the sorted file order), names do not: the same
     # files in another bucket give the same list.
-    return [_prompt_fingerprint(url) for url in storage.expand(cfg.prompts.path)]
+    urls = storage.expand(cfg.prompts.path)
+    for url in urls:  # the same bytes renamed to a type tokenize refuses are not its finished input
+        checks.prompt_file_format(url, cfg.prompts)
+    return [_prompt_fingerprint(url) for url in urls]
 
 
 def _prompt_fingerprint(url: str) -> str:
