@@ -88,6 +88,9 @@ def read_rows(url: str, options: PromptsConfig) -> Iterator[list[Row]]:
     except _NotUtf8 as err:
         raise StepFailed(f"prompts file {url} is {err} text (it begins with a {err} byte order mark); prompts files "
                          f"must be UTF-8: convert it, e.g. iconv -f {err} -t UTF-8") from err
+    except _CrLineEnds as err:
+        raise StepFailed(f"prompts file {url} ends its lines with CR alone (classic Mac OS text), so it would be "
+                         f"read as one line; lines must end in LF or CRLF: convert it, e.g. tr '\\r' '\\n'") from err
 
 
 _OTHER_UNICODE = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
@@ -98,6 +101,10 @@ class _NotUtf8(Exception):
     """A text file in another Unicode encoding (its byte order mark says which)."""
 
 
+class _CrLineEnds(Exception):
+    """A text file whose lines end in CR alone (classic Mac OS)."""
+
+
 def _blocks(f: Any) -> Iterator[tuple[int, bytes, list[bytes]]]:
     """(number of its first line, bytes, lines) for blocks of whole lines of a binary file."""
     number, pending, first = 1, [], True
@@ -106,6 +113,8 @@ def _blocks(f: Any) -> Iterator[tuple[int, bytes, list[bytes]]]:
             block = block[3:]  # a UTF-8 byte order mark is not part of the first prompt
         elif first and (encoding := next((e for m, e in _OTHER_UNICODE.items() if block.startswith(m)), None)):
             raise _NotUtf8(encoding)  # its lines would be read as UTF-8 with a NUL in every other byte
+        if first and b"\n" not in block and b"\r" in block.rstrip(b"\r"):
+            raise _CrLineEnds  # its lines would be read as one prompt
         first = False
         cut = block.rfind(b"\n") + 1
         if not cut:  # no line ends in this block: keep it for the next (no quadratic copying)

@@ -555,6 +555,9 @@ WHOLE_INPUT = {
                     "is UTF-16 text (it begins with a UTF-16 byte order mark); prompts files must be UTF-8"),
     "UTF-32 JSONL": (lambda d: put(d / "p.jsonl", jsonl(GOOD_1).decode().encode("utf-32")),
                      "is UTF-32 text (it begins with a UTF-32 byte order mark)"),
+    # classic Mac OS's line ends: the whole file had been one prompt
+    "CR-only line ends": (lambda d: put(d / "p.txt", b"alpha\rbeta\rgamma\r"),
+                          "ends its lines with CR alone (classic Mac OS text), so it would be read as one line"),
     # found while hashing the inputs, before the step starts:
     "unreachable host": (lambda d: "http://127.0.0.1:1/p.jsonl",
                          "could not be read: storage: could not list http://127.0.0.1:1/p.jsonl (ClientConnectorError"),
