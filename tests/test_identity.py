@@ -206,3 +206,9 @@ def test_prompt_files_renamed_into_another_order_are_said_to_be(base, tmp_path):
                         started_at="", finished_at="", wall_s=0.0, config=cfg.to_dict(), upstream={}, content=before.content)
     assert what_changed("tokenize", before.step.version, cfg, after.content, {}, record) == (
         f"the files prompts.path {folder} matches are the same but in another order (by name: it numbers the prompts)")
+    # a.jsonl replaced by c.jsonl: the files are compared by place, and 0b.jsonl's (which moved up
+    # one) was named as the one that changed.
+    (folder / "a.jsonl").rename(folder / "c.jsonl")
+    (folder / "c.jsonl").write_text('{"prompt": "third"}\n')
+    assert what_changed("tokenize", before.step.version, cfg, make_plan(cfg, PIPELINE)[0].content, {}, record) == (
+        f"prompts file {folder / 'c.jsonl'} is new or changed")

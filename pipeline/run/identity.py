@@ -140,6 +140,9 @@ def _changed_files(cfg: Config, kind: str, then: Any, now: Any, urls: list[str] 
             return (f"the files prompts.path {cfg.prompts.path} matches are the same but in another order (by "
                     f"name: it numbers the prompts)")
         changed = [url for url, a, b in zip(urls or [], now, then) if a != b]
+        if len(changed) > 1:  # one replaced by another of another name: the files after it shifted
+            if new := [url for url, a in zip(urls or [], now) if a not in then]:
+                return f"prompts file {new[0]} is new or changed"
         return f"prompts file {changed[0]} changed" if changed else None
     if not now:
         return f"model.path {cfg.model.path} holds no {'tokenizer ' if kind == 'tokenizer' else ''}files now"
