@@ -28,14 +28,16 @@ line; Parquet by record batches of the text and id columns only.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import lzma
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import fsspec
+import fsspec.compression
 import fsspec.utils
 import pyarrow as pa
 import pyarrow.json as pa_json
@@ -72,17 +74,23 @@ Row = tuple[int, Any, Any, str, "tuple[str, str] | None"]
 """(line, text, prompt_id, raw, problem): what readers yield; problem is (kind, detail) or None."""
 
 
-def read_rows(url: str, options: PromptsConfig) -> Iterator[list[Row]]:
-    """The file's rows in batches of at most BATCH_ROWS; read errors fail the step."""
+def read_rows(url: str, options: PromptsConfig, on_read: Callable[[float], None] = lambda share: None
+              ) -> Iterator[list[Row]]:
+    """The file's rows in batches of at most BATCH_ROWS; read errors fail the step. Before each
+    batch, `on_read` is told how much of the file (0 to 1; of its bytes as stored) is read."""
     kind = prompt_file_format(url, options)
     try:
-        if kind == "parquet":
-            fs, path = storage.filesystem(url)
-            with fs.open(path, "rb") as f:
-                yield from _parquet_rows(f, options)
-        else:
-            with fsspec.open(storage.normalize(url), "rb", compression="infer") as f:
-                yield from _text_rows(f, options, is_jsonl=kind == "jsonl")
+        fs, path = storage.filesystem(url)
+        with fs.open(path, "rb") as stored:
+            if kind == "parquet":
+                yield from _parquet_rows(stored, options, on_read)
+                return
+            size, codec = max(fs.size(path), 1), fsspec.utils.infer_compression(path)
+            # As fsspec.open(compression="infer") opens it, the stored file's place kept in view.
+            with fsspec.compression.compr[codec](stored, mode="rb") if codec else contextlib.nullcontext(stored) as f:
+                for rows in _text_rows(f, options, is_jsonl=kind == "jsonl"):
+                    on_read(stored.tell() / size)
+                    yield rows
     except (OSError, EOFError, zlib.error, lzma.LZMAError, pa.ArrowException) as err:
         raise StepFailed(f"prompts file {url} could not be read: {type(err).__name__}: {err}") from err
     except _NotUtf8 as err:
@@ -266,8 +274,9 @@ def _no_field(name: str, key: str, fields: tuple[str, Iterable[str]], alternativ
     return f"no {name!r} field (set {key} to one of {whose}: {shown}{alternative})"
 
 
-def _parquet_rows(f: Any, options: PromptsConfig) -> Iterator[list[Row]]:
+def _parquet_rows(f: Any, options: PromptsConfig, on_read: Callable[[float], None]) -> Iterator[list[Row]]:
     pf = pq.ParquetFile(f)
+    total = max(pf.metadata.num_rows, 1)
     columns = ("the file's columns", [c for c in pf.schema_arrow.names if c != "__index_level_0__"])  # pandas' index
     wanted = [c for c in (options.text_field, options.id_field) if c and c in pf.schema_arrow.names]
     number = 0
@@ -288,6 +297,7 @@ def _parquet_rows(f: Any, options: PromptsConfig) -> Iterator[list[Row]]:
             if row[4] is not None:  # a bad row: what it held, as a JSONL line would show it
                 row = (*row[:3], _parquet_raw(options, text, raw_id), row[4])
             rows.append(row)
+        on_read(number / total)
         yield rows
 
 

@@ -152,13 +152,16 @@ def tokenize(cfg: Config, out: StepOutput) -> StepResult:
         shards = _Shards(tmp, num_shards)
         reader = _Reader(options, encode, shards, rejects)
         inputs = []
+        sizes = [storage.size(url) for url in urls]
+        total, before = max(sum(sizes), 1), 0  # the ETA: the prompts' count is known only at the end
         with Progress(total=None, desc="tokenize", unit="prompt") as progress:
-            for url in urls:
+            for url, size in zip(urls, sizes):
                 rows_before = reader.rows_in
-                for rows in read_rows(url, options):
+                for rows in read_rows(url, options, on_read=lambda share: progress.read((before + share * size) / total)):
                     preemption.check()
                     batch = reader.take(url, rows)
                     progress.update(batch.taken, tokens=reader.finish(batch))
+                before += size
                 inputs.append({"url": url, "bytes": storage.size(url), "fingerprint": storage.fingerprint(url),
                                "rows": reader.rows_in - rows_before})
         if rejects.count and options.on_invalid == "fail":

@@ -46,6 +46,26 @@ def test_a_resumed_progress_counts_what_was_already_done():
     assert line.startswith("generate: 25,857/200,000 samples (21,504 resumed), ")
 
 
+def test_a_progress_without_a_total_gives_an_eta_from_the_share_of_the_input_read(monkeypatch):
+    """tokenize knows its prompts' count only at the end: its line had a count and a rate, no ETA."""
+    import types
+
+    from pipeline.run import progress
+
+    clock = [100.0]
+    monkeypatch.setattr(progress, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    out = io.StringIO()
+    bar = Progress(total=None, desc="tokenize", unit="prompt", file=out)
+    clock[0] += 30.0
+    bar.read(0.25)
+    bar.update(12_000, tokens=480_000)
+    assert out.getvalue().splitlines()[-1] == ("tokenize: 12,000 prompts, 400.0/s, tokens 480,000 (16,000.0/s), "
+                                               "25% of the input read, ETA 90s")
+    bar.read(1.0)
+    bar.close()
+    assert out.getvalue().splitlines()[-1].endswith(", 100% of the input read")
+
+
 def test_a_step_log_keeps_clean_whole_lines_of_this_host(tmp_path, capsys):
     from pipeline.run import steplog
 

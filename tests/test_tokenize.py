@@ -798,6 +798,23 @@ def test_a_finished_input_renamed_to_a_refused_type_is_refused_not_complete(tmp_
         assert f"prompts file {renamed}: unsupported file type" in error_line(result), result.stderr
 
 
+def test_reading_a_prompt_file_tells_how_much_of_it_is_read(tmp_path):
+    """tokenize's ETA: before each batch, the share of the file's stored bytes read (a compressed
+    file's too), rising to the whole file."""
+    from pipeline.run.config import PromptsConfig
+
+    rows = [{"id": i, "prompt": random.Random(i).randbytes(40).hex()} for i in range(60_000)]  # 2 blocks of 4 MiB
+    put(tmp_path / "p.jsonl", jsonl(*rows))
+    put(tmp_path / "p.jsonl.gz", gzip.compress(jsonl(*rows)))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet", row_group_size=10_000)
+    for name in ("p.jsonl", "p.jsonl.gz", "p.parquet"):
+        shares = []
+        read = [row[0] for batch in pf.read_rows(str(tmp_path / name), PromptsConfig(path="unused", id_field="id"),
+                                                  on_read=shares.append) for row in batch]
+        assert read == list(range(1, 60_001)), name
+        assert shares == sorted(shares) and 0 < shares[0] < 0.75 and shares[-1] == 1.0, (name, shares)
+
+
 def test_rerun_skips_and_another_root_gives_the_same_hash_and_bytes(tmp_path, demo_model):
     (tmp_path / "p.jsonl").write_bytes(jsonl(*({"id": f"i{i}", "prompt": f"prompt {i}"} for i in range(20))))
     first = write_config(tmp_path, demo_model, path=str(tmp_path / "p.jsonl"), id_field="id", num_shards=3)
@@ -923,9 +940,9 @@ def test_a_prompt_file_edited_while_tokenize_runs_is_not_marked_complete(tmp_pat
     config = write_config(tmp_path, demo_model, path=str(prompts))
     read_rows = tk.read_rows
 
-    def edited_before_the_read(url, options):
+    def edited_before_the_read(url, options, **kwargs):
         prompts.write_text(prompts.read_text().replace("topic", "EDITED topic"))  # the user's edit lands now
-        yield from read_rows(url, options)
+        yield from read_rows(url, options, **kwargs)
 
     monkeypatch.setattr(tk, "read_rows", edited_before_the_read)
     first = tokenize_step(config)
@@ -955,10 +972,10 @@ def test_a_prompt_file_in_a_bucket_folder_edited_while_tokenize_runs_is_seen(tmp
     config = write_config(tmp_path, demo_model, path=folder)
     read_rows = tk.read_rows
 
-    def edited_before_the_read(url, options):  # by another writer: not through this process's gcsfs
+    def edited_before_the_read(url, options, **kwargs):  # by another writer: not through this process's gcsfs
         gcsfs.GCSFileSystem(skip_instance_cache=True).pipe(
             url.removeprefix("gs://"), jsonl(*({"prompt": f"EDITED topic {i}."} for i in range(4))))
-        yield from read_rows(url, options)
+        yield from read_rows(url, options, **kwargs)
 
     monkeypatch.setattr(tk, "read_rows", edited_before_the_read)
     first = tokenize_step(config)

@@ -8,6 +8,10 @@ by an earlier attempt is counted too (`resumed`): a resumed bar reads
 
     with Progress(total=1000, desc="host 0 generate", unit="sample", resumed=200) as bar:
         bar.update(8, tokens=1024)
+
+Where the count's total is not known before the end (tokenize: prompts in files), the share of the
+input read so far gives the ETA: `bar.read(0.25)` -> `tokenize: 12,000 prompts, ..., 25% of the
+input read, ETA 30s`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class Progress:
         self.file = file or sys.stderr
         self.count = resumed
         self.extra: dict[str, float] = {}
+        self.share: float | None = None
+        """The share of the input read (`read`), where `total` is not known."""
         self.started = time.monotonic()
         self.last_log = self.started
         self.log_every_s = log_every_s
@@ -50,14 +56,24 @@ class Progress:
             self.extra[key] = self.extra.get(key, 0) + value
         if self.bar is not None:
             self.bar.update(n)
-            if self.extra:
+            if self.extra or self.share:
                 self.bar.set_postfix_str(self._extras(), refresh=False)
         elif time.monotonic() - self.last_log >= self.log_every_s:
             self._log()
 
+    def read(self, share: float) -> None:
+        """How much of the input (0 to 1) the work has read: its ETA where `total` is not known."""
+        self.share = min(max(share, 0.0), 1.0)
+        if self.bar is not None:
+            self.bar.set_postfix_str(self._extras(), refresh=False)
+
     def _extras(self) -> str:
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        return ", ".join(f"{k} {v:,.0f} ({v / elapsed:,.1f}/s)" for k, v in self.extra.items())
+        parts = [f"{k} {v:,.0f} ({v / elapsed:,.1f}/s)" for k, v in self.extra.items()]
+        if self.total is None and self.share:
+            eta = f", ETA {elapsed * (1 - self.share) / self.share:,.0f}s" if self.share < 1 else ""
+            parts.append(f"{self.share:.0%} of the input read{eta}")
+        return ", ".join(parts)
 
     def _log(self) -> None:
         self.last_log = time.monotonic()
@@ -66,7 +82,7 @@ class Progress:
         total = f"/{self.total:,}" if self.total else ""
         resumed = f" ({self.resumed:,} resumed)" if self.resumed else ""
         eta = f", ETA {(self.total - self.count) / rate:,.0f}s" if self.total and rate > 0 else ""
-        extras = f", {self._extras()}" if self.extra else ""
+        extras = f", {self._extras()}" if self.extra or self.share else ""
         print(f"{self.desc}: {self.count:,}{total} {self.unit}s{resumed}, {rate:,.1f}/s{extras}{eta}",
               file=self.file, flush=True)
 
