@@ -101,7 +101,8 @@ def compiling_ahead() -> bool:
 _UNFINISHED: "weakref.WeakSet[Iterator[Completion]]" = weakref.WeakSet()
 """`generate`'s generators not yet finished or dropped: closed as the interpreter exits."""
 _RUNNING: "weakref.WeakSet[_Pending]" = weakref.WeakSet()
-"""The requests of `generate` calls begun: the exit waits for those that run in other threads."""
+"""The requests of `generate` calls begun and not ended: the exit waits for those that run in
+other threads."""
 
 
 _exiting = False
@@ -151,7 +152,7 @@ def _close_unfinished() -> None:
         _exiting = True
     # Each call running in another thread raises `_Exiting` at its next jax work and frees its
     # caches on the way out; one reading its requests runs no jax work until they come.
-    while _in_jax or any(not call.ended.is_set() and not call.reading for call in list(_RUNNING)):
+    while _in_jax or any(not call.reading for call in list(_RUNNING)):
         time.sleep(0.01)
 
 
@@ -365,8 +366,6 @@ class _Pending:
         """Held to read or take rows: lanes share the queue (`_admit` holds it across its takes)."""
         self.reading = False
         """A thread is inside the requests' iterator."""
-        self.ended = threading.Event()
-        """`generate` has returned or raised: its threads have ended, its caches are freed."""
 
     def _read_ahead(self) -> None:
         """Once half the window is used up, read the next window's worth of requests."""
@@ -1048,18 +1047,18 @@ class Engine:
 
     def _run(self, kind: str, fn, static: tuple, *args):
         """Runs fn(model, cache, state, ...) compiled, the cache and state donated (updated in place).
-        `kind` and `static` name fn: one function for each pair in an engine."""
-        with _jax_work():
-            call = self._call_key(kind, static, args)
-            compiled = self._by_call.get(call)
-            if compiled is None:
-                with self._waiting():
-                    compiled = self._program(kind, static, self._jit(fn), args)
-                self._by_call[call] = compiled
-            start = time.perf_counter()
-            out = compiled(*args)
-            jax.block_until_ready(out)
-            seconds = time.perf_counter() - start
+        `kind` and `static` name fn: one function for each pair in an engine. Callers hold
+        `_jax_work` around it and the transfers of its inputs and outputs."""
+        call = self._call_key(kind, static, args)
+        compiled = self._by_call.get(call)
+        if compiled is None:
+            with self._waiting():
+                compiled = self._program(kind, static, self._jit(fn), args)
+            self._by_call[call] = compiled
+        start = time.perf_counter()
+        out = compiled(*args)
+        jax.block_until_ready(out)
+        seconds = time.perf_counter() - start
         with self._stats_lock:
             self.stats.decode_time_s += seconds
             entry = self.stats.programs.setdefault(kind, {"compiled": 0, "loaded": 0, "seconds": 0.0})
@@ -1190,7 +1189,7 @@ class Engine:
             traceback.clear_frames(exiting.__traceback__)
             raise
         finally:
-            pending.ended.set()
+            _RUNNING.discard(pending)  # its threads have ended, its caches are freed
 
     def _side_by_side(self, pending: "_Pending", stop: Callable[[], bool] | None) -> Iterator[Completion]:
         """Every lane in a thread of its own; their completions, and the first error, through a
