@@ -162,7 +162,9 @@ def tokenize(cfg: Config, out: StepOutput) -> StepResult:
                     batch = reader.take(url, rows)
                     progress.update(batch.taken, tokens=reader.finish(batch))
                 before += size
-                inputs.append({"url": url, "bytes": storage.size(url), "fingerprint": storage.fingerprint(url),
+                # The size read before it: a file that changed since is found before the step is
+                # marked complete (`identity.changed_input`), so a complete step's record holds.
+                inputs.append({"url": url, "bytes": size, "fingerprint": storage.fingerprint(url),
                                "rows": reader.rows_in - rows_before})
         if rejects.count and options.on_invalid == "fail":
             raise StepFailed(rejects.failure_message())
