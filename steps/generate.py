@@ -407,27 +407,41 @@ class _ShardTodo:
         ids = read_shard(self.url, columns=["input_ids"])["input_ids"]
         return pc.max(pc.list_flatten(ids)).as_py() or 0
 
-    def _batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
-        """The shard's rows READ_BATCH_ROWS at a time: the file whole (compressed, so small next to
-        its rows), read with retries like every other file and checked against `sha256`, its rows
-        decoded a batch at a time."""
+    def read_in_thread(self) -> concurrent.futures.Future:
+        """The shard's bytes, read in a thread of their own (`_completions` reads the next shard
+        while the engine works on this one): the file whole (compressed, so small next to its
+        rows), with retries like every other file. A daemon thread: a read that hangs does not hold
+        the exit, and a stop signal ends its retries (`preemption.pause`)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def read() -> None:
+            try:
+                future.set_result(storage.read_bytes(self.url))
+            except BaseException as error:  # raised where the bytes are used (`_batches`)
+                future.set_exception(error)
+
+        threading.Thread(target=read, name=f"read-{self.name}", daemon=True).start()
+        return future
+
+    def _batches(self, read: concurrent.futures.Future, columns: list[str]) -> Iterator[pa.RecordBatch]:
+        """The shard's rows READ_BATCH_ROWS at a time, from the bytes `read` brings, checked against
+        `sha256`, its rows decoded a batch at a time."""
         with storage.unreadable("tokenize shard", self.url, SHARD_FIX):
-            data = storage.read_bytes(self.url)
+            data = read.result()
             if self.sha256 and hashlib.sha256(data).hexdigest() != self.sha256:
                 # Changed since tokenize wrote it: a flipped bit can still parse, as other prompt tokens.
                 raise StepFailed(f"tokenize shard {self.url} is not the file tokenize wrote (its sha256 is not the one "
                                  f"tokenize's marker records: it was changed since): {SHARD_FIX}")
             yield from pq.ParquetFile(pa.BufferReader(data)).iter_batches(batch_size=READ_BATCH_ROWS, columns=columns)
 
-    def requests(self, sources: dict[int, "_Source"]) -> Iterator[Any]:
-        """GenerationRequests of the rows still wanted, READ_BATCH_ROWS rows read at a time;
-        registers each in `sources` until its last sample completes."""
+    def requests(self, read: concurrent.futures.Future, sources: dict[int, "_Source"]) -> Iterator[Any]:
+        """GenerationRequests of the rows still wanted, from the shard's bytes `read` brings
+        (`read_in_thread`), READ_BATCH_ROWS rows decoded at a time; registers each in `sources`
+        until its last sample completes."""
         from engine import GenerationRequest
 
-        if not self.missing:  # a shard already done is not read again
-            return
         start = 0
-        for batch in self._batches(["prompt_index", "prompt_id", "prompt", "input_ids", "num_tokens"]):
+        for batch in self._batches(read, ["prompt_index", "prompt_id", "prompt", "input_ids", "num_tokens"]):
             wanted = self.wanted[start:start + batch.num_rows]
             start += batch.num_rows
             rows = np.flatnonzero(wanted.any(axis=1))
@@ -631,17 +645,24 @@ def _announcer() -> Callable[[str], None]:
 def _completions(engine, todo: list[_ShardTodo], stop: Callable[[], bool]) -> Iterator[tuple[Any, "_Source"]]:
     """Every completion with its prompt's source; requests are read lazily, shard by shard."""
     sources: dict[int, _Source] = {}
-
-    def requests() -> Iterator[Any]:
-        for t in todo:
-            yield from t.requests(sources)
-
-    for c in engine.generate(requests(), stop=stop):
+    for c in engine.generate(_requests(todo, sources), stop=stop):
         source = sources[c.prompt_index]
         source.samples_left -= 1
         if not source.samples_left:
             del sources[c.prompt_index]
         yield c, source
+
+
+def _requests(todo: list[_ShardTodo], sources: dict[int, "_Source"]) -> Iterator[Any]:
+    """The requests of every shard with rows missing, in order (a shard already done is not read
+    again). The next shard's bytes are read while the engine takes this one's requests: the engine
+    waits for a request (its decoding too) while the iterator reads, and a shard on a bucket takes
+    seconds to read. At most two shards' bytes are held at a time."""
+    left = [t for t in todo if t.missing]
+    following = left[0].read_in_thread() if left else None
+    for i, t in enumerate(left):
+        read, following = following, left[i + 1].read_in_thread() if i + 1 < len(left) else None
+        yield from t.requests(read, sources)
 
 
 def _row(source: _Source, c: Any) -> dict[str, Any]:

@@ -5,6 +5,7 @@ parts, bounded by rows and by the list entries buffered."""
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import signal
@@ -427,3 +428,48 @@ def test_a_shards_last_rows_are_committed_within_the_part_age_while_other_shards
     assert committed("shard-00001") == []  # its first row is half the age: it waits for more rows
     writer.flush_all()
     assert committed("shard-00001") == [10, 11]
+
+
+def test_the_next_shard_is_read_while_the_engine_takes_this_ones_requests(tmp_path, monkeypatch):
+    """The engine waits (its decoding too) while the request iterator reads a shard, and a shard on
+    a bucket takes seconds: the next shard's bytes are read while this shard's requests are taken.
+    A shard already done is not read; a shard that cannot be read fails the step once the requests
+    before it are taken, naming it."""
+    import threading
+
+    import numpy as np
+    import pyarrow as pa
+    from pipeline import storage
+    from pipeline.errors import StepFailed
+    from steps.generate import _requests, _ShardTodo
+    from steps.tokenize import SHARD_SCHEMA
+
+    def shard(name: str, first: int, rows: int, done: bool = False) -> _ShardTodo:
+        url = str(tmp_path / f"{name}.parquet")
+        index = list(range(first, first + rows))
+        pq.write_table(pa.table({"prompt_index": index, "prompt_id": [f"p{i}" for i in index],
+                                 "prompt": [f"prompt {i}" for i in index], "input_ids": [[1, 2, i] for i in index],
+                                 "num_tokens": [3] * rows}, schema=SHARD_SCHEMA), url)
+        return _ShardTodo(name, url, np.array(index), np.full(rows, 3), np.full((rows, 1), not done))
+
+    todo = [shard("shard-00000", 0, 3), shard("shard-00001", 3, 2, done=True), shard("shard-00002", 5, 2),
+            shard("shard-00003", 7, 2)]
+    os.remove(todo[3].url)
+    begun = {name: threading.Event() for name in ("shard-00000", "shard-00002", "shard-00003")}
+    read = storage.read_bytes
+
+    def read_bytes(url: str) -> bytes:
+        begun[Path(url).stem].set()  # a KeyError for a shard that should not be read (the thread's, raised below)
+        return read(url)
+
+    monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    sources: dict = {}
+    requests = _requests(todo, sources)
+    taken = [next(requests).prompt_index]
+    assert begun["shard-00002"].wait(10), "the next shard was not read while the first one's requests were taken"
+    assert not begun["shard-00003"].is_set()  # two shards' bytes at a time, not every shard's
+    taken += [r.prompt_index for r in itertools.islice(requests, 4)]
+    assert taken == [0, 1, 2, 5, 6] and sorted(sources) == taken
+    assert begun["shard-00003"].wait(10)
+    with pytest.raises(StepFailed, match=r"tokenize shard .*shard-00003\.parquet cannot be read"):
+        next(requests)
