@@ -107,8 +107,9 @@ other threads."""
 
 _exiting = False
 """The interpreter is exiting (`_close_unfinished`): generate's threads begin no more jax work."""
-_in_jax = 0
-"""How many of generate's threads are inside jax work (`_jax_work`), under `_in_jax_changed`."""
+_in_jax: collections.Counter[int] = collections.Counter()
+"""How deep each of generate's threads (by ident) is inside jax work (`_jax_work`), under
+`_in_jax_changed`."""
 _in_jax_changed = threading.Condition()
 
 
@@ -121,16 +122,16 @@ def _jax_work():
     """Around generate's calls into jax (compiles, compiled calls, transfers, memory figures):
     none begins once the interpreter exits (`_Exiting` in that thread), and the exit waits for
     those begun."""
-    global _in_jax
+    me = threading.get_ident()
     with _in_jax_changed:
         if _exiting:
             raise _Exiting("Engine.generate stopped: the interpreter is exiting")
-        _in_jax += 1
+        _in_jax[me] += 1
     try:
         yield
     finally:
         with _in_jax_changed:
-            _in_jax -= 1
+            _in_jax[me] -= 1
             _in_jax_changed.notify_all()
 
 
@@ -151,8 +152,12 @@ def _close_unfinished() -> None:
     with _in_jax_changed:
         _exiting = True
     # Each call running in another thread raises `_Exiting` at its next jax work and frees its
-    # caches on the way out; one reading its requests runs no jax work until they come.
-    while _in_jax or any(not call.reading for call in list(_RUNNING)):
+    # caches on the way out; one reading its requests runs no jax work until they come. This
+    # thread's own count is not waited for: it runs this hook, so it is in no jax work (a
+    # KeyboardInterrupt between `_jax_work`'s count and its `try` leaves the count behind).
+    me = threading.get_ident()
+    while (any(n for thread, n in list(_in_jax.items()) if thread != me)
+           or any(not call.reading for call in list(_RUNNING))):
         time.sleep(0.01)
 
 

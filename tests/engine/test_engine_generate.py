@@ -735,6 +735,25 @@ def test_a_script_that_ends_while_generate_runs_in_daemon_threads_exits_cleanly(
     assert "FATAL" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
 
 
+def test_a_count_of_jax_work_left_by_the_exiting_thread_does_not_hold_the_exit():
+    """A KeyboardInterrupt landing between `_jax_work`'s count and its `try` leaves the count behind,
+    in the main thread: the exit, which waits until no thread is inside jax work, waited for good.
+    The thread running the exit is in none."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from engine import engine
+        work = engine._jax_work()
+        work.__enter__()  # the count, with no `try` to take it back (`work` kept: its generator not closed)
+        print("main ends", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "main ends\n"), done.stderr[-3000:]
+
+
 def test_an_error_in_a_lane_reaches_the_caller(llama):
     path, _ = llama
     engine = Engine.load(path, dtype="float32", sampling=SamplingParams(max_new_tokens=4),
