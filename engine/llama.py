@@ -275,8 +275,11 @@ class LlamaConfig:
                 raise refuse(key, cfg[key], "is not supported (only null)")
         if cfg.get("mlp_bias", False):
             raise refuse("mlp_bias", cfg["mlp_bias"], "is not supported (only false)")
-        if quantization := cfg.get("quantization_config"):  # bitsandbytes' older configs name no quant_method
+        if quantization := cfg.get("quantization_config"):
             method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+            if method is None and isinstance(quantization, dict) and any(
+                    key.startswith(("load_in_", "bnb_")) for key in quantization):
+                method = "bitsandbytes"  # its older configs name no quant_method
             raise refuse("quantization_config", method or quantization, "is not supported (quantized weights)")
         if model_type in ("olmo2", "olmoe") and cfg.get("attention_bias", False):
             raise refuse("attention_bias", cfg["attention_bias"], f"is not supported for {model_type} (only false)")

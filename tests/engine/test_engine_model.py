@@ -419,7 +419,8 @@ def test_rotations_the_engine_does_not_implement_are_refused(llama, edit, messag
 
 @pytest.mark.parametrize("quantization, named", [
     ({"quant_method": "awq", "bits": 4}, "'awq'"),
-    ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "{'load_in_4bit': True, "),  # bitsandbytes' older form
+    ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "'bitsandbytes'"),  # its older form: no quant_method
+    ({"bits": 4}, "{'bits': 4}"),  # nothing names the method: the setting as it is
 ])
 def test_quantized_weights_are_refused_naming_their_method(llama, quantization, named):
     data = {**json.load(open(f"{llama[0]}/config.json")), "quantization_config": quantization}
