@@ -10,8 +10,8 @@ norms before each part,
 OLMo 2's after, Gemma's both), the LM
 head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read by
 engine/checkpoint.py) in the model, or a block of rows of one (Phi-3's fused projections).
-Refuses: other architectures, rope types other than default/llama3 (and Phi-3's longrope), a
-partial rotary outside Phi-3. Phi-3's longrope runs rows up to its original positions with its
+Refuses: other architectures, rope types other than default/llama3 (Phi-3: default/longrope,
+as transformers' Phi3Config), a partial rotary outside Phi-3. Phi-3's longrope runs rows up to its original positions with its
 short factors, as transformers does (engine.py refuses longer rows). A sliding
 window (Mistral v0.1's, Phi-3 mini's, the Gemmas' local layers', Qwen's) is a band of each query's
 mask in the engine's own (XLA) attention, and each query's first key in the kernels (the CPU
@@ -306,6 +306,9 @@ class LlamaConfig:
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", default_theta)))
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        supported = ("default", "longrope") if model_type == "phi3" else ("default", "llama3")  # transformers' checks
+        if rope_type not in supported:
+            raise refuse("rope type", rope_type, f"is not supported for {model_type} (supported: {', '.join(supported)})")
         rope_llama3, longrope = None, {}
         if rope_type == "llama3":
             rope_llama3 = (
@@ -314,12 +317,9 @@ class LlamaConfig:
                 float(rope["high_freq_factor"]),
                 int(rope["original_max_position_embeddings"]),
             )
-        elif rope_type == "longrope" and model_type == "phi3":
+        elif rope_type == "longrope":
             longrope = _longrope(cfg, rope, max_positions=max_positions, rotary_dim=int(head_dim * partial_rotary),
                                  refuse=refuse)
-        elif rope_type != "default":
-            supported = "default, llama3, longrope" if model_type == "phi3" else "default, llama3"
-            raise refuse("rope type", rope_type, f"is not supported for {model_type} (supported: {supported})")
 
         sliding_window = None
         if model_type in ("qwen2", "qwen2_moe", "qwen3"):  # a window over the layers from max_window_layers on

@@ -406,6 +406,8 @@ def test_unsupported_architecture_is_refused(llama, tmp_path):
     # Phi-3's longrope belongs to Phi-3.
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [1.0]}},
      r"rope type 'longrope' is not supported for llama \(supported: default, llama3\)"),
+    # Llama 3.1's rescaling is not Phi-3's: transformers' Phi3Config refuses it as well.
+    ({"model_type": "phi3"}, r"rope type 'llama3' is not supported for phi3 \(supported: default, longrope\)"),
     # A rope_scaling added beside the rope_parameters transformers 5 saves (Qwen's cards' YaRN) is the one read.
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
       "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
