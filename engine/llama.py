@@ -10,9 +10,10 @@ norms before each part,
 OLMo 2's after, Gemma's both), the LM
 head, and the checkpoint mapping that places each tensor of a Hugging Face checkpoint (read by
 engine/checkpoint.py) in the model, or a block of rows of one (Phi-3's fused projections).
-Refuses: other architectures, rope types other than default/llama3 (Phi-3: default/longrope,
-as transformers' Phi3Config), a partial rotary outside Phi-3. Phi-3's longrope runs rows up to its original positions with its
-short factors, as transformers does (engine.py refuses longer rows). A sliding
+Refuses: other architectures, rope types other than default/llama3 (Phi-3's: default/longrope,
+as transformers' Phi3Config), a partial rotary outside Phi-3. Phi-3's longrope runs rows up to
+its original positions with its short factors, as transformers does (engine.py refuses longer
+rows). A sliding
 window (Mistral v0.1's, Phi-3 mini's, the Gemmas' local layers', Qwen's) is a band of each query's
 mask in the engine's own (XLA) attention, and each query's first key in the kernels (the CPU
 kernel's, and the start index JAX's Pallas kernel takes). Gemma 2's capped scores run the XLA
