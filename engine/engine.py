@@ -161,7 +161,8 @@ def _close_unfinished() -> None:
         time.sleep(0.01)
 
 
-_paused_by = 0
+_lowering: set[int] = set()
+"""The threads (by ident) lowering a program, under `_paused_lock`."""
 _paused_lock = threading.Lock()
 _collector_was_enabled = False
 
@@ -174,19 +175,23 @@ def _collector_paused():
     instead of 0.59-0.60). Lowering is on the path of every run, warm or cold: the persistent
     cache is keyed by the lowered program (docs/performance-notes.md, "Lowering without the
     collector"). The collector runs again when the last thread lowering leaves (the decode
-    program's early compile lowers beside prefill's), and stays off if it was off."""
-    global _paused_by, _collector_was_enabled
+    program's early compile lowers beside prefill's), and stays off if it was off. A set of
+    threads, not a count: a KeyboardInterrupt between the entry and the `try` leaves this thread
+    in it, and its next lowering takes it out again (a count left behind kept the collector off
+    for the rest of the process)."""
+    global _collector_was_enabled
+    me = threading.get_ident()
     with _paused_lock:
-        if _paused_by == 0:
+        if not _lowering:
             _collector_was_enabled = gc.isenabled()
-            gc.disable()
-        _paused_by += 1
+        _lowering.add(me)
+        gc.disable()
     try:
         yield
     finally:
         with _paused_lock:
-            _paused_by -= 1
-            if _paused_by == 0 and _collector_was_enabled:
+            _lowering.discard(me)
+            if not _lowering and _collector_was_enabled:
                 gc.enable()
 
 

@@ -275,6 +275,23 @@ def test_the_collector_is_paused_until_the_last_thread_lowering_leaves():
         gc.enable()
 
 
+def test_an_entry_left_by_a_keyboard_interrupt_does_not_keep_the_collector_off():
+    """A KeyboardInterrupt between `_collector_paused`'s entry and its `try` leaves the thread
+    counted as lowering: the collector stayed off for the rest of the process. The thread's next
+    lowering takes the entry out again."""
+    assert gc.isenabled()
+    left = engine_module._collector_paused()
+    left.__enter__()  # and no exit: what the interrupt leaves
+    try:
+        with engine_module._collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled()
+    finally:
+        with engine_module._paused_lock:
+            engine_module._lowering.clear()
+        gc.enable()
+
+
 def test_a_call_reads_the_fewest_pages_that_hold_its_rows():
     """The cache is split in quarters (multiples of 16 positions), and a call whose rows hold
     `reach` positions runs the branch of the fewest pages covering them."""
