@@ -108,7 +108,7 @@ other threads."""
 _exiting = False
 """The interpreter is exiting (`_close_unfinished`): generate's threads begin no more jax work."""
 _in_jax: collections.Counter[int] = collections.Counter()
-"""How deep each of generate's threads (by ident) is inside jax work (`_jax_work`), under
+"""The threads of generate's (by ident) inside jax work (`_jax_work`), each with how deep, under
 `_in_jax_changed`."""
 _in_jax_changed = threading.Condition()
 
@@ -132,6 +132,8 @@ def _jax_work():
     finally:
         with _in_jax_changed:
             _in_jax[me] -= 1
+            if not _in_jax[me]:
+                del _in_jax[me]  # lanes and prefill threads are new threads each call: keep no trace of them
             _in_jax_changed.notify_all()
 
 
@@ -156,7 +158,7 @@ def _close_unfinished() -> None:
     # thread's own count is not waited for: it runs this hook, so it is in no jax work (a
     # KeyboardInterrupt between `_jax_work`'s count and its `try` leaves the count behind).
     me = threading.get_ident()
-    while (any(n for thread, n in list(_in_jax.items()) if thread != me)
+    while (any(thread != me for thread in list(_in_jax))
            or any(not call.reading for call in list(_RUNNING))):
         time.sleep(0.01)
 
