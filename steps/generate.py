@@ -408,7 +408,7 @@ class _ShardTodo:
         return pc.max(pc.list_flatten(ids)).as_py() or 0
 
     def read_in_thread(self) -> concurrent.futures.Future:
-        """The shard's bytes, read in a thread of their own (`_completions` reads the next shard
+        """The shard's bytes, read in a thread of their own (`_requests` reads the next shard
         while the engine works on this one): the file whole (compressed, so small next to its
         rows), with retries like every other file. A daemon thread: a read that hangs does not hold
         the exit, and a stop signal ends its retries (`preemption.pause`)."""
