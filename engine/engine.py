@@ -406,6 +406,11 @@ class _Pending:
             self._read_ahead()
             return bool(self._rows)
 
+    def maybe_left(self) -> bool:
+        """Rows are left or may come, asked without reading or waiting for the lock: a lane whose
+        prefill thread reads the requests asks this, so that it decodes on while a read waits."""
+        return bool(self._rows) or not self._exhausted
+
     def popleft(self) -> _Row:
         with self.lock:
             self._read_ahead()
@@ -506,6 +511,9 @@ class _Stager:
         self._adopting = False
         """The lane waits for the staging cache, or copies from it: no new prefill call starts."""
         self._closing = False
+        self._taking = False
+        """The thread takes rows from the queue, outside `_cond`: a read of the requests may wait,
+        and the lane asks `_cond` between its decode calls. Rows it holds count as busy."""
         self._thread = threading.Thread(target=self._loop, name="engine-prefill", daemon=True)
 
     def start(self) -> None:
@@ -518,19 +526,29 @@ class _Stager:
         try:
             while True:
                 with self._cond:
+                    if self._closing:
+                        return
+                    free = [s for s, row in enumerate(self._rows) if row is None]
+                    self._taking = True
+                try:  # into free slots only: the lane's `adopt` touches prefilled ones
+                    if free:
+                        engine._admit(self._pending, free, self._rows, prefilling, whole=True)
+                    left = bool(prefilling) or bool(self._pending)
+                finally:
+                    with self._cond:
+                        self._taking = False
+                with self._cond:
+                    if not left:  # nothing left to prefill
+                        self._cond.notify_all()
+                        return
+                    if not prefilling:
+                        if free == [s for s, row in enumerate(self._rows) if row is None]:
+                            self._cond.wait()  # until the lane adopts rows and frees staging slots
+                        continue
                     while self._adopting and not self._closing:
                         self._cond.wait()
                     if self._closing:
                         return
-                    free = [s for s, row in enumerate(self._rows) if row is None]
-                    if free:
-                        engine._admit(self._pending, free, self._rows, prefilling, whole=True)
-                    if not prefilling:
-                        if not self._pending:  # nothing left to prefill
-                            self._cond.notify_all()
-                            return
-                        self._cond.wait()  # until the lane adopts rows and frees staging slots
-                        continue
                     self._calling = True
                 cache, state, got = engine._prefill(self._cache, self._state, prefilling)  # read back
                 with self._cond:
@@ -555,7 +573,8 @@ class _Stager:
     def busy(self) -> bool:
         """Rows are being prefilled or wait for a slot, or completions or an error for the lane."""
         with self._cond:
-            return any(row is not None for row in self._rows) or bool(self._finished) or self._error is not None
+            return (self._taking or any(row is not None for row in self._rows) or bool(self._finished)
+                    or self._error is not None)
 
     def finished(self) -> list[Completion]:
         """Completions of rows that finished on their first token, since the last ask; raises
@@ -1293,7 +1312,9 @@ class Engine:
         try:
             if stager is not None:
                 stager.start()
-            while pending or prefilling or any(live) or (stager is not None and stager.busy()):
+            # With a prefill thread, the lane does not read the requests itself (the thread does,
+            # and the lane decodes on while a read waits).
+            while prefilling or any(live) or (pending if stager is None else stager.busy() or pending.maybe_left()):
                 if stop is not None and self.layout.any_host(stop()):
                     pending.stopped = True
                     halt.set()

@@ -842,6 +842,35 @@ def test_a_job_that_fits_the_lane_makes_the_same_calls_beside_decode(llama):
     assert beside.stats.programs_used == 4 + len(first) == beside.max_programs, beside.stats.programs
 
 
+def test_the_lane_decodes_on_while_the_prefill_thread_waits_for_requests(llama):
+    """The prefill thread reads the requests (the next window of them once half of this one is
+    taken); a read can wait (generate's next shard on a bucket). It read them holding its condition
+    and the queue's lock, which the lane asks between its decode calls: the lane stopped decoding
+    until the read came. Here the read of the second window waits until a completion comes."""
+    from engine.engine import READ_AHEAD_ROWS_PER_SLOT
+
+    path, _ = llama
+    engine = _staged(path, SamplingParams(max_new_tokens=24), overlap_prefill=True, prefill_tokens=16)
+    window = READ_AHEAD_ROWS_PER_SLOT * 4
+    received: list = []
+    waited: list = []
+
+    def requests():
+        for i in range(window + 16):
+            if i == window:  # read when half the first window is taken: rows are in the lane then
+                before, deadline = len(received), time.monotonic() + 20
+                while len(received) == before and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                waited.append((threading.current_thread().name, len(received) - before))
+            yield GenerationRequest(i, PROMPTS[i % len(PROMPTS)], [0])
+
+    for completion in engine.generate(requests()):
+        received.append(completion)
+    assert sorted(c.prompt_index for c in received) == list(range(window + 16))
+    (reader, came), = waited
+    assert reader == "engine-prefill" and came > 0, waited  # completions came while the read waited
+
+
 def test_prefill_beside_decode_stops_with_the_lane(llama, greedy_ref, monkeypatch):
     """The prefill thread ends with generate: when the caller abandons it, when `stop` asks, when
     a prompt is bad (generate reads it ahead of the slots; the error names the prompt), and when
