@@ -571,7 +571,8 @@ class _Stager:
             raise self._error
 
     def busy(self) -> bool:
-        """Rows are being prefilled or wait for a slot, or completions or an error for the lane."""
+        """Rows are being taken from the requests, prefilled or wait for a slot, or completions or
+        an error for the lane."""
         with self._cond:
             return (self._taking or any(row is not None for row in self._rows) or bool(self._finished)
                     or self._error is not None)
