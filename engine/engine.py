@@ -530,14 +530,13 @@ class _Stager:
                         return
                     free = [s for s, row in enumerate(self._rows) if row is None]
                     self._taking = True
-                try:  # into free slots only: the lane's `adopt` touches prefilled ones
-                    if free:
-                        engine._admit(self._pending, free, self._rows, prefilling, whole=True)
-                    left = bool(prefilling) or bool(self._pending)
-                finally:
-                    with self._cond:
-                        self._taking = False
+                # Into free slots only: the lane's `adopt` touches prefilled ones. (An error leaves
+                # `_taking` set: `busy` holds with `_error` anyway, and the lane raises it.)
+                if free:
+                    engine._admit(self._pending, free, self._rows, prefilling, whole=True)
+                left = bool(prefilling) or bool(self._pending)
                 with self._cond:
+                    self._taking = False
                     if not left:  # nothing left to prefill
                         self._cond.notify_all()
                         return
