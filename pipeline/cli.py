@@ -101,11 +101,6 @@ def _fail(message: str, code: int, again: str | None = None) -> None:
     logging.getLogger("asyncio").disabled = True
     hosts.abort(message, code)
     hosts.leave(code)  # on a pod: exits here
-    engine = sys.modules.get("engine.engine")  # imported only by a command that generates
-    if engine is not None and engine.compiling_ahead():
-        # The interpreter's exit would wait for XLA to finish compiling programs no call will run
-        # (engine.compile_during_load: on an accelerator with an 8B model, minutes).
-        exit_now(code)
     raise typer.Exit(code)
 
 
@@ -368,6 +363,12 @@ def main() -> None:
         code = _run_app()
     finally:
         preemption.ignore_from_now()  # the exit code stands (not in tests, which call `app`)
+    engine = sys.modules.get("engine.engine")  # imported only by a command that generates
+    if code != 0 and engine is not None and engine.compiling_ahead():
+        # The interpreter's exit would wait for XLA to finish compiling programs no call will run
+        # (engine.compile_during_load: on an accelerator with an 8B model, minutes). Here, not in
+        # `_fail`: `app` called in a process that goes on (tests, a notebook) must not end it.
+        exit_now(code)
     sys.exit(code)
 
 

@@ -311,6 +311,32 @@ def test_a_step_failing_after_load_does_not_wait_for_compiles(make_config, tmp_p
     assert not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS")
 
 
+FAILS_IN_PROCESS = """
+import threading
+import engine.engine as engine_module
+from typer.testing import CliRunner
+from pipeline.cli import app
+
+held = threading.Event()
+compiling = threading.Thread(target=held.wait, name=engine_module._AHEAD + "held")
+compiling.start()  # a program being got ahead of its call, left by an earlier run of this process
+assert engine_module.compiling_ahead()
+codes = [CliRunner().invoke(app, ["run", "all", "--config", "no-such-config.yaml"]).exit_code for _ in range(2)]
+print("still here after exits", codes, flush=True)
+held.set()
+"""
+
+
+def test_a_command_failing_in_a_process_that_goes_on_returns_its_code(tmp_path):
+    """The exit at once of a failing step while programs are got ahead (above) is the `pipeline`
+    process's: `app` called in a process that goes on (a test runner, a notebook) returns the
+    exit code. It ended that whole process: a pytest worker, when an engine test of the same
+    worker had left a compile thread running."""
+    result = subprocess.run([sys.executable, "-c", FAILS_IN_PROCESS], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert result.returncode == 0 and result.stdout == "still here after exits [2, 2]\n", result.stderr[-3000:]
+
+
 def test_a_stop_signal_on_the_leader_while_it_waits_for_the_others(make_config, tmp_path, many_prompts, start_pipeline,
                                                                    slow_read):
     """The leader has finished its shards and waits for host 1's (still reading the weights, three
