@@ -271,6 +271,32 @@ def test_token_ids_beyond_the_checkpoints_vocabulary(make_config, tmp_path, demo
     assert "program 1" not in result.stderr and not glob.glob(f"{tmp_path}/runs/generate-*/_SUCCESS"), result.stderr
 
 
+@pytest.mark.parametrize("statistics", [True, False])
+def test_the_vocabulary_check_reads_a_shards_footer_not_its_token_ids(tmp_path, monkeypatch, statistics):
+    """generate checks the largest token id of every shard against the checkpoint's vocabulary
+    before it loads: from the footer's column statistics (tokenize's shards have them), which on
+    a big input is not reading its token ids once more before the first token; a shard written
+    without them is read."""
+    import numpy as np
+    import pyarrow as pa
+
+    from steps import generate, tokenize
+
+    ids = [[5, 17], [3], [900, 2, 41], [7, 8]]
+    shard = tmp_path / "shard-00000.parquet"
+    with pq.ParquetWriter(shard, tokenize.SHARD_SCHEMA, write_statistics=statistics) as writer:
+        for rows in (ids[:2], ids[2:]):  # two row groups: the largest id is in the second
+            writer.write_table(pa.table({"prompt_index": range(len(rows)), "prompt_id": ["p"] * len(rows),
+                                         "prompt": ["x"] * len(rows), "input_ids": rows,
+                                         "num_tokens": [len(r) for r in rows]}, schema=tokenize.SHARD_SCHEMA))
+    read = []
+    real_read = generate.read_shard
+    monkeypatch.setattr(generate, "read_shard", lambda url, columns: read.append(columns) or real_read(url, columns))
+    todo = generate._ShardTodo("shard-00000", str(shard), np.arange(4), np.array([2, 1, 3, 2]), np.ones((4, 1), bool))
+    assert todo.max_token_id() == 900
+    assert read == ([] if statistics else [["input_ids"]])
+
+
 FAILS_AFTER_LOAD = """
 import threading
 import engine.engine as engine_module

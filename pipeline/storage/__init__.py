@@ -212,6 +212,14 @@ def read_parquet(url: str, columns: list[str] | None = None) -> pa.Table:
     return pq.read_table(path, filesystem=fs, columns=columns)
 
 
+@storage_call("read")
+def read_parquet_metadata(url: str) -> pq.FileMetaData:
+    """A Parquet file's footer (row groups, column statistics), without reading its pages."""
+    fs, path = filesystem(url)
+    with fs.open(path, "rb") as f:
+        return pq.read_metadata(f)
+
+
 @contextlib.contextmanager
 def unreadable(what: str, url: str, fix: str) -> Iterator[None]:
     """A Parquet file of ours that does not parse (cut short, overwritten, not Parquet at all) or
