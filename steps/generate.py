@@ -409,15 +409,14 @@ class _ShardTodo:
         whole input once more before the first token. A shard whose footer lacks them is read."""
         with storage.unreadable("tokenize shard", self.url, SHARD_FIX):
             footer = storage.read_parquet_metadata(self.url)
-        leaf = [footer.schema.column(j).path for j in range(footer.num_columns)].index("input_ids.list.element")
-        tops = []
-        for g in range(footer.num_row_groups):
-            stats = footer.row_group(g).column(leaf).statistics
-            if stats is None or not stats.has_min_max:
-                ids = read_shard(self.url, columns=["input_ids"])["input_ids"]
-                return pc.max(pc.list_flatten(ids)).as_py() or 0
-            tops.append(stats.max)
-        return max(tops, default=0)
+        leaves = [footer.schema.column(j).path for j in range(footer.num_columns)]
+        if "input_ids.list.element" in leaves:
+            leaf = leaves.index("input_ids.list.element")
+            stats = [footer.row_group(g).column(leaf).statistics for g in range(footer.num_row_groups)]
+            if all(s is not None and s.has_min_max for s in stats):
+                return max((s.max for s in stats), default=0)
+        ids = read_shard(self.url, columns=["input_ids"])["input_ids"]  # names what is wrong, if anything
+        return pc.max(pc.list_flatten(ids)).as_py() or 0
 
     def read_in_thread(self) -> concurrent.futures.Future:
         """The shard's bytes, read in a thread of their own (`_requests` reads the next shard
