@@ -386,13 +386,17 @@ class _ShardTodo:
     """[rows, n] bool."""
     sha256: str | None = None
     """The shard's, as tokenize's marker records it: the bytes generated from are checked (`_batches`)."""
+    footer: pq.FileMetaData | None = None
+    """Its Parquet footer, read with the columns above (`max_token_id` needs its statistics)."""
 
     @classmethod
     def read(cls, out: StepOutput, name: str, sha256: str | None, made: "_Made") -> "_ShardTodo":
         url = _shard_url(out, name)
-        table = read_shard(url, columns=["prompt_index", "num_tokens"])
+        with storage.unreadable("tokenize shard", url, SHARD_FIX):
+            table, footer = storage.read_parquet_with_footer(url, columns=["prompt_index", "num_tokens"])
         prompt_index = table["prompt_index"].to_numpy()
-        return cls(name, url, prompt_index, table["num_tokens"].to_numpy(), ~made.done(name, prompt_index), sha256)
+        return cls(name, url, prompt_index, table["num_tokens"].to_numpy(), ~made.done(name, prompt_index), sha256,
+                   footer)
 
     @property
     def missing(self) -> int:
@@ -407,9 +411,8 @@ class _ShardTodo:
         """The largest token id of the shard's prompts, from the column statistics in its footer
         (pyarrow writes them): the footer alone is read, not the token ids, which are about the
         whole input once more before the first token. A shard whose footer lacks them is read."""
-        with storage.unreadable("tokenize shard", self.url, SHARD_FIX):
-            footer = storage.read_parquet_metadata(self.url)
-        leaves = [footer.schema.column(j).path for j in range(footer.num_columns)]
+        footer = self.footer
+        leaves = [footer.schema.column(j).path for j in range(footer.num_columns)] if footer else []
         if "input_ids.list.element" in leaves:
             leaf = leaves.index("input_ids.list.element")
             stats = [footer.row_group(g).column(leaf).statistics for g in range(footer.num_row_groups)]

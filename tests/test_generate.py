@@ -292,9 +292,29 @@ def test_the_vocabulary_check_reads_a_shards_footer_not_its_token_ids(tmp_path, 
     read = []
     real_read = generate.read_shard
     monkeypatch.setattr(generate, "read_shard", lambda url, columns: read.append(columns) or real_read(url, columns))
-    todo = generate._ShardTodo("shard-00000", str(shard), np.arange(4), np.array([2, 1, 3, 2]), np.ones((4, 1), bool))
+    todo = generate._ShardTodo("shard-00000", str(shard), np.arange(4), np.array([2, 1, 3, 2]), np.ones((4, 1), bool),
+                               footer=pq.read_metadata(shard))  # as `_ShardTodo.read` keeps it
     assert todo.max_token_id() == 900
     assert read == ([] if statistics else [["input_ids"]])
+
+
+def test_a_shard_that_lacks_a_column_generate_reads_is_named(tmp_path):
+    """A file in tokenize's folder without the columns generate reads (another program's, an old
+    version's) is one error naming it and the command that writes it again, not a KeyError."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import pyarrow as pa
+
+    from pipeline.errors import StepFailed
+    from steps import generate
+
+    pq.write_table(pa.table({"prompt_index": [0, 1]}), tmp_path / "shard-00000.parquet")
+    out = SimpleNamespace(upstream={"tokenize": SimpleNamespace(url=str(tmp_path))})
+    nothing_made = generate._Made(1, {}, np.zeros(0, np.int64), [])
+    with pytest.raises(StepFailed, match=r"^tokenize shard \S*shard-00000\.parquet cannot be read \(it has no column "
+                                         r"'num_tokens'\): rerun `pipeline run tokenize --config FILE --force`"):
+        generate._ShardTodo.read(out, "shard-00000", None, nothing_made)
 
 
 FAILS_AFTER_LOAD = """

@@ -213,11 +213,16 @@ def read_parquet(url: str, columns: list[str] | None = None) -> pa.Table:
 
 
 @storage_call("read")
-def read_parquet_metadata(url: str) -> pq.FileMetaData:
-    """A Parquet file's footer (row groups, column statistics), without reading its pages."""
+def read_parquet_with_footer(url: str, columns: list[str]) -> tuple[pa.Table, pq.FileMetaData]:
+    """A Parquet file's `columns` and its footer (row groups, column statistics), from one open:
+    the footer is read once, for both."""
     fs, path = filesystem(url)
     with fs.open(path, "rb") as f:
-        return pq.read_metadata(f)
+        parquet = pq.ParquetFile(f)
+        table = parquet.read(columns=columns, use_threads=False)
+    if missing := [c for c in columns if c not in table.column_names]:  # ParquetFile.read leaves them out
+        raise pa.ArrowInvalid(f"it has no column {', '.join(map(repr, missing))}")
+    return table, parquet.metadata
 
 
 @contextlib.contextmanager
