@@ -65,6 +65,15 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, **options) -> list[
     return out[0, len(prompt):].tolist()
 
 
+def random_normal(seed: int):
+    """A function of a shape that gives float32 standard-normal arrays, drawn in turn from one
+    numpy generator: jax.random would compile a program per shape, a second or more each here."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    return lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+
+
 def ragged_attention_case(*, batch: int, kv_heads: int, group: int, head_dim: int, page_lens: tuple[int, ...],
                           steps: int, lengths: list[int], seed: int = 0, first: list[int] | None = None):
     """A decode step's attention inputs, random: q (batch, position, kv_heads, q_per_kv, head_dim),
@@ -75,19 +84,18 @@ def ragged_attention_case(*, batch: int, kv_heads: int, group: int, head_dim: in
     them (`_attend_pages`, batch, position, kv_heads, q_per_kv, head_dim)."""
     import math
 
-    import jax
     import jax.numpy as jnp
     from haliax import Axis
 
     from engine.jax_compat import hax
     from engine.llama import LayerKV, _attend_pages
 
-    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    draw = random_normal(seed)
     Batch, Pos, KVHeads, QPerKV, HeadDim = (Axis("batch", batch), Axis("position", 1), Axis("kv_heads", kv_heads),
                                            Axis("q_per_kv", group), Axis("head_dim", head_dim))
 
     def normal(*axes):
-        return hax.named(jax.random.normal(next(keys), tuple(a.size for a in axes)), axes)
+        return hax.named(draw(*(a.size for a in axes)), axes)
 
     pages = [LayerKV(*(normal(Batch, KVHeads, Axis("key_position", n), HeadDim) for _ in range(2))) for n in page_lens]
     Chunk = Axis("chunk", steps)

@@ -18,7 +18,7 @@ import pytest
 from engine import EngineConfig, cpu_attention
 from engine.config import InvalidConfig
 from engine.kernels import attend_pages_kernel, cache_dtype, resolve
-from engine_testlib import ragged_attention_case
+from engine_testlib import random_normal, ragged_attention_case
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 pytestmark = pytest.mark.skipif(cpu_attention.unavailable() is not None,
@@ -125,7 +125,8 @@ def test_a_decode_step_writes_its_keys_and_attends_in_one_call(stored):
                                          lengths=[0] * 5, seed=11)
     page = LayerKV(*(hax.named(cpu_attention.as_stored(x.array, stored), x.axes) for x in pages[0]))
     step_axes = (Axis("batch", 5), Axis("kv_heads", 2), Axis("position", 1), Axis("head_dim", 64))
-    k, v = (hax.named(jax.random.normal(jax.random.key(i), (5, 2, 1, 64)), step_axes) for i in (1, 2))
+    draw = random_normal(1)
+    k, v = (hax.named(draw(5, 2, 1, 64), step_axes) for _ in range(2))
     write_at = jnp.asarray([0, 5, 63, 64, 30], jnp.int32)
     read = jnp.asarray([1, 6, 64, 1, 31], jnp.int32)  # as the engine's decode step reads them
     got, written = jax.jit(attend_step_cpu, static_argnums=6)(q, page, k, v, write_at, read, 0.125)
@@ -159,11 +160,11 @@ def test_a_prefill_chunk_attends_the_same_through_the_kernel(chunk, head_dim):
     from engine.jax_compat import hax
     from engine.llama import Attention, LayerKV, PagedKV, PrefillChunk, PrefillSegments
 
-    keys = iter(jax.random.split(jax.random.key(head_dim + chunk), 5))
+    draw = random_normal(head_dim + chunk)
     Batch, Pos, KVHeads, HeadDim = Axis("batch", 4), Axis("position", chunk), Axis("kv_heads", 2), Axis("head_dim", head_dim)
 
     def normal(*axes):
-        return hax.named(jax.random.normal(next(keys), tuple(a.size for a in axes)), axes)
+        return hax.named(draw(*(a.size for a in axes)), axes)
 
     page = LayerKV(*(normal(Axis("batch", 5), KVHeads, Axis("key_position", 64), HeadDim) for _ in range(2)))
     pages = tuple(LayerKV(*(x["key_position", start:end] for x in page)) for start, end in ((0, 32), (32, 48), (48, 64)))
@@ -184,6 +185,7 @@ def test_a_prefill_chunk_attends_the_same_through_the_kernel(chunk, head_dim):
         keys = jnp.concatenate([p.k.array for p in written.pages], axis=2)  # the pages' positions, end to end
         return attn.rearrange(("batch", "position", "kv_heads", "q_per_kv", "head_dim")).array, keys
 
+    attend = jax.jit(attend, static_argnums=(4, 5))  # as the engine calls it (and one program, not an op at a time)
     everything, later, first = jnp.arange(4), jnp.asarray([0, 1]), jnp.asarray([2])
     got, keys = attend(q, k, v, everything, "cpu")
     assert np.array_equal(keys, attend(q, k, v, everything, "xla")[1])
@@ -204,12 +206,12 @@ def test_a_packed_prefill_call_writes_its_pieces_and_gives_each_query_the_bits_o
     that page, and a prompt's 40 queries the same bits, and its page, cut into two calls anywhere.
     No row, no piece: zeros."""
     kv_heads, per_kv, dim, positions = 2, 3, 64, 96
-    k1, k2, k3, k4 = jax.random.split(jax.random.key(11), 4)
-    page = [cpu_attention.as_stored(jax.random.normal(k, (6, kv_heads, positions, dim)), stored) for k in (k1, k2)]
+    draw = random_normal(11)
+    page = [cpu_attention.as_stored(draw(6, kv_heads, positions, dim), stored) for _ in range(2)]
     counts, starts, rows = [5, 32, 1, 17, 40], [0, 10, 3, 50, 0], [[0, 5], [1, 9], [2, 9], [3, 9], [9, 9]]
     offsets = np.cumsum([0] + counts[:-1])
-    q = jax.random.normal(k3, (kv_heads, per_kv, dim, sum(counts) + 7))  # feature first, as the engine's activations
-    new = jax.random.normal(k4, (2, kv_heads, dim, sum(counts) + 7))
+    q = draw(kv_heads, per_kv, dim, sum(counts) + 7)  # feature first, as the engine's activations
+    new = draw(2, kv_heads, dim, sum(counts) + 7)
     packed, *written = cpu_attention.prefill_step(q, *page, *new, (rows, starts, offsets, counts), 0.125)
 
     want = [np.array(x) for x in page]
@@ -253,10 +255,10 @@ def test_a_long_piece_attends_as_a_plain_softmax_and_a_bfloat16_page_as_its_valu
     values kept in float32 (the kernel widens a pair's keys and values once, then reads them as
     float32), and both equal a plain causal softmax over the cache rows to float32 rounding."""
     kv_heads, dim, positions = 2, 64, 416
-    k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
-    halves = [jax.random.normal(k, (3, kv_heads, positions, dim)).astype(jnp.bfloat16) for k in (k1, k2)]
-    q = jax.random.normal(k3, (kv_heads, 1, dim, 512))
-    new = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in jax.random.normal(k4, (2, kv_heads, dim, 512))]
+    draw = random_normal(5)
+    halves = [draw(3, kv_heads, positions, dim).astype(jnp.bfloat16) for _ in range(2)]
+    q = draw(kv_heads, 1, dim, 512)
+    new = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in draw(2, kv_heads, dim, 512)]
     pieces = ([[2], [0]], [100, 0], [0, 300], [300, 212])
     as_bits = [jax.lax.bitcast_convert_type(x, cpu_attention.BFLOAT16_BITS) for x in halves]
     narrow, *narrow_page = cpu_attention.prefill_step(q, *as_bits, *new, pieces, 0.125)
@@ -292,10 +294,10 @@ def test_a_float32_prefill_call_rotates_its_queries_and_keys_to_the_bits_of_appl
     offsets, width = np.cumsum([0] + counts[:-1]), sum(counts)
     token_positions = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
     cos, sin = rotary_tables(config, hax.named(jnp.asarray(token_positions[None, :]), ("batch", "position")), jnp.float32)
-    k1, k2, k3, k4 = jax.random.split(jax.random.key(7), 4)
-    page = [jax.random.normal(k, (5, kv_heads, cache_positions, dim)) for k in (k1, k2)]
-    q = hax.named(jax.random.normal(k3, (kv_heads, per_kv, dim, 1, width)), ("kv_heads", "q_per_kv", "head_dim", "batch", "position"))
-    k, v = (hax.named(x, ("kv_heads", "head_dim", "batch", "position")) for x in jax.random.normal(k4, (2, kv_heads, dim, 1, width)))
+    draw = random_normal(7)
+    page = [draw(5, kv_heads, cache_positions, dim) for _ in range(2)]
+    q = hax.named(draw(kv_heads, per_kv, dim, 1, width), ("kv_heads", "q_per_kv", "head_dim", "batch", "position"))
+    k, v = (hax.named(x, ("kv_heads", "head_dim", "batch", "position")) for x in draw(2, kv_heads, dim, 1, width))
     pieces = (rows, starts, offsets, counts)
 
     rotated_q, rotated_k = jax.jit(lambda q, k, c, s: (apply_rotary(q, c, s).array, apply_rotary(k, c, s).array))(q, k, cos, sin)
