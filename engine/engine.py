@@ -743,10 +743,10 @@ class Engine:
         work, and without it text is ''. Prompts go in as token ids with the BOS and chat template
         already applied (the tokenizer's own `encode` / `apply_chat_template` do).
 
-        Changes two process-wide JAX settings: JAX's persistent compilation cache is turned on
-        (engine/compile_cache.py) unless the caller already chose a folder for it, and with
-        float32 `jax_default_matmul_precision` becomes "highest" (GPUs would otherwise run float32
-        products as TF32), for the caller's other JAX code too.
+        Changes one process-wide JAX setting: JAX's persistent compilation cache is turned on
+        (engine/compile_cache.py) unless the caller already chose a folder for it. A float32
+        engine's programs ask for the highest matmul precision (GPUs would otherwise run float32
+        products as TF32), its own programs only: `jax_default_matmul_precision` is left as it is.
 
         on_compile: `Engine.on_compile`, from the first program on.
         stop: asked before each tensor is read; once it returns True, raises `LoadStopped` (this
@@ -761,9 +761,6 @@ class Engine:
         setup = Engine._setup(model_path, dtype=dtype, sampling=sampling, engine=engine, max_prompt_tokens=max_prompt_tokens)
         config, layout, attention, cache_dtype, plan = setup.config, setup.layout, setup.attention, setup.cache_dtype, setup.plan
         devices = layout.local_devices
-        if dtype == "float32":
-            # GPUs run float32 matmuls as TF32 by default (logits off by ~3e-2): float32 means float32.
-            jax.config.update("jax_default_matmul_precision", "highest")
         tensors = check_tensors(model_path, config)  # a checkpoint that does not fit fails before any program
         loaded = Engine(abstract_model(config, dtype=DTYPES[dtype], sharding=layout.param_sharding), config, dtype=dtype,
                         engine_config=engine, sampling=sampling, max_prompt_tokens=max_prompt_tokens, plan=plan,
@@ -943,7 +940,7 @@ class Engine:
                 hits = compile_cache.hits()  # this thread's
                 start = time.perf_counter()
                 with self.layout.tracing():
-                    with _collector_paused():
+                    with _collector_paused(), self._precision():
                         lowered = jitted.lower(*args)
                     if kind.startswith("prefill"):
                         self._prefill_lowered.set()  # XLA compiles (or loads) with the GIL released
@@ -952,6 +949,12 @@ class Engine:
                     self.stats.count_program(kind, time.perf_counter() - start, loaded=compile_cache.hits() > hits)
                 _COMPILED[key] = compiled
         return compiled
+
+    def _precision(self) -> contextlib.AbstractContextManager:
+        """For tracing this engine's programs: float32 products at the highest precision (GPUs run
+        float32 matmuls as TF32 by default, logits off by ~3e-2: float32 means float32), as a
+        context of the tracing thread, not a process-wide setting; other dtypes as the caller set."""
+        return jax.default_matmul_precision("highest") if self.dtype == "float32" else contextlib.nullcontext()
 
     def _call_key(self, kind: str, static: tuple, args: tuple) -> tuple:
         """What tells this engine's calls' programs apart, cheaply: the model is the engine's own,

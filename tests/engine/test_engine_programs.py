@@ -381,6 +381,29 @@ def test_bfloat16_programs_neither_copy_nor_convert_a_weight(tmp_path):
         assert "threefry" not in compiled.as_text(), key[0]
 
 
+def test_float32_programs_ask_for_full_precision_and_leave_jaxs_setting_alone(llama):
+    """float32 means float32 on a GPU too, whose default runs float32 products as TF32 (logits
+    off by ~3e-2): every product in a float32 engine's programs asks for the highest precision,
+    traced in the caller's thread or in those that get programs ahead, while JAX's process-wide
+    default stays as the caller has it, for the caller's own JAX code (until 2026-12-02
+    Engine.load set it for the whole process)."""
+    import re
+
+    tests_setting = jax.config.jax_default_matmul_precision  # "highest" (tests/engine/conftest.py)
+    jax.config.update("jax_default_matmul_precision", None)  # a caller that set nothing
+    try:
+        engine_module._COMPILED.clear()  # only this engine's programs below
+        engine = _load(llama[0], overlap_prefill=True)
+        assert len(list(engine.generate(_requests([3, 20, 30])))) == 3
+        assert jax.config.jax_default_matmul_precision is None
+    finally:
+        jax.config.update("jax_default_matmul_precision", tests_setting)
+    precisions = {}
+    for (kind, *_), compiled in engine_module._COMPILED.items():
+        precisions.setdefault(kind, set()).update(re.findall(r"operand_precision=\{([^}]*)\}", compiled.as_text()))
+    assert precisions["prefill"] == precisions["decode"] == {"highest,highest"}, precisions
+
+
 def test_compile_during_load_is_checked():
     from engine.config import InvalidConfig
 
