@@ -409,7 +409,7 @@ class _ShardTodo:
 
     def max_token_id(self) -> int:
         """The largest token id of the shard's prompts, from the column statistics in its footer
-        (pyarrow writes them): the footer alone is read, not the token ids, which are about the
+        (pyarrow writes them; `read` keeps the footer): not the token ids, which are about the
         whole input once more before the first token. A shard whose footer lacks them is read."""
         footer = self.footer
         leaves = [footer.schema.column(j).path for j in range(footer.num_columns)] if footer else []
