@@ -34,6 +34,7 @@ from pipeline.run.runner import make_plan
 from steps import PIPELINE
 from steps import prompt_files as pf
 from steps import tokenize as tk
+from tests.conftest import pipeline as pipeline_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -134,6 +135,22 @@ def test_shards_keep_every_prompt_its_id_and_the_tokenizers_ids(tmp_path, demo_m
         data = storage.read_bytes(storage.join(url, entry["path"]))
         assert entry["bytes"] == len(data)
     assert output_files(url) == sorted([status.MARKER, status.CONFIG_FILE] + [f["path"] for f in record.files])
+
+
+def test_a_pipeline_process_tokenizes_as_transformers_does_without_importing_torch(tmp_path, demo_model, reference):
+    """The test tools install PyTorch, and transformers imports it wherever it is installed; the
+    `pipeline` command keeps it out of its processes (2-3 s and 240 MB each) and still gets the
+    same token ids."""
+    (tmp_path / "p.jsonl").write_bytes(jsonl(*({"prompt": t} for t in TEXTS)))
+    config = write_config(tmp_path, demo_model, path=str(tmp_path / "p.jsonl"))
+    done = pipeline_process("run", "tokenize", "--config", config, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "transformers" in imported and "tokenizers" in imported
+    assert not {name for name in imported if name == "torch" or name.startswith("torch.")}
+    assert "PyTorch was not found" not in done.stderr + done.stdout
+    url = tokenize_step(config).url
+    assert [r["input_ids"] for r in all_rows(url, status.read_marker(url))] == reference(TEXTS)["input_ids"]
 
 
 def test_shards_are_balanced_by_tokens_and_sorted(tmp_path, demo_model, monkeypatch):
