@@ -39,7 +39,6 @@ def base(tmp_path, demo_model):
     ("model.dtype=float32", FROM_GENERATE),
     ("sampling.logprobs=true", FROM_GENERATE),
     ("sampling.logprobs=false", set()),  # its default: no hash made before the key existed changes
-    ("sampling.min_p=0.05", FROM_GENERATE),
     ("sampling.min_p=0", set()),
     ("sampling.presence_penalty=0.5", FROM_GENERATE),
     ("sampling.frequency_penalty=-0.2", FROM_GENERATE),
@@ -71,6 +70,33 @@ def test_which_edits_change_which_hashes(base, override, changed):
     assert {name for name in STEP_NAMES if before[name] != after[name]} == changed
 
 
+@pytest.mark.parametrize("override", ["sampling.seed=3", "sampling.top_p=0.9", "sampling.top_k=40", "sampling.min_p=0.05"])
+def test_a_sampling_key_changes_a_sampled_runs_hashes_and_not_a_greedy_ones(base, override):
+    """A greedy run (sampling.temperature 0, the default) never reads seed, top_p, top_k or min_p."""
+    for temperature, changed in (("0", set()), ("0.7", FROM_GENERATE)):
+        before = build_config(apply_override(base, f"sampling.temperature={temperature}"))
+        after = build_config(apply_override(apply_override(base, f"sampling.temperature={temperature}"), override))
+        assert {name for name in STEP_NAMES if hashes(before)[name] != hashes(after)[name]} == changed
+
+
+def test_what_changed_names_a_key_a_greedy_run_never_read_only_where_it_changed(base):
+    """A sampled run after a greedy one of the same seed: the temperature changed, not the seed
+    (which the greedy run hashed at 0)."""
+    from pipeline.run.identity import what_changed
+    from pipeline.run.status import StepRecord
+
+    greedy = build_config(apply_override(base, "sampling.seed=3"))
+    then = make_plan(greedy, PIPELINE)[1]
+    record = StepRecord(step="generate", hash=then.hash, version=then.step.version, files=[], summary={}, rows=2,
+                        started_at="", finished_at="", wall_s=0.0, config=greedy.to_dict(), upstream={}, content=then.content)
+    sampled = build_config(apply_override(apply_override(base, "sampling.seed=3"), "sampling.temperature=0.7"))
+    assert what_changed("generate", then.step.version, sampled, then.content, {}, record) == (
+        "sampling.temperature changed from 0.0 to 0.7")
+    reseeded = build_config(apply_override(apply_override(base, "sampling.seed=4"), "sampling.temperature=0.7"))
+    assert what_changed("generate", then.step.version, reseeded, then.content, {}, record) == (
+        "sampling.temperature changed from 0.0 to 0.7; sampling.seed changed from 3 to 4")
+
+
 def test_a_key_added_later_is_in_no_hash_at_its_default(base):
     """`sampling.logprobs`, `min_p` and the penalties came after results existed: at their defaults the generate step hashes
     the same values as before it did, so those results are found, not generated again."""
@@ -81,7 +107,8 @@ def test_a_key_added_later_is_in_no_hash_at_its_default(base):
     assert list(semantic_values("generate", build_config(base))) == before
     assert list(semantic_values("generate", build_config(apply_override(base, "sampling.logprobs=true")))) == [
         *before, "sampling.logprobs"]
-    assert list(semantic_values("generate", build_config(apply_override(base, "sampling.min_p=0.1")))) == [
+    sampled = apply_override(base, "sampling.temperature=0.7")  # a greedy run never reads min_p
+    assert list(semantic_values("generate", build_config(apply_override(sampled, "sampling.min_p=0.1")))) == [
         *before, "sampling.min_p"]
     assert list(semantic_values("generate", build_config(apply_override(base, "sampling.presence_penalty=0.3")))) == [
         *before, "sampling.presence_penalty"]

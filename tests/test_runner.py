@@ -213,6 +213,51 @@ def test_changing_sampling_reruns_generate_and_after_only(make_config):
     assert CALLS == ["generate", "merge", "upload"]
 
 
+def test_a_greedy_run_reruns_nothing_for_sampling_keys_it_never_reads(make_config):
+    """seed, top_p, top_k and min_p choose nothing where sampling.temperature is 0: a greedy job
+    whose config changes them finds its result; the same edit to a sampled job reruns generate."""
+    config = make_config()  # greedy
+    runner.run_steps(load_config(config), GRAPH, NAMES, echo=lambda _: None)
+    CALLS.clear()
+    unread = ["sampling.seed=3", "sampling.top_p=0.9", "sampling.top_k=40", "sampling.min_p=0.1"]
+    runner.run_steps(load_config(config, unread), GRAPH, NAMES, echo=lambda _: None)
+    assert CALLS == []
+    runner.run_steps(load_config(config, ["sampling.temperature=0.5"]), GRAPH, NAMES, echo=lambda _: None)
+    CALLS.clear()
+    runner.run_steps(load_config(config, ["sampling.temperature=0.5", "sampling.seed=3"]), GRAPH, NAMES, echo=lambda _: None)
+    assert CALLS == ["generate", "merge", "upload"]
+
+
+@pytest.mark.parametrize("generate_was", ["complete", "partial"])
+def test_a_greedy_result_hashed_by_the_earlier_rule_is_taken(make_config, monkeypatch, generate_was):
+    """Until a greedy run hashed its unread keys at their defaults (identity.UNREAD_WHEN_GREEDY),
+    they entered its hash as they said: such an output, complete or partial, is the one the plan
+    takes, so the new rule generates nothing again."""
+    from pipeline.run import identity
+
+    cfg = load_config(make_config(), ["sampling.seed=7", "sampling.top_k=5"])
+    with monkeypatch.context() as earlier_rule:
+        earlier_rule.setattr(identity, "UNREAD_WHEN_GREEDY", {})
+        if generate_was == "partial":
+            FAIL_IN.add("generate")
+            with pytest.raises(Exception, match="generate broke after writing its data"):
+                runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)
+            FAIL_IN.clear()
+        else:
+            runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)
+        earlier = runner.make_plan(cfg, GRAPH)
+    after_generate = "missing" if generate_was == "partial" else "complete"
+    assert [p.state for p in earlier] == ["complete", generate_was, after_generate, after_generate]
+    CALLS.clear()
+    plan = runner.make_plan(cfg, GRAPH)
+    assert [(p.hash, p.state) for p in plan] == [(p.hash, p.state) for p in earlier]
+    assert plan[1].hash != identity.step_hash("generate", plan[1].step.version, identity.semantic_values("generate", cfg),
+                                              plan[1].content, {"tokenize": plan[0].hash})
+    runner.run_steps(cfg, GRAPH, NAMES, echo=lambda _: None)
+    assert CALLS == ([] if generate_was == "complete" else ["generate", "merge", "upload"])
+    assert [p.url for p in runner.make_plan(cfg, GRAPH)] == [p.url for p in earlier]
+
+
 def test_single_step_with_missing_upstream_exits_1_naming_the_command(make_config):
     config = make_config()
     result = CliRunner().invoke(app, ["run", "merge", "--config", config, "--set", "sampling.seed=3"])

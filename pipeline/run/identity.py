@@ -1,9 +1,9 @@
 """What goes into a step's hash, and nothing else.
 
 A step's hash is sha256 over canonical JSON of: its name and code version, the config
-values listed for it in SEMANTIC_KEYS (and in ADDED_KEYS, when not at their defaults), content
-fingerprints of its inputs (prompt files, tokenizer and model files: checksums, never paths or
-mtimes), and its upstream hashes.
+values listed for it in SEMANTIC_KEYS (and in ADDED_KEYS, when not at their defaults; a greedy
+run's UNREAD_WHEN_GREEDY at their defaults), content fingerprints of its inputs (prompt files,
+tokenizer and model files: checksums, never paths or mtimes), and its upstream hashes.
 Runtime knobs (engine.*, prompts.num_shards, run.root, host count, device kind) are in no
 list, so they can never change a hash. tests/test_identity.py holds the table of which
 edits change which hashes.
@@ -60,6 +60,12 @@ ADDED_KEYS: dict[str, dict[str, Any]] = {
 only when set to another value, so that a result made before the key existed keeps its hash
 (and is not generated again) while the key is left at its default."""
 
+UNREAD_WHEN_GREEDY: dict[str, Any] = {"sampling.seed": 0, "sampling.top_p": 1.0, "sampling.top_k": 0, "sampling.min_p": 0.0}
+"""Sampling keys a greedy run (sampling.temperature 0) never reads, with their defaults: there they
+are hashed at their defaults, so a greedy result is found again whatever they say (a template's
+leftover top_p, a sweep over seeds). Results made before this rule hashed what they said:
+`earlier_semantic_values` finds them."""
+
 CONTENT_INPUTS: dict[str, tuple[str, ...]] = {
     "tokenize": ("prompts", "tokenizer"),
     "generate": ("model",),
@@ -99,10 +105,14 @@ def what_changed(step: str, version: str, cfg: Config, content: dict[str, Any], 
     changes = []
     if record.version != version:
         changes.append(f"the {step} step's code changed (version {record.version}, now {version})")
-    for key in (*SEMANTIC_KEYS[step], *ADDED_KEYS.get(step, {})):
-        then, now = at(record.config, key, ADDED_KEYS.get(step, {}).get(key)), cfg.get(key)
-        if canonical_json(then) != canonical_json(now):
-            changes.append(f"{key} changed from {canonical_json(then)} to {canonical_json(now)}")
+    added = ADDED_KEYS.get(step, {})
+    hashed_then = _hashed(step, lambda key: at(record.config, key, added.get(key)), greedy_rule=True)
+    hashed_now = semantic_values(step, cfg)
+    for key in (*SEMANTIC_KEYS[step], *added):
+        then, now = canonical_json(at(record.config, key, added.get(key))), canonical_json(cfg.get(key))
+        # Named where it changed and its hashed value with it (a greedy run's seed is hashed at 0).
+        if then != now and canonical_json(hashed_then.get(key)) != canonical_json(hashed_now.get(key)):
+            changes.append(f"{key} changed from {then} to {now}")
     for kind in CONTENT_INPUTS[step]:
         if kind in record.content and canonical_json(record.content[kind]) != canonical_json(content.get(kind)):
             urls = _listed(cfg.prompts.path) if kind == "prompts" else []
@@ -175,10 +185,26 @@ def step_hash(name: str, version: str, semantic: dict[str, Any], content: dict[s
 
 
 def semantic_values(step: str, cfg: Config) -> dict[str, Any]:
-    values = {key: cfg.get(key) for key in SEMANTIC_KEYS[step]}
+    """The config values that enter a step's hash: its SEMANTIC_KEYS, its ADDED_KEYS not at their
+    defaults, and in a greedy run the keys it never reads at their defaults (UNREAD_WHEN_GREEDY)."""
+    return _hashed(step, cfg.get, greedy_rule=True)
+
+
+def earlier_semantic_values(step: str, cfg: Config) -> dict[str, Any] | None:
+    """The values the step hashed before UNREAD_WHEN_GREEDY (every key as it says), where they
+    differ from `semantic_values`: the plan looks for an output under that hash too, so a result
+    made then is found, not generated again. None where they are the same."""
+    earlier = _hashed(step, cfg.get, greedy_rule=False)
+    return earlier if earlier != semantic_values(step, cfg) else None
+
+
+def _hashed(step: str, value_of: Callable[[str], Any], *, greedy_rule: bool) -> dict[str, Any]:
+    """The hashed values of a step, each key's value from `value_of`."""
+    unread = UNREAD_WHEN_GREEDY if greedy_rule and step == "generate" and value_of("sampling.temperature") == 0 else {}
+    values = {key: unread.get(key, value_of(key)) for key in SEMANTIC_KEYS[step]}
     for key, default in ADDED_KEYS.get(step, {}).items():
-        if cfg.get(key) != default:
-            values[key] = cfg.get(key)
+        if (value := unread.get(key, value_of(key))) != default:
+            values[key] = value
     return values
 
 

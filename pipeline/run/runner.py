@@ -84,6 +84,12 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
         step_hash = identity.step_hash(step.name, step.version, semantic, content, upstream)
         url = storage.step_url(cfg.run.root, step.name, step_hash)
         state, record, damaged = status.inspect(url)
+        if state == "missing" and (earlier := identity.earlier_semantic_values(step.name, cfg)) is not None:
+            # An output hashed by the rule before UNREAD_WHEN_GREEDY, complete or partial, is this one.
+            earlier_hash = identity.step_hash(step.name, step.version, earlier, content, upstream)
+            earlier_url = storage.step_url(cfg.run.root, step.name, earlier_hash)
+            if (found := status.inspect(earlier_url))[0] != "missing":
+                step_hash, url, (state, record, damaged) = earlier_hash, earlier_url, found
         rows = record.rows if record else None
         since = _since_last(cfg, step, content, upstream) if state == "missing" else None
         action, reason = _decide(step, state, rows, step.name in targets, force, by_name, again, since)
