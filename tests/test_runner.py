@@ -216,16 +216,25 @@ def test_changing_sampling_reruns_generate_and_after_only(make_config):
 def test_a_greedy_run_reruns_nothing_for_sampling_keys_it_never_reads(make_config):
     """seed, top_p, top_k and min_p choose nothing where sampling.temperature is 0: a greedy job
     whose config changes them finds its result; the same edit to a sampled job reruns generate."""
-    config = make_config()  # greedy
-    runner.run_steps(load_config(config), GRAPH, NAMES, echo=lambda _: None)
+    config, said = make_config(), []  # greedy
+    runner.run_steps(load_config(config, ["sampling.top_p=0.9"]), GRAPH, NAMES, echo=said.append)
+    assert "note: sampling.top_p 0.9 is not read: sampling.temperature is 0 (greedy decoding)" in said
     CALLS.clear()
-    unread = ["sampling.seed=3", "sampling.top_p=0.9", "sampling.top_k=40", "sampling.min_p=0.1"]
-    runner.run_steps(load_config(config, unread), GRAPH, NAMES, echo=lambda _: None)
+    said.clear()
+    unread = ["sampling.seed=3", "sampling.top_p=0.95", "sampling.top_k=40", "sampling.min_p=0.1"]
+    runner.run_steps(load_config(config, unread), GRAPH, NAMES, echo=said.append)
     assert CALLS == []
+    assert not [line for line in said if line.startswith("note:")]  # nothing to generate: no note
+    said.clear()
+    runner.run_steps(load_config(config, [*unread, "sampling.max_new_tokens=5"]), GRAPH, ("generate",), echo=said.append)
+    assert said[1] == ("note: sampling.seed 3, sampling.top_p 0.95, sampling.top_k 40, sampling.min_p 0.1 are not read: "
+                       "sampling.temperature is 0 (greedy decoding)")  # under the plan
     runner.run_steps(load_config(config, ["sampling.temperature=0.5"]), GRAPH, NAMES, echo=lambda _: None)
     CALLS.clear()
-    runner.run_steps(load_config(config, ["sampling.temperature=0.5", "sampling.seed=3"]), GRAPH, NAMES, echo=lambda _: None)
+    said.clear()
+    runner.run_steps(load_config(config, ["sampling.temperature=0.5", "sampling.seed=3"]), GRAPH, NAMES, echo=said.append)
     assert CALLS == ["generate", "merge", "upload"]
+    assert not [line for line in said if line.startswith("note:")]  # a sampled run reads them all
 
 
 @pytest.mark.parametrize("generate_was", ["complete", "partial"])

@@ -256,6 +256,9 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
             say(f"{command}, resolved config:\n{_indent(yaml.safe_dump(cfg.to_dict(), sort_keys=False))}")
         say(f"plan ({hosts.process_count()} host{'s' if hosts.process_count() != 1 else ''}, run root "
             f"{cfg.run.root}):\n" + format_plan(plan, with_urls=verbose))
+        if any(p.name == "generate" and p.action == "run" for p in plan) and (unread := identity.unread_settings(cfg)):
+            say(f"note: {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read: sampling.temperature is 0 "
+                f"(greedy decoding)")
     blocked = [p for p in plan if p.action == "blocked"]
     if blocked:
         raise StepFailed(f"cannot run {blocked[0].name}: {blocked[0].reason}")
