@@ -216,9 +216,10 @@ def test_changing_sampling_reruns_generate_and_after_only(make_config):
 def test_a_greedy_run_reruns_nothing_for_sampling_keys_it_never_reads(make_config):
     """seed, top_p, top_k and min_p choose nothing where sampling.temperature is 0: a greedy job
     whose config changes them finds its result; the same edit to a sampled job reruns generate."""
-    config, said = make_config(), []  # greedy
+    config, said = make_config(), []  # greedy, n = 2
     runner.run_steps(load_config(config, ["sampling.top_p=0.9"]), GRAPH, NAMES, echo=said.append)
-    assert "note: sampling.top_p 0.9 is not read: sampling.temperature is 0 (greedy decoding)" in said
+    assert said[1:3] == ["note: sampling.top_p 0.9 is not read: sampling.temperature is 0 (greedy decoding)",
+                         "note: sampling.n is 2 with greedy decoding: each prompt's 2 samples get the same tokens"]
     CALLS.clear()
     said.clear()
     unread = ["sampling.seed=3", "sampling.top_p=0.95", "sampling.top_k=40", "sampling.min_p=0.1"]
@@ -229,6 +230,9 @@ def test_a_greedy_run_reruns_nothing_for_sampling_keys_it_never_reads(make_confi
     runner.run_steps(load_config(config, [*unread, "sampling.max_new_tokens=5"]), GRAPH, ("generate",), echo=said.append)
     assert said[1] == ("note: sampling.seed 3, sampling.top_p 0.95, sampling.top_k 40, sampling.min_p 0.1 are not read: "
                        "sampling.temperature is 0 (greedy decoding)")  # under the plan
+    said.clear()
+    runner.run_steps(load_config(config, ["sampling.n=1", "sampling.max_new_tokens=6"]), GRAPH, NAMES, echo=said.append)
+    assert not [line for line in said if line.startswith("note:")]  # greedy, n = 1, nothing set for sampling
     runner.run_steps(load_config(config, ["sampling.temperature=0.5"]), GRAPH, NAMES, echo=lambda _: None)
     CALLS.clear()
     said.clear()

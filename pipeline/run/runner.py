@@ -256,9 +256,9 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
             say(f"{command}, resolved config:\n{_indent(yaml.safe_dump(cfg.to_dict(), sort_keys=False))}")
         say(f"plan ({hosts.process_count()} host{'s' if hosts.process_count() != 1 else ''}, run root "
             f"{cfg.run.root}):\n" + format_plan(plan, with_urls=verbose))
-        if any(p.name == "generate" and p.action == "run" for p in plan) and (unread := identity.unread_settings(cfg)):
-            say(f"note: {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read: sampling.temperature is 0 "
-                f"(greedy decoding)")
+        if any(p.name == "generate" and p.action == "run" for p in plan):
+            for note in _greedy_notes(cfg):
+                say(f"note: {note}")
     blocked = [p for p in plan if p.action == "blocked"]
     if blocked:
         raise StepFailed(f"cannot run {blocked[0].name}: {blocked[0].reason}")
@@ -290,6 +290,20 @@ def run_steps(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...], fo
                 f"nothing was stopped")
         _say_result(by_name, say)
     return plan
+
+
+def _greedy_notes(cfg: Config) -> list[str]:
+    """What a greedy generate (sampling.temperature 0) makes of sampling settings meant for
+    sampling, as transformers' generate warns of them (a temperature left out of the config?)."""
+    if cfg.sampling.temperature != 0:
+        return []
+    notes = []
+    if unread := identity.unread_settings(cfg):
+        notes.append(f"{', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read: sampling.temperature is 0 "
+                     f"(greedy decoding)")
+    if (n := cfg.sampling.n) > 1:
+        notes.append(f"sampling.n is {n} with greedy decoding: each prompt's {n} samples get the same tokens")
+    return notes
 
 
 def _leaders_actions(plan: list[PlannedStep]) -> list[PlannedStep]:
