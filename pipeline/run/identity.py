@@ -18,6 +18,7 @@ import json
 from typing import Any, Callable, TypeVar
 
 from engine.checkpoint import WEIGHT_SUFFIXES
+from engine.config import SamplingParams
 from pipeline import storage
 from pipeline.run import checks
 from pipeline.run.config import Config
@@ -60,7 +61,8 @@ ADDED_KEYS: dict[str, dict[str, Any]] = {
 only when set to another value, so that a result made before the key existed keeps its hash
 (and is not generated again) while the key is left at its default."""
 
-UNREAD_WHEN_GREEDY: dict[str, Any] = {"sampling.seed": 0, "sampling.top_p": 1.0, "sampling.top_k": 0, "sampling.min_p": 0.0}
+UNREAD_WHEN_GREEDY: dict[str, Any] = {f"sampling.{name}": getattr(SamplingParams(), name)
+                                      for name in ("seed", "top_p", "top_k", "min_p")}
 """Sampling keys a greedy run (sampling.temperature 0) never reads, with their defaults: there they
 are hashed at their defaults, so a greedy result is found again whatever they say (a template's
 leftover top_p, a sweep over seeds). Results made before this rule hashed what they said:
