@@ -220,11 +220,13 @@ def test_the_leader_killed_ends_every_host_with_exit_75_and_an_error_line(make_c
                        "again: rerun the same command to resume"), pod.output[-3000:]
 
 
-def test_sigterm_commits_finished_rows_and_exits_75(make_config, tmp_path, many_prompts, reference, start_pipeline):
+def test_sigterm_commits_finished_rows_and_exits_75(make_config, tmp_path, many_prompts, reference, start_pipeline,
+                                                   slow_parts):
     root = tmp_path / "termed"
     config = make_config("termed.yaml", run={"root": str(root)}, prompts={"path": many_prompts}, **GREEDY)
     assert pipeline("run", "tokenize", "--config", config).returncode == 0
-    proc = start_pipeline("run", "generate", "--config", config)
+    # A pause after each part: a fast CPU finished all 80 rows before the signal landed (CI, 2026-12-02).
+    proc = start_pipeline("run", "generate", "--config", config, env=slow_parts(hosts=[0], seconds=0.5))
     proc.wait_for_files(f"{root}/{PARTS}")
     proc.send_signal(signal.SIGTERM)
     proc.finish(timeout_s=120)
