@@ -192,20 +192,11 @@ def semantic_values(step: str, cfg: Config) -> dict[str, Any]:
     return _hashed(step, cfg.get, greedy_rule=True)
 
 
-def unread_settings(cfg: Config) -> list[str]:
-    """The UNREAD_WHEN_GREEDY keys a greedy run's config sets to other values than their defaults,
-    each as 'sampling.top_p 0.9' (a temperature left out of a sampled run's config?)."""
-    if cfg.sampling.temperature != 0:
-        return []
-    return [f"{key} {canonical_json(cfg.get(key))}" for key, default in UNREAD_WHEN_GREEDY.items() if cfg.get(key) != default]
-
-
-def earlier_semantic_values(step: str, cfg: Config) -> dict[str, Any] | None:
-    """The values the step hashed before UNREAD_WHEN_GREEDY (every key as it says), where they
-    differ from `semantic_values`: the plan looks for an output under that hash too, so a result
-    made then is found, not generated again. None where they are the same."""
-    earlier = _hashed(step, cfg.get, greedy_rule=False)
-    return earlier if earlier != semantic_values(step, cfg) else None
+def earlier_semantic_values(step: str, cfg: Config) -> dict[str, Any]:
+    """The values the step hashed before UNREAD_WHEN_GREEDY (every key as it says): where they
+    differ from `semantic_values`, the plan looks for an output under that hash too, so a result
+    made then is found, not generated again."""
+    return _hashed(step, cfg.get, greedy_rule=False)
 
 
 def _hashed(step: str, value_of: Callable[[str], Any], *, greedy_rule: bool) -> dict[str, Any]:

@@ -84,7 +84,7 @@ def make_plan(cfg: Config, graph: tuple[Step, ...], targets: tuple[str, ...] | N
         step_hash = identity.step_hash(step.name, step.version, semantic, content, upstream)
         url = storage.step_url(cfg.run.root, step.name, step_hash)
         state, record, damaged = status.inspect(url)
-        if state == "missing" and (earlier := identity.earlier_semantic_values(step.name, cfg)) is not None:
+        if state == "missing" and (earlier := identity.earlier_semantic_values(step.name, cfg)) != semantic:
             # An output hashed by the rule before UNREAD_WHEN_GREEDY, complete or partial, is this one.
             earlier_hash = identity.step_hash(step.name, step.version, earlier, content, upstream)
             earlier_url = storage.step_url(cfg.run.root, step.name, earlier_hash)
@@ -298,7 +298,9 @@ def _greedy_notes(cfg: Config) -> list[str]:
     if cfg.sampling.temperature != 0:
         return []
     notes = []
-    if unread := identity.unread_settings(cfg):
+    unread = [f"{key} {identity.canonical_json(cfg.get(key))}" for key, default in identity.UNREAD_WHEN_GREEDY.items()
+              if cfg.get(key) != default]
+    if unread:
         notes.append(f"{', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read: sampling.temperature is 0 "
                      f"(greedy decoding)")
     if (n := cfg.sampling.n) > 1:
